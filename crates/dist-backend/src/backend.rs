@@ -1,0 +1,168 @@
+//! The `Backend` trait.
+
+use std::time::Duration;
+
+use dist_wire::{DType, ReduceOp};
+
+use crate::{BufMut, BufRef, Result};
+
+/// Default time an operation waits for its peers (torch's default for Gloo is 30 min; ours is
+/// shorter because a silent hang is the failure users hate most).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Per-operation options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpOptions {
+    /// How long to wait for peers before failing with `Timeout`.
+    pub timeout: Duration,
+    /// Tag that matches a `send` with its `recv`; ignored by collectives.
+    pub tag: u32,
+}
+
+impl Default for OpOptions {
+    fn default() -> Self {
+        OpOptions {
+            timeout: DEFAULT_TIMEOUT,
+            tag: 0,
+        }
+    }
+}
+
+impl OpOptions {
+    /// Options with the given timeout and tag 0.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        OpOptions { timeout, tag: 0 }
+    }
+}
+
+/// What a backend can serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Accepts [`BufRef::Host`]/[`BufMut::Host`].
+    pub host_buffers: bool,
+    /// Accepts [`BufRef::Device`]/[`BufMut::Device`].
+    pub device_buffers: bool,
+    /// Supports the bitwise reduce ops.
+    pub bitwise_ops: bool,
+    /// Supports `ReduceOp::PremulSum`.
+    pub premul_sum: bool,
+    /// Supports `send`/`recv`.
+    pub point_to_point: bool,
+}
+
+impl Capabilities {
+    /// What a CPU backend that serves everything reports.
+    pub const HOST_ALL: Capabilities = Capabilities {
+        host_buffers: true,
+        device_buffers: false,
+        bitwise_ops: true,
+        premul_sum: true,
+        point_to_point: true,
+    };
+}
+
+/// The operations of torch.distributed over type-erased buffers.
+///
+/// Counts are in elements of `dtype`; buffers are byte views whose lengths must equal
+/// count × `dtype.size()`. See the crate docs for the contract.
+pub trait Backend: Send + Sync {
+    /// Short name: `"gloo"`, `"nccl"`.
+    fn name(&self) -> &'static str;
+    /// This process's rank in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// What this backend serves.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Reduces `buf` across all ranks in place; every rank ends with the same bits.
+    fn all_reduce(
+        &self,
+        buf: BufMut<'_>,
+        dtype: DType,
+        op: ReduceOp,
+        opts: &OpOptions,
+    ) -> Result<()>;
+
+    /// Copies `root`'s `buf` into every other rank's `buf`.
+    fn broadcast(&self, buf: BufMut<'_>, dtype: DType, root: usize, opts: &OpOptions)
+    -> Result<()>;
+
+    /// Reduces `buf` across all ranks into `root`'s `buf`; other ranks' buffers are left in an
+    /// unspecified state (as in torch).
+    fn reduce(
+        &self,
+        buf: BufMut<'_>,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        opts: &OpOptions,
+    ) -> Result<()>;
+
+    /// Gathers every rank's `input` into `output`, rank by rank. `counts[r]` is rank r's element
+    /// count (all equal for torch's `all_gather_into_tensor`); `input` holds `counts[rank]`.
+    fn all_gather(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        dtype: DType,
+        counts: &[usize],
+        opts: &OpOptions,
+    ) -> Result<()>;
+
+    /// Reduces `input` (the concatenation of every rank's share, `counts[r]` elements for rank
+    /// r) across ranks and leaves this rank's share in `output`.
+    fn reduce_scatter(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        dtype: DType,
+        op: ReduceOp,
+        counts: &[usize],
+        opts: &OpOptions,
+    ) -> Result<()>;
+
+    /// Sends `send_counts[r]` elements of `input` (in rank order) to each rank r and receives
+    /// `recv_counts[r]` elements from each rank r into `output` (in rank order).
+    fn all_to_all(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        dtype: DType,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        opts: &OpOptions,
+    ) -> Result<()>;
+
+    /// Gathers every rank's `input` (equal counts) into `root`'s `output`; `output` is `None` on
+    /// every other rank.
+    fn gather(
+        &self,
+        input: BufRef<'_>,
+        output: Option<BufMut<'_>>,
+        dtype: DType,
+        root: usize,
+        opts: &OpOptions,
+    ) -> Result<()>;
+
+    /// Scatters `root`'s `input` (world_size equal shares) into every rank's `output`; `input` is
+    /// `None` on every other rank.
+    fn scatter(
+        &self,
+        input: Option<BufRef<'_>>,
+        output: BufMut<'_>,
+        dtype: DType,
+        root: usize,
+        opts: &OpOptions,
+    ) -> Result<()>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self, opts: &OpOptions) -> Result<()>;
+
+    /// Sends `buf` to rank `dst`, matched by `opts.tag`.
+    fn send(&self, buf: BufRef<'_>, dtype: DType, dst: usize, opts: &OpOptions) -> Result<()>;
+
+    /// Receives into `buf` from rank `src`, matched by `opts.tag`.
+    fn recv(&self, buf: BufMut<'_>, dtype: DType, src: usize, opts: &OpOptions) -> Result<()>;
+}

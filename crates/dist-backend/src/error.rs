@@ -1,0 +1,156 @@
+//! The one error type of this crate.
+
+use std::fmt;
+use std::time::Duration;
+
+use dist_wire::{CollectiveOp, DType, FrameHeader, WireError};
+
+use crate::StoreError;
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// One rank's view of one operation: `rank 1 all_reduce #12 (f32 × 1000)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpDesc {
+    /// The rank.
+    pub rank: usize,
+    /// The operation.
+    pub op: CollectiveOp,
+    /// Its sequence number in the group.
+    pub seq: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Element count.
+    pub count: u64,
+}
+
+impl From<&FrameHeader> for OpDesc {
+    fn from(h: &FrameHeader) -> Self {
+        OpDesc {
+            rank: h.sender as usize,
+            op: h.op,
+            seq: h.seq,
+            dtype: h.dtype,
+            count: h.count,
+        }
+    }
+}
+
+impl fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} {} #{} ({} × {})",
+            self.rank, self.op, self.seq, self.dtype, self.count
+        )
+    }
+}
+
+/// Everything a backend, a store or init can fail with. Every message names the rank, the
+/// operation and what was wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A peer's connection closed or reset during an operation.
+    #[error("rank {rank}: peer rank {peer} was lost during {op} #{seq}: {reason}")]
+    PeerLost {
+        /// This rank.
+        rank: usize,
+        /// The peer that was lost.
+        peer: usize,
+        /// The operation in progress.
+        op: CollectiveOp,
+        /// Its sequence number.
+        seq: u64,
+        /// What the transport saw (closed by peer, reset, ...).
+        reason: String,
+    },
+    /// Peers did not deliver within the timeout.
+    #[error(
+        "rank {rank}: {op} #{seq} timed out after {waited:?} waiting for rank(s) {missing_peers:?}"
+    )]
+    Timeout {
+        /// This rank.
+        rank: usize,
+        /// The operation.
+        op: CollectiveOp,
+        /// Its sequence number.
+        seq: u64,
+        /// How long it waited.
+        waited: Duration,
+        /// Ranks that had not delivered.
+        missing_peers: Vec<usize>,
+    },
+    /// Two ranks called different operations (or the same one with different dtype, count or
+    /// sequence number).
+    #[error("{ours} met {theirs}")]
+    Mismatch {
+        /// What this rank called.
+        ours: OpDesc,
+        /// What the peer called.
+        theirs: OpDesc,
+    },
+    /// The caller passed something invalid.
+    #[error("rank {rank}: invalid argument to {op}: {reason}")]
+    InvalidArgument {
+        /// This rank.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The backend does not serve this operation or buffer kind.
+    #[error("rank {rank}: backend {backend} does not support {what}")]
+    Unsupported {
+        /// This rank.
+        rank: usize,
+        /// The backend's name.
+        backend: &'static str,
+        /// What is unsupported.
+        what: String,
+    },
+    /// A reduce op, dtype or frame was rejected by the wire layer.
+    #[error("rank {rank}: {op}: {source}")]
+    Wire {
+        /// This rank.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// The wire error.
+        #[source]
+        source: WireError,
+    },
+    /// The rendezvous store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Init could not work out rank, world size or store from the environment or URL.
+    #[error("init: {what}")]
+    Init {
+        /// What was missing or contradictory, naming the variable.
+        what: String,
+    },
+    /// An I/O error outside an operation on a known peer (listening, connecting).
+    #[error("rank {rank}: {context}: {source}")]
+    Io {
+        /// This rank.
+        rank: usize,
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(rank: usize, op: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            rank,
+            op,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,45 @@
+//! The contract every `dist` backend implements, and the rendezvous every job starts with.
+//!
+//! * [`Backend`]: the object-safe, type-erased set of torch.distributed operations over
+//!   [`BufRef`]/[`BufMut`] (host bytes today, device pointers for GPU backends) and a
+//!   [`DType`](dist_wire::DType). The typed API lives in `dist-collective`.
+//! * [`store`]: the key-value rendezvous (torch's c10d `Store`): a TCP store that speaks
+//!   PyTorch's TCPStore protocol, a file store, an in-memory store and a prefix wrapper.
+//! * [`init`]: how rank, world size and the store are found from `env://` (torchrun, Slurm,
+//!   Open MPI, PMI), `tcp://host:port` and `file:///path`.
+//! * [`Error`]: one error type, whose every message names the rank, the operation and what went
+//!   wrong.
+//!
+//! # The contract
+//!
+//! **What is validated where.** The typed layer (`dist-collective`) checks everything it can
+//! see locally before anything goes on the wire: buffer sizes against counts, roots and peers
+//! against the world size, reduce op against dtype. A backend re-checks the invariants its own
+//! memory safety depends on (buffer lengths) and returns [`Error::InvalidArgument`] rather than
+//! panicking. What only the peers can know (that every rank called the same op with the same
+//! dtype and count) is checked by the backend on the wire and reported as [`Error::Mismatch`].
+//!
+//! **Which errors are possible.** Every operation may return `InvalidArgument`, `Mismatch`,
+//! `PeerLost` (a peer's connection closed or reset), `Timeout` (a peer did not deliver within
+//! [`OpOptions::timeout`]), `Unsupported` (see [`Capabilities`]) and `Io`.
+//!
+//! **What "returns" means.** For host buffers an operation returns when it is complete on this
+//! rank: the output holds the result and the input may be reused. For device buffers
+//! ([`DeviceBuffer`]) it returns once the work is *enqueued* on the buffer's stream; the result is
+//! ready when that stream reaches it, as with NCCL. After an error the backend's connections are
+//! in an unknown state (as Gloo documents): the group must be destroyed and re-created.
+//!
+//! **Ordering.** Collectives on one backend instance are issued by one caller at a time and in
+//! the same order on every rank (`dist-collective` guarantees it with one worker per group).
+//! Point-to-point `send`/`recv` may be called from several threads at once.
+
+mod backend;
+mod buffer;
+mod error;
+pub mod init;
+pub mod store;
+
+pub use backend::{Backend, Capabilities, DEFAULT_TIMEOUT, OpOptions};
+pub use buffer::{BufMut, BufRef, DeviceBuffer};
+pub use error::{Error, OpDesc, Result};
+pub use store::{Store, StoreError};

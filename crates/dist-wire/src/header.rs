@@ -1,0 +1,225 @@
+//! The frame header every data message between ranks carries.
+//!
+//! Layout (all integers little-endian, [`HEADER_LEN`] = 56 bytes):
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 0..4 | magic `b"DST1"` as u32 |
+//! | 4 | version |
+//! | 5 | collective op code |
+//! | 6 | dtype code |
+//! | 7 | reduce op code |
+//! | 8..12 | group id |
+//! | 12..16 | sender rank |
+//! | 16..24 | sequence number of the op within the group |
+//! | 24..32 | element count of the whole op (as the sender sees it) |
+//! | 32..36 | root or peer rank (`u32::MAX` when none) |
+//! | 36..40 | tag |
+//! | 40..48 | offset in bytes of this chunk within the op's buffer |
+//! | 48..56 | payload length in bytes following the header |
+//!
+//! The receiver compares op, dtype, count and sequence number with what it expects, so two ranks
+//! that disagree fail fast with both sides named instead of exchanging garbage.
+
+use std::fmt;
+
+use crate::{DType, WireError};
+
+/// Frame magic: `b"DST1"` read as a little-endian u32.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"DST1");
+/// The protocol version this build speaks.
+pub const VERSION: u8 = 1;
+/// Encoded size of a [`FrameHeader`].
+pub const HEADER_LEN: usize = 56;
+/// Root/peer value meaning "no root".
+pub const NO_ROOT: u32 = u32::MAX;
+
+/// The operation a frame belongs to, named as torch names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CollectiveOp {
+    /// `all_reduce`.
+    AllReduce,
+    /// `broadcast`.
+    Broadcast,
+    /// `reduce`.
+    Reduce,
+    /// `all_gather` (equal or uneven counts).
+    AllGather,
+    /// `reduce_scatter` (equal or uneven counts).
+    ReduceScatter,
+    /// `all_to_all` (equal or with split sizes).
+    AllToAll,
+    /// `gather`.
+    Gather,
+    /// `scatter`.
+    Scatter,
+    /// `barrier`.
+    Barrier,
+    /// Point-to-point `send`/`recv`.
+    SendRecv,
+}
+
+impl CollectiveOp {
+    const ALL: [CollectiveOp; 10] = [
+        CollectiveOp::AllReduce,
+        CollectiveOp::Broadcast,
+        CollectiveOp::Reduce,
+        CollectiveOp::AllGather,
+        CollectiveOp::ReduceScatter,
+        CollectiveOp::AllToAll,
+        CollectiveOp::Gather,
+        CollectiveOp::Scatter,
+        CollectiveOp::Barrier,
+        CollectiveOp::SendRecv,
+    ];
+
+    /// torch's name for the op.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "all_reduce",
+            CollectiveOp::Broadcast => "broadcast",
+            CollectiveOp::Reduce => "reduce",
+            CollectiveOp::AllGather => "all_gather",
+            CollectiveOp::ReduceScatter => "reduce_scatter",
+            CollectiveOp::AllToAll => "all_to_all",
+            CollectiveOp::Gather => "gather",
+            CollectiveOp::Scatter => "scatter",
+            CollectiveOp::Barrier => "barrier",
+            CollectiveOp::SendRecv => "send/recv",
+        }
+    }
+
+    /// The one-byte wire code.
+    pub fn code(self) -> u8 {
+        Self::ALL.iter().position(|&o| o == self).unwrap_or(0) as u8
+    }
+
+    /// Inverse of [`CollectiveOp::code`].
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(code)).copied()
+    }
+}
+
+impl fmt::Display for CollectiveOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The decoded header of one data frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// The operation.
+    pub op: CollectiveOp,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduce op wire code (see [`crate::ReduceOp::code`]); 0 when the op does not reduce.
+    pub reduce: u8,
+    /// Group the op runs in.
+    pub group: u32,
+    /// Rank that sent the frame.
+    pub sender: u32,
+    /// Sequence number of the op within the group.
+    pub seq: u64,
+    /// Element count of the whole op as the sender sees it.
+    pub count: u64,
+    /// Root or peer rank, [`NO_ROOT`] when none.
+    pub root: u32,
+    /// User tag (point-to-point) or algorithm step.
+    pub tag: u32,
+    /// Offset in bytes of this chunk within the op's buffer.
+    pub offset: u64,
+    /// Payload bytes that follow the header.
+    pub payload_len: u64,
+}
+
+impl FrameHeader {
+    /// Writes the header's [`HEADER_LEN`] bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4] = VERSION;
+        b[5] = self.op.code();
+        b[6] = self.dtype.code();
+        b[7] = self.reduce;
+        b[8..12].copy_from_slice(&self.group.to_le_bytes());
+        b[12..16].copy_from_slice(&self.sender.to_le_bytes());
+        b[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        b[24..32].copy_from_slice(&self.count.to_le_bytes());
+        b[32..36].copy_from_slice(&self.root.to_le_bytes());
+        b[36..40].copy_from_slice(&self.tag.to_le_bytes());
+        b[40..48].copy_from_slice(&self.offset.to_le_bytes());
+        b[48..56].copy_from_slice(&self.payload_len.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header from the start of `bytes`. Never panics: any input gives a header or a
+    /// typed error.
+    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
+        let Some(b) = bytes.get(..HEADER_LEN) else {
+            return Err(WireError::Truncated {
+                what: "frame header",
+                needed: HEADER_LEN,
+                have: bytes.len(),
+            });
+        };
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(a)
+        };
+        let magic = u32_at(0);
+        if magic != MAGIC {
+            return Err(WireError::BadMagic {
+                found: magic,
+                expected: MAGIC,
+            });
+        }
+        if b[4] != VERSION {
+            return Err(WireError::UnsupportedVersion {
+                found: b[4],
+                supported: VERSION,
+            });
+        }
+        let op = CollectiveOp::from_code(b[5]).ok_or(WireError::UnknownCode {
+            field: "collective op",
+            value: u64::from(b[5]),
+        })?;
+        let dtype = DType::from_code(b[6]).ok_or(WireError::UnknownCode {
+            field: "dtype",
+            value: u64::from(b[6]),
+        })?;
+        if b[7] > 8 {
+            return Err(WireError::UnknownCode {
+                field: "reduce op",
+                value: u64::from(b[7]),
+            });
+        }
+        Ok(FrameHeader {
+            op,
+            dtype,
+            reduce: b[7],
+            group: u32_at(8),
+            sender: u32_at(12),
+            seq: u64_at(16),
+            count: u64_at(24),
+            root: u32_at(32),
+            tag: u32_at(36),
+            offset: u64_at(40),
+            payload_len: u64_at(48),
+        })
+    }
+}
+
+impl fmt::Display for FrameHeader {
+    /// `rank 1 all_reduce #12 (f32 × 1000)`: the form used in mismatch errors.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} {} #{} ({} × {})",
+            self.sender, self.op, self.seq, self.dtype, self.count
+        )
+    }
+}
