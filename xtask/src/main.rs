@@ -1,1 +1,58 @@
-fn main() {}
+//! `cargo xtask`: the project's one entry point for automation.
+//!
+//! Each subcommand lives in its own module. Arguments are parsed by hand to keep this crate's
+//! build small: it depends on `serde_json` only, and builds into `target/xtask` (see
+//! `.cargo/config.toml`) so it never invalidates the main build cache.
+
+mod check_layers;
+mod ci;
+mod util;
+
+use std::process::ExitCode;
+
+const HELP: &str = "\
+cargo xtask: automation for the dist workspace
+
+USAGE:
+    cargo xtask <COMMAND>
+
+COMMANDS:
+    ci              What CI runs, cheapest first, stopping at the first failure:
+                    fmt, clippy, check-layers, test, doc, cargo-deny (if installed)
+    check-layers    Fail if a dist-* crate depends on a crate above it in the layer DAG
+    help            Print this message
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (cmd, rest) = match args.split_first() {
+        Some((cmd, rest)) => (cmd.as_str(), rest),
+        None => {
+            print!("{HELP}");
+            return ExitCode::SUCCESS;
+        }
+    };
+    if cmd == "help" || cmd == "-h" || cmd == "--help" {
+        print!("{HELP}");
+        return ExitCode::SUCCESS;
+    }
+    if let Some(extra) = rest.first() {
+        eprintln!("xtask {cmd}: unexpected argument `{extra}`\n\n{HELP}");
+        return ExitCode::from(2);
+    }
+    let result = match cmd {
+        "ci" => ci::run(),
+        "check-layers" => check_layers::run(),
+        other => {
+            eprintln!("xtask: unknown command `{other}`\n\n{HELP}");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(msg) => {
+            eprintln!("xtask {cmd}: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! `cargo xtask check-layers`: the internal dependency DAG, checked against `cargo metadata`.
+//!
+//! Every `dist-*` workspace crate must be listed in [`LAYERS`] with the internal crates it may
+//! depend on. Only normal dependencies count: dev- and build-dependencies may reach anywhere
+//! (a backend's tests may use the facade). Backends (`dist-gloo`, `dist-nccl`) are reachable
+//! from the typed layers only as optional dependencies, so that a build without the feature
+//! never compiles them.
+
+use serde_json::Value;
+
+use crate::util;
+
+/// What one crate may depend on.
+struct Layer {
+    /// The crate.
+    name: &'static str,
+    /// Internal crates it may depend on unconditionally.
+    allowed: &'static [&'static str],
+    /// Internal crates it may depend on only as optional dependencies (behind a feature).
+    optional_only: &'static [&'static str],
+}
+
+const BACKENDS: &[&str] = &["dist-gloo", "dist-nccl"];
+
+/// The allowed DAG, bottom to top. A crate not yet written is simply absent from the metadata.
+const LAYERS: &[Layer] = &[
+    Layer {
+        name: "dist-wire",
+        allowed: &[],
+        optional_only: &[],
+    },
+    Layer {
+        name: "dist-backend",
+        allowed: &["dist-wire"],
+        optional_only: &[],
+    },
+    Layer {
+        name: "dist-gloo",
+        allowed: &["dist-backend", "dist-wire"],
+        optional_only: &[],
+    },
+    Layer {
+        name: "dist-nccl",
+        allowed: &["dist-backend", "dist-wire"],
+        optional_only: &[],
+    },
+    Layer {
+        name: "dist-collective",
+        allowed: &["dist-backend", "dist-wire"],
+        optional_only: BACKENDS,
+    },
+    Layer {
+        name: "dist-parallel",
+        allowed: &["dist-collective", "dist-backend", "dist-wire"],
+        optional_only: BACKENDS,
+    },
+    Layer {
+        name: "dist-rpc",
+        allowed: &["dist-collective", "dist-backend", "dist-wire"],
+        optional_only: BACKENDS,
+    },
+    Layer {
+        name: "dist",
+        allowed: &[
+            "dist-wire",
+            "dist-backend",
+            "dist-gloo",
+            "dist-nccl",
+            "dist-collective",
+            "dist-parallel",
+            "dist-rpc",
+        ],
+        optional_only: &[],
+    },
+];
+
+/// Runs `cargo metadata` on the workspace and checks it.
+pub(crate) fn run() -> Result<(), String> {
+    let metadata = workspace_metadata()?;
+    let violations = check(&metadata)?;
+    if violations.is_empty() {
+        println!("check-layers: ok");
+        return Ok(());
+    }
+    for v in &violations {
+        eprintln!("error: {v}");
+    }
+    Err(format!(
+        "{} layering violation(s); the allowed DAG is in xtask/src/check_layers.rs",
+        violations.len()
+    ))
+}
+
+/// `cargo metadata --format-version 1 --no-deps` of the workspace, parsed.
+fn workspace_metadata() -> Result<Value, String> {
+    let mut cmd = util::cargo();
+    cmd.args(["metadata", "--format-version", "1", "--no-deps"]);
+    let out = cmd
+        .output()
+        .map_err(|e| format!("could not run `{}`: {e}", util::display(&cmd)))?;
+    if !out.status.success() {
+        return Err(format!(
+            "`{}` failed ({}):\n{}",
+            util::display(&cmd),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| format!("cargo metadata output: {e}"))
+}
+
+/// True for the crates this check governs.
+fn is_dist_crate(name: &str) -> bool {
+    name == "dist" || name.starts_with("dist-")
+}
+
+/// Checks `metadata` (the JSON of `cargo metadata --format-version 1`) and returns one message
+/// per offending crate or edge, sorted. `Err` means the JSON does not have the expected shape.
+fn check(metadata: &Value) -> Result<Vec<String>, String> {
+    let str_field = |v: &Value, key: &str| -> Result<String, String> {
+        v.get(key)
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| format!("cargo metadata: missing string field `{key}`"))
+    };
+    let members: Vec<String> = metadata
+        .get("workspace_members")
+        .and_then(Value::as_array)
+        .ok_or("cargo metadata: missing `workspace_members`")?
+        .iter()
+        .filter_map(|id| id.as_str().map(str::to_owned))
+        .collect();
+    let packages = metadata
+        .get("packages")
+        .and_then(Value::as_array)
+        .ok_or("cargo metadata: missing `packages`")?;
+
+    // Workspace packages by name: a dependency on one of these is internal.
+    let mut workspace = Vec::new();
+    for pkg in packages {
+        if members.contains(&str_field(pkg, "id")?) {
+            workspace.push((str_field(pkg, "name")?, pkg));
+        }
+    }
+    let internal = |name: &str| workspace.iter().any(|(n, _)| n == name);
+
+    let mut violations = Vec::new();
+    for (name, pkg) in &workspace {
+        if !is_dist_crate(name) {
+            continue;
+        }
+        let Some(layer) = LAYERS.iter().find(|l| l.name == name) else {
+            violations.push(format!(
+                "{name} is not in the layer table: add it to LAYERS in xtask/src/check_layers.rs \
+                 with the crates it may depend on"
+            ));
+            continue;
+        };
+        let deps = pkg
+            .get("dependencies")
+            .and_then(Value::as_array)
+            .ok_or_else(|| format!("cargo metadata: {name} has no `dependencies`"))?;
+        for dep in deps {
+            // `kind` is null for normal dependencies, "dev" or "build" otherwise.
+            if !dep.get("kind").is_none_or(Value::is_null) {
+                continue;
+            }
+            let dep_name = str_field(dep, "name")?;
+            if !internal(&dep_name) {
+                continue;
+            }
+            let optional = dep.get("optional").and_then(Value::as_bool) == Some(true);
+            let ok = layer.allowed.contains(&dep_name.as_str())
+                || (optional && layer.optional_only.contains(&dep_name.as_str()));
+            if !ok {
+                let msg = format!("{name} -> {dep_name} is not allowed: {}", describe(layer));
+                if !violations.contains(&msg) {
+                    violations.push(msg);
+                }
+            }
+        }
+    }
+    violations.sort();
+    Ok(violations)
+}
+
+/// "dist-collective may depend on dist-backend, dist-wire, and on dist-gloo, dist-nccl only as
+/// optional dependencies".
+fn describe(layer: &Layer) -> String {
+    let mut s = if layer.allowed.is_empty() {
+        format!("{} may depend on no internal crate", layer.name)
+    } else {
+        format!("{} may depend on {}", layer.name, layer.allowed.join(", "))
+    };
+    if !layer.optional_only.is_empty() {
+        s.push_str(&format!(
+            ", and on {} only as optional dependencies (features)",
+            layer.optional_only.join(", ")
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    /// A dependency: (name, kind, optional).
+    type Dep = (&'static str, Option<&'static str>, bool);
+
+    /// Synthetic `cargo metadata` JSON of a workspace of `crates`, each with its dependencies.
+    fn metadata(crates: &[(&str, &[Dep])]) -> Value {
+        let packages: Vec<Value> = crates
+            .iter()
+            .map(|(name, deps)| {
+                let deps: Vec<Value> = deps
+                    .iter()
+                    .map(|(dep, kind, optional)| {
+                        json!({ "name": dep, "kind": kind, "optional": optional })
+                    })
+                    .collect();
+                json!({ "name": name, "id": format!("path+file:///ws/{name}#0.1.0"), "dependencies": deps })
+            })
+            .collect();
+        let members: Vec<Value> = crates
+            .iter()
+            .map(|(name, _)| json!(format!("path+file:///ws/{name}#0.1.0")))
+            .collect();
+        json!({ "packages": packages, "workspace_members": members })
+    }
+
+    #[test]
+    fn the_real_workspace_respects_the_layers() {
+        let metadata = workspace_metadata().unwrap();
+        assert_eq!(check(&metadata).unwrap(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn an_allowed_graph_passes() {
+        let m = metadata(&[
+            ("dist-wire", &[("thiserror", None, false)]),
+            ("dist-backend", &[("dist-wire", None, false)]),
+            (
+                "dist-gloo",
+                &[("dist-backend", None, false), ("dist-wire", None, false)],
+            ),
+            (
+                "dist-collective",
+                &[("dist-backend", None, false), ("dist-gloo", None, true)],
+            ),
+            ("dist", &[("dist-gloo", None, false)]),
+        ]);
+        assert_eq!(check(&m).unwrap(), Vec::<String>::new());
+        // Dev-dependencies may reach up; external crates are not checked.
+        let m = metadata(&[
+            (
+                "dist-wire",
+                &[("dist", Some("dev"), false), ("half", None, false)],
+            ),
+            ("dist", &[("dist-wire", None, false)]),
+        ]);
+        assert!(check(&m).unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_upward_edge_is_named() {
+        let m = metadata(&[
+            ("dist-wire", &[("dist-backend", None, false)]),
+            ("dist-backend", &[("dist-wire", None, false)]),
+        ]);
+        assert_eq!(
+            check(&m).unwrap(),
+            ["dist-wire -> dist-backend is not allowed: dist-wire may depend on no internal crate"]
+        );
+        let m = metadata(&[
+            ("dist-backend", &[("dist-gloo", None, false)]),
+            ("dist-gloo", &[("dist-backend", None, false)]),
+        ]);
+        assert_eq!(
+            check(&m).unwrap(),
+            ["dist-backend -> dist-gloo is not allowed: dist-backend may depend on dist-wire"]
+        );
+    }
+
+    #[test]
+    fn a_backend_dependency_must_be_optional() {
+        let m = metadata(&[
+            ("dist-gloo", &[]),
+            ("dist-collective", &[("dist-gloo", None, false)]),
+        ]);
+        assert_eq!(
+            check(&m).unwrap(),
+            [
+                "dist-collective -> dist-gloo is not allowed: dist-collective may depend on \
+              dist-backend, dist-wire, and on dist-gloo, dist-nccl only as optional dependencies \
+              (features)"
+            ]
+        );
+    }
+
+    #[test]
+    fn siblings_and_unknown_crates_are_caught() {
+        let m = metadata(&[
+            ("dist-rpc", &[("dist-parallel", None, false)]),
+            ("dist-parallel", &[("dist-shiny", None, false)]),
+            ("dist-shiny", &[]),
+        ]);
+        let v = check(&m).unwrap();
+        assert_eq!(v.len(), 3, "{v:#?}");
+        assert!(v[0].starts_with("dist-parallel -> dist-shiny is not allowed"));
+        assert!(v[1].starts_with("dist-rpc -> dist-parallel is not allowed"));
+        assert!(v[2].starts_with("dist-shiny is not in the layer table"));
+    }
+}

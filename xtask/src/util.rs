@@ -1,0 +1,41 @@
+//! Helpers shared by the subcommands: the project root and running `cargo`.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The workspace root (the parent of this crate's directory).
+pub(crate) fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// A `cargo` command rooted at the workspace, using the same cargo that runs us when known.
+pub(crate) fn cargo() -> Command {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo"));
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(project_root());
+    cmd
+}
+
+/// `cmd` as a shell-like string, for messages.
+pub(crate) fn display(cmd: &Command) -> String {
+    let mut s = String::new();
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            s.push_str(&format!("{}={} ", k.to_string_lossy(), v.to_string_lossy()));
+        }
+    }
+    // Show `cargo`, not the absolute path cargo gave us in $CARGO.
+    let program = Path::new(cmd.get_program())
+        .file_name()
+        .unwrap_or(cmd.get_program());
+    s.push_str(&program.to_string_lossy());
+    for arg in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&arg.to_string_lossy());
+    }
+    s
+}
