@@ -1,1 +1,60 @@
-//! placeholder
+//! `dist`: distributed-training communication for Rust, in the spirit of `torch.distributed`.
+//!
+//! This is the facade. It adds no code of its own: it re-exports each `dist-*` crate whole under
+//! a short module name, plus a curated flat list of the types nearly every user names. Reach for
+//! the modules for everything else.
+//!
+//! | module | crate | what it holds |
+//! | --- | --- | --- |
+//! | [`wire`] | `dist-wire` | dtypes, reduce ops and kernels, the frame header, store codec (sans-IO) |
+//! | [`backend`] | `dist-backend` | the [`Backend`] contract, rendezvous [`Store`]s, `env://` init |
+//! | [`gloo`] | `dist-gloo` | the pure-Rust CPU backend (in progress) |
+//!
+//! The typed collective API (`dist-collective`), the GPU backend (`dist-nccl`), data-parallel
+//! training (`dist-parallel`) and RPC (`dist-rpc`) are planned and will join this list as
+//! modules.
+//!
+//! # Semver
+//!
+//! Re-exporting a crate whole makes its public API part of this one: a breaking release of any
+//! re-exported `dist-*` crate is a breaking release of `dist`. The crates are versioned in
+//! lock-step (one `version` in the workspace manifest) so this stays easy to follow.
+//!
+//! # Example
+//!
+//! Reduction kernels need no process group, so they run anywhere:
+//!
+//! ```
+//! use dist::{DType, Element, ReduceOp};
+//!
+//! let mut acc = [1.0f32, 2.0, 3.0];
+//! dist::wire::reduce_slice(ReduceOp::Max, &mut acc, &[0.5, 5.0, 3.0])?;
+//! assert_eq!(acc, [1.0, 5.0, 3.0]);
+//!
+//! assert_eq!(<f32 as Element>::DTYPE, DType::F32);
+//! // Bitwise ops are integer-only; asking for one on floats is a typed error, not a panic.
+//! assert!(ReduceOp::BitXor.check(DType::BF16).is_err());
+//! # Ok::<(), dist::WireError>(())
+//! ```
+
+#![forbid(unsafe_code)]
+
+/// The sans-IO core: element types, reduce ops and kernels, frame header, store codec.
+///
+/// Re-export of the `dist-wire` crate.
+pub use dist_wire as wire;
+
+/// The backend contract, rendezvous stores and launcher-agnostic init.
+///
+/// Re-export of the `dist-backend` crate.
+pub use dist_backend as backend;
+
+/// The pure-Rust CPU backend (TCP full mesh, ring and halving-doubling collectives).
+///
+/// Re-export of the `dist-gloo` crate.
+pub use dist_gloo as gloo;
+
+pub use dist_backend::{
+    Backend, BufMut, BufRef, Capabilities, Error, OpOptions, Result, Store, StoreError,
+};
+pub use dist_wire::{DType, Element, ReduceOp, WireError, bf16, f16};
