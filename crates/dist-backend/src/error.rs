@@ -122,6 +122,17 @@ pub enum Error {
         #[source]
         source: WireError,
     },
+    /// An earlier operation failed and left the group's connections in an unknown state; the
+    /// group must be destroyed and re-created.
+    #[error("rank {rank}: {op} refused: the group was aborted by an earlier error: {cause}")]
+    Aborted {
+        /// This rank.
+        rank: usize,
+        /// The refused operation.
+        op: &'static str,
+        /// The first error's message.
+        cause: String,
+    },
     /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] StoreError),

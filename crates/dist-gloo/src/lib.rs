@@ -1,1 +1,41 @@
-//! placeholder
+//! A pure-Rust CPU backend for `dist`: every collective over a full TCP mesh.
+//!
+//! [`GlooBackend`] implements [`dist_backend::Backend`] for host buffers. Its algorithms
+//! (`algo`) are written once against the [`transport::Transport`] trait and run over
+//! [`transport::tcp::TcpTransport`] between processes and hosts, or over
+//! [`transport::mem::MemTransport`] inside one process for tests.
+//!
+//! * all_reduce: recursive doubling up to [`GlooOptions::small_bytes`], a segmented ring
+//!   (1 MiB segments, reduction of one segment overlapping the transfer of the next) above it;
+//! * broadcast: binomial tree / pipelined chain; reduce: binomial tree / ring reduce-scatter +
+//!   gather; all_gather and reduce_scatter (equal and uneven): ring; all_to_all, gather,
+//!   scatter: direct, all transfers in flight at once; barrier: dissemination.
+//!
+//! Every frame carries a [`dist_wire::FrameHeader`]; ranks that call different operations fail
+//! with [`dist_backend::Error::Mismatch`] naming both sides. A peer whose process dies makes
+//! every rank still waiting on the group fail with `PeerLost`; one that stalls, with `Timeout`
+//! naming the op, its sequence number and the ranks that did not deliver.
+//!
+//! ```
+//! use dist_backend::{Backend, BufMut, OpOptions};
+//! use dist_gloo::{GlooBackend, GlooOptions};
+//! use dist_wire::{DType, ReduceOp};
+//!
+//! let ranks = GlooBackend::in_memory(3, &GlooOptions::default());
+//! std::thread::scope(|s| {
+//!     for b in &ranks {
+//!         s.spawn(move || {
+//!             let mut v = [b.rank() as f32 + 1.0; 4];
+//!             let bytes = bytemuck::cast_slice_mut(&mut v);
+//!             b.all_reduce(BufMut::Host(bytes), DType::F32, ReduceOp::Sum, &OpOptions::default()).unwrap();
+//!             assert_eq!(v, [6.0; 4]);
+//!         });
+//!     }
+//! });
+//! ```
+
+mod algo;
+mod backend;
+pub mod transport;
+
+pub use backend::{GlooBackend, GlooOptions};

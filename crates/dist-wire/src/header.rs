@@ -58,10 +58,13 @@ pub enum CollectiveOp {
     Barrier,
     /// Point-to-point `send`/`recv`.
     SendRecv,
+    /// Not an operation: sent once by a rank that leaves the group cleanly, so that its peers
+    /// can tell a clean exit from a crash.
+    Close,
 }
 
 impl CollectiveOp {
-    const ALL: [CollectiveOp; 10] = [
+    const ALL: [CollectiveOp; 11] = [
         CollectiveOp::AllReduce,
         CollectiveOp::Broadcast,
         CollectiveOp::Reduce,
@@ -72,6 +75,7 @@ impl CollectiveOp {
         CollectiveOp::Scatter,
         CollectiveOp::Barrier,
         CollectiveOp::SendRecv,
+        CollectiveOp::Close,
     ];
 
     /// torch's name for the op.
@@ -87,6 +91,7 @@ impl CollectiveOp {
             CollectiveOp::Scatter => "scatter",
             CollectiveOp::Barrier => "barrier",
             CollectiveOp::SendRecv => "send/recv",
+            CollectiveOp::Close => "close",
         }
     }
 

@@ -1,0 +1,162 @@
+//! Collective algorithms, written once against [`Transport`](crate::transport::Transport).
+//!
+//! Each function runs one operation's steps; tags label the step so that ranks running
+//! different algorithms (say, a different size threshold) fail with a clear error instead of
+//! exchanging garbage.
+
+use std::ops::Range;
+
+use dist_backend::{Error, Result};
+use dist_wire::{DType, ReduceOp};
+
+use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
+
+pub(crate) mod allreduce;
+pub(crate) mod bcast;
+pub(crate) mod ring;
+pub(crate) mod rooted;
+
+/// Tag spaces of the algorithms' steps (upper 16 bits), the step number in the lower 16.
+pub(crate) mod tags {
+    pub(crate) const RING_RS: u32 = 1 << 16;
+    pub(crate) const RING_AG: u32 = 2 << 16;
+    pub(crate) const RD_FOLD: u32 = 3 << 16;
+    pub(crate) const RD_STEP: u32 = 4 << 16;
+    pub(crate) const RD_UNFOLD: u32 = 5 << 16;
+    pub(crate) const TREE: u32 = 6 << 16;
+    pub(crate) const CHAIN: u32 = 7 << 16;
+    pub(crate) const DIRECT: u32 = 8 << 16;
+    pub(crate) const BARRIER: u32 = 9 << 16;
+    pub(crate) const GATHER: u32 = 10 << 16;
+}
+
+/// Everything an algorithm needs about the operation it runs.
+pub(crate) struct Op<'a> {
+    pub(crate) t: &'a dyn Transport,
+    pub(crate) ctx: StepCtx,
+    /// Element count announced in every frame (agreed by all ranks).
+    pub(crate) count: u64,
+}
+
+impl Op<'_> {
+    pub(crate) fn rank(&self) -> usize {
+        self.t.rank()
+    }
+
+    pub(crate) fn n(&self) -> usize {
+        self.t.world_size()
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.ctx.dtype
+    }
+
+    /// One step with no frame callback.
+    pub(crate) fn step(&self, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>]) -> Result<()> {
+        self.t.exchange(&self.ctx, sends, recvs, &mut |_, _, _| Ok(()))
+    }
+
+    /// One step with a frame callback.
+    pub(crate) fn step_with(&self, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>], on_frame: &mut OnFrame<'_>) -> Result<()> {
+        self.t.exchange(&self.ctx, sends, recvs, on_frame)
+    }
+
+    pub(crate) fn send<'b>(&self, peer: usize, data: &'b [u8], tag: u32) -> Outgoing<'b> {
+        Outgoing { peer, data, count: self.count, tag }
+    }
+
+    pub(crate) fn recv<'b>(&self, peer: usize, buf: &'b mut [u8], tag: u32) -> Incoming<'b> {
+        Incoming { peer, buf, count: self.count, tag }
+    }
+
+    /// `dst ⊕= src` with the op's combiner, errors named for this rank and op.
+    pub(crate) fn combine(&self, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<()> {
+        dist_wire::reduce_into(op.combiner(), self.ctx.dtype, dst, src).map_err(|source| self.wire(source))
+    }
+
+    pub(crate) fn wire(&self, source: dist_wire::WireError) -> Error {
+        Error::Wire { rank: self.ctx.rank, op: self.ctx.op.name(), source }
+    }
+}
+
+/// Splits `count` elements into `n` blocks whose sizes differ by at most one, as byte ranges.
+pub(crate) fn even_blocks(count: usize, n: usize, elem: usize) -> Vec<Range<usize>> {
+    let (q, r) = (count / n, count % n);
+    let mut at = 0;
+    (0..n)
+        .map(|i| {
+            let len = (q + usize::from(i < r)) * elem;
+            let b = at..at + len;
+            at += len;
+            b
+        })
+        .collect()
+}
+
+/// Byte ranges of consecutive blocks of `counts[i]` elements.
+pub(crate) fn blocks_of(counts: &[usize], elem: usize) -> Vec<Range<usize>> {
+    let mut at = 0;
+    counts
+        .iter()
+        .map(|c| {
+            let b = at..at + c * elem;
+            at += c * elem;
+            b
+        })
+        .collect()
+}
+
+/// A shared view of range `a` and a mutable view of range `b` of one buffer; they must not
+/// overlap.
+pub(crate) fn split_pair(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
+    debug_assert!(a.end <= b.start || b.end <= a.start);
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
+    }
+}
+
+/// Mutable views of disjoint, ascending byte ranges of one buffer.
+pub(crate) fn split_blocks<'b>(mut buf: &'b mut [u8], blocks: &[Range<usize>]) -> Vec<&'b mut [u8]> {
+    let mut out = Vec::with_capacity(blocks.len());
+    let mut at = 0;
+    for b in blocks {
+        let rest = std::mem::take(&mut buf);
+        let (_, tail) = rest.split_at_mut(b.start - at);
+        let (mine, tail) = tail.split_at_mut(b.end - b.start);
+        out.push(mine);
+        buf = tail;
+        at = b.end;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_the_buffer_and_differ_by_at_most_one_element() {
+        for (count, n) in [(0, 3), (1, 4), (7, 3), (1_048_579, 5)] {
+            let b = even_blocks(count, n, 4);
+            assert_eq!(b.len(), n);
+            assert_eq!(b.last().map(|r| r.end), Some(count * 4));
+            let lens: Vec<usize> = b.iter().map(|r| r.len()).collect();
+            assert!(lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 4);
+        }
+    }
+
+    #[test]
+    fn split_pair_returns_the_asked_ranges_either_way_round() {
+        let mut v: Vec<u8> = (0..10).collect();
+        let (a, b) = split_pair(&mut v, 6..9, 1..3);
+        assert_eq!((a, &*b), (&[6u8, 7, 8][..], &[1u8, 2][..]));
+        let (a, b) = split_pair(&mut v, 0..2, 4..5);
+        assert_eq!((a, &*b), (&[0u8, 1][..], &[4u8][..]));
+        let blocks = split_blocks(&mut v, &[1..2, 2..2, 5..7]);
+        assert_eq!(blocks.iter().map(|b| b.to_vec()).collect::<Vec<_>>(), vec![vec![1], vec![], vec![5, 6]]);
+    }
+}

@@ -1,0 +1,215 @@
+//! One peer connection: a non-blocking stream, a staging buffer and the stash of frames that
+//! arrived before the step that wants them.
+
+use std::collections::VecDeque;
+use std::io::{self, Read};
+
+use dist_wire::{CollectiveOp, FrameHeader, HEADER_LEN};
+
+/// Staging buffer size: small frames and headers are read through it, many per syscall.
+const STAGING: usize = 64 << 10;
+/// Largest frame kept in the stash; a bigger length is taken as corruption, not allocated.
+const MAX_STASHED_FRAME: u64 = 256 << 20;
+
+/// What is known of the peer's side of the connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum PeerState {
+    /// Connected.
+    Open,
+    /// Sent `Close`: left the group cleanly.
+    Left,
+    /// The connection ended without `Close`, or broke.
+    Lost(String),
+}
+
+/// Outcome of a non-blocking attempt.
+pub(super) enum Io<T> {
+    Ready(T),
+    WouldBlock,
+}
+
+#[derive(Debug)]
+pub(super) struct Conn {
+    pub(super) stream: mio::net::TcpStream,
+    staging: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// A stashed frame still being read: header and the payload so far.
+    partial: Option<(FrameHeader, Vec<u8>)>,
+    pub(super) stash: VecDeque<(FrameHeader, Vec<u8>)>,
+    pub(super) state: PeerState,
+}
+
+impl Conn {
+    pub(super) fn new(stream: mio::net::TcpStream) -> Self {
+        Conn {
+            stream,
+            staging: vec![0u8; STAGING].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            partial: None,
+            stash: VecDeque::new(),
+            state: PeerState::Open,
+        }
+    }
+
+    pub(super) fn staged(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Reads into the staging buffer until it holds `n` bytes. `Ok(Ready(false))` on EOF.
+    fn fill(&mut self, n: usize) -> io::Result<Io<bool>> {
+        debug_assert!(n <= STAGING);
+        if self.staged() >= n {
+            return Ok(Io::Ready(true));
+        }
+        if self.start > 0 {
+            self.staging.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        while self.end < n {
+            match self.stream.read(&mut self.staging[self.end..]) {
+                Ok(0) => return Ok(Io::Ready(false)),
+                Ok(k) => self.end += k,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Io::WouldBlock),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Io::Ready(true))
+    }
+
+    /// Reads the next frame header. `Ok(Ready(None))` on EOF.
+    pub(super) fn read_header(&mut self) -> io::Result<Io<Option<Result<FrameHeader, dist_wire::WireError>>>> {
+        match self.fill(HEADER_LEN)? {
+            Io::WouldBlock => Ok(Io::WouldBlock),
+            Io::Ready(false) => Ok(Io::Ready(None)),
+            Io::Ready(true) => {
+                let h = FrameHeader::decode(&self.staging[self.start..self.end]);
+                self.start += HEADER_LEN;
+                Ok(Io::Ready(Some(h)))
+            }
+        }
+    }
+
+    /// Reads payload bytes into `dst`, first from staging, then (for large remainders) straight
+    /// from the socket. Returns bytes read; `Ready(0)` with a non-empty `dst` means EOF.
+    pub(super) fn read_payload(&mut self, dst: &mut [u8]) -> io::Result<Io<usize>> {
+        if dst.is_empty() {
+            return Ok(Io::Ready(0));
+        }
+        if self.staged() == 0 {
+            if dst.len() >= STAGING / 2 {
+                return loop {
+                    match self.stream.read(dst) {
+                        Ok(k) => break Ok(Io::Ready(k)),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break Ok(Io::WouldBlock),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => break Err(e),
+                    }
+                };
+            }
+            match self.fill(1)? {
+                Io::WouldBlock => return Ok(Io::WouldBlock),
+                Io::Ready(false) => return Ok(Io::Ready(0)),
+                Io::Ready(true) => {}
+            }
+        }
+        let k = self.staged().min(dst.len());
+        dst[..k].copy_from_slice(&self.staging[self.start..self.start + k]);
+        self.start += k;
+        Ok(Io::Ready(k))
+    }
+
+    /// Starts stashing a frame whose header has been read.
+    pub(super) fn begin_stash(&mut self, h: FrameHeader) -> Result<(), String> {
+        if h.payload_len > MAX_STASHED_FRAME {
+            return Err(format!("frame of {} bytes exceeds the {MAX_STASHED_FRAME}-byte limit (corrupt stream?)", h.payload_len));
+        }
+        self.partial = Some((h, Vec::with_capacity(h.payload_len as usize)));
+        Ok(())
+    }
+
+    /// Continues reading a stashed frame. `Ready(true)` when none is pending any more,
+    /// `Ready(false)` on EOF mid-frame.
+    pub(super) fn finish_stash(&mut self) -> io::Result<Io<bool>> {
+        while let Some((h, mut v)) = self.partial.take() {
+            let want = h.payload_len as usize;
+            if v.len() == want {
+                self.stash.push_back((h, v));
+                break;
+            }
+            let at = v.len();
+            v.resize(want, 0);
+            let r = self.read_payload(&mut v[at..]);
+            match r {
+                Ok(Io::Ready(0)) => {
+                    v.truncate(at);
+                    self.partial = Some((h, v));
+                    return Ok(Io::Ready(false));
+                }
+                Ok(Io::Ready(k)) => {
+                    v.truncate(at + k);
+                    self.partial = Some((h, v));
+                }
+                Ok(Io::WouldBlock) => {
+                    v.truncate(at);
+                    self.partial = Some((h, v));
+                    return Ok(Io::WouldBlock);
+                }
+                Err(e) => {
+                    v.truncate(at);
+                    self.partial = Some((h, v));
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Io::Ready(true))
+    }
+
+    /// Reads every complete frame the socket has into the stash, noting `Close` and EOF in
+    /// [`Conn::state`]. Used on connections the current step does not receive from.
+    pub(super) fn drain(&mut self) {
+        loop {
+            match self.finish_stash() {
+                Ok(Io::Ready(true)) => {}
+                Ok(Io::Ready(false)) => return self.eof(),
+                Ok(Io::WouldBlock) => return,
+                Err(e) => return self.broken(&e),
+            }
+            match self.read_header() {
+                Ok(Io::WouldBlock) => return,
+                Ok(Io::Ready(None)) => return self.eof(),
+                Ok(Io::Ready(Some(Ok(h)))) if h.op == CollectiveOp::Close => self.state = PeerState::Left,
+                Ok(Io::Ready(Some(Ok(h)))) => {
+                    if let Err(why) = self.begin_stash(h) {
+                        self.state = PeerState::Lost(why);
+                        return;
+                    }
+                }
+                Ok(Io::Ready(Some(Err(e)))) => {
+                    self.state = PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
+                    return;
+                }
+                Err(e) => return self.broken(&e),
+            }
+        }
+    }
+
+    pub(super) fn eof(&mut self) {
+        if self.state == PeerState::Open {
+            self.state = PeerState::Lost("its connection closed without a goodbye (the process exited or crashed)".into());
+        }
+    }
+
+    pub(super) fn broken(&mut self, e: &io::Error) {
+        if self.state == PeerState::Open {
+            self.state = PeerState::Lost(format!("connection error: {e}"));
+        }
+    }
+
+    pub(super) fn has_partial(&self) -> bool {
+        self.partial.is_some()
+    }
+}

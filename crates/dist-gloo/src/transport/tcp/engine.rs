@@ -1,0 +1,316 @@
+//! The progress engine: drives every send and receive of a step over non-blocking sockets
+//! until all are done, a peer fails, or the deadline passes.
+
+use std::io::{self, IoSlice, Write};
+use std::time::{Duration, Instant};
+
+use dist_backend::{Error, Result};
+use dist_wire::{FrameHeader, HEADER_LEN};
+use mio::{Events, Poll};
+
+use super::conn::{Conn, Io, PeerState};
+use crate::transport::{frames, judge, Incoming, OnFrame, Outgoing, StepCtx, Verdict};
+
+/// Progress state of one outgoing message.
+struct SendState {
+    frame: usize,
+    hdr: [u8; HEADER_LEN],
+    hdr_done: usize,
+    payload_done: usize,
+    done: bool,
+}
+
+/// Progress state of one incoming message.
+struct RecvState {
+    got: usize,
+    /// Payload length and bytes read of the frame being received.
+    cur: Option<(usize, usize)>,
+    first: bool,
+    done: bool,
+}
+
+#[derive(Debug)]
+pub(super) struct Engine {
+    pub(super) poll: Poll,
+    pub(super) events: Events,
+    /// Indexed by peer rank; `None` at this rank.
+    pub(super) conns: Vec<Option<Conn>>,
+    /// How long to keep retrying before sleeping in the poller: waking a sleeping process costs
+    /// more than the whole of a small message's round trip.
+    pub(super) spin: Duration,
+}
+
+fn lost_or_left(ctx: &StepCtx, peer: usize, state: &PeerState) -> Error {
+    match state {
+        PeerState::Lost(why) => ctx.peer_lost(peer, why.clone()),
+        _ => ctx.peer_lost(peer, "it left the group (destroyed its process group) before this operation"),
+    }
+}
+
+impl Engine {
+    fn conn(&mut self, ctx: &StepCtx, peer: usize) -> Result<&mut Conn> {
+        match self.conns.get_mut(peer) {
+            Some(Some(c)) => Ok(c),
+            _ => Err(Error::invalid(ctx.rank, ctx.op.name(), format!("no connection to rank {peer}"))),
+        }
+    }
+
+    pub(super) fn run(
+        &mut self,
+        ctx: &StepCtx,
+        seg: usize,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+    ) -> Result<()> {
+        for (i, r) in recvs.iter().enumerate() {
+            if recvs[..i].iter().any(|o| o.peer == r.peer) {
+                return Err(Error::invalid(ctx.rank, ctx.op.name(), format!("two receives from rank {} in one step", r.peer)));
+            }
+        }
+        let mut tx: Vec<SendState> =
+            sends.iter().map(|_| SendState { frame: 0, hdr: [0; HEADER_LEN], hdr_done: 0, payload_done: 0, done: false }).collect();
+        let mut rx: Vec<RecvState> = recvs.iter().map(|_| RecvState { got: 0, cur: None, first: true, done: false }).collect();
+        let mut spin_until: Option<Instant> = None;
+        loop {
+            let mut progress = false;
+            let mut pending = false;
+            for i in 0..sends.len() {
+                if tx[i].done {
+                    continue;
+                }
+                pending = true;
+                // Messages to one peer go out whole and in order: never interleave their bytes.
+                if sends[..i].iter().zip(&tx[..i]).any(|(o, st)| o.peer == sends[i].peer && !st.done) {
+                    continue;
+                }
+                progress |= self.drive_send(ctx, seg, &sends[i], &mut tx[i])?;
+            }
+            for (i, (r, st)) in recvs.iter_mut().zip(rx.iter_mut()).enumerate() {
+                if !st.done {
+                    progress |= self.drive_recv(ctx, i, r, st, on_frame)?;
+                    pending |= !st.done;
+                }
+            }
+            if !pending {
+                return Ok(());
+            }
+            if progress {
+                spin_until = None;
+                continue;
+            }
+            let now = Instant::now();
+            if now >= ctx.deadline {
+                let mut missing: Vec<usize> = recvs.iter().zip(&rx).filter(|(_, s)| !s.done).map(|(r, _)| r.peer).collect();
+                missing.extend(sends.iter().zip(&tx).filter(|(_, s)| !s.done).map(|(s, _)| s.peer));
+                return Err(ctx.timeout(missing));
+            }
+            let until = *spin_until.get_or_insert(now + self.spin);
+            if now < until {
+                std::thread::yield_now();
+                continue;
+            }
+            self.wait(ctx, recvs, &rx, ctx.deadline - now)?;
+        }
+    }
+
+    /// Sleeps in the poller until some socket is ready, draining sockets the step does not
+    /// receive from and failing if one of them turns out lost.
+    fn wait(&mut self, ctx: &StepCtx, recvs: &[Incoming<'_>], rx: &[RecvState], timeout: Duration) -> Result<()> {
+        // Cap each sleep so a lost wake-up can only cost latency, never a hang.
+        let timeout = timeout.min(Duration::from_millis(100));
+        if let Err(e) = self.poll.poll(&mut self.events, Some(timeout)) {
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(Error::Io { rank: ctx.rank, context: format!("{} #{}: polling sockets", ctx.op, ctx.seq), source: e });
+            }
+        }
+        let ready: Vec<usize> = self.events.iter().map(|ev| ev.token().0).collect();
+        for peer in ready {
+            let receiving = recvs.iter().zip(rx).any(|(r, s)| r.peer == peer && !s.done);
+            if receiving {
+                continue;
+            }
+            if let Some(Some(c)) = self.conns.get_mut(peer) {
+                c.drain();
+                if let PeerState::Lost(why) = &c.state {
+                    return Err(ctx.peer_lost(peer, why.clone()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes as much of one message as the socket takes. Returns whether any byte moved.
+    fn drive_send(&mut self, ctx: &StepCtx, seg: usize, s: &Outgoing<'_>, st: &mut SendState) -> Result<bool> {
+        let c = self.conn(ctx, s.peer)?;
+        if c.state != PeerState::Open {
+            return Err(lost_or_left(ctx, s.peer, &c.state));
+        }
+        let len = s.data.len();
+        let nframes = frames(len, seg).len();
+        let mut moved = false;
+        while st.frame < nframes {
+            let r = (st.frame * seg).min(len)..((st.frame + 1) * seg).min(len);
+            if st.hdr_done == 0 && st.payload_done == 0 {
+                st.hdr = ctx.header(s.count, s.tag, r.start, r.len()).encode();
+            }
+            let body = &s.data[r.start + st.payload_done..r.end];
+            let bufs = [IoSlice::new(&st.hdr[st.hdr_done..]), IoSlice::new(body)];
+            match c.stream.write_vectored(&bufs) {
+                Ok(0) => {
+                    c.state = PeerState::Lost("the connection accepts no more bytes".into());
+                    return Err(lost_or_left(ctx, s.peer, &c.state));
+                }
+                Ok(mut n) => {
+                    moved = true;
+                    let h = n.min(HEADER_LEN - st.hdr_done);
+                    st.hdr_done += h;
+                    n -= h;
+                    st.payload_done += n;
+                    if st.hdr_done == HEADER_LEN && st.payload_done == r.len() {
+                        st.frame += 1;
+                        st.hdr_done = 0;
+                        st.payload_done = 0;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(moved),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    c.broken(&e);
+                    return Err(lost_or_left(ctx, s.peer, &c.state));
+                }
+            }
+        }
+        st.done = true;
+        Ok(true)
+    }
+
+    /// Reads as much of one message as the socket has, calling `on_frame` per complete frame.
+    /// Returns whether any byte moved.
+    fn drive_recv(&mut self, ctx: &StepCtx, idx: usize, inc: &mut Incoming<'_>, st: &mut RecvState, on_frame: &mut OnFrame<'_>) -> Result<bool> {
+        let peer = inc.peer;
+        let len = inc.buf.len();
+        let c = self.conn(ctx, peer)?;
+        let mut moved = false;
+        loop {
+            if !st.first && st.got == len && st.cur.is_none() {
+                st.done = true;
+                return Ok(true);
+            }
+            if c.has_partial() {
+                match c.finish_stash() {
+                    Ok(Io::Ready(true)) => moved = true,
+                    Ok(Io::Ready(false)) => {
+                        c.eof();
+                        return Err(lost_or_left(ctx, peer, &c.state));
+                    }
+                    Ok(Io::WouldBlock) => return Ok(moved),
+                    Err(e) => {
+                        c.broken(&e);
+                        return Err(lost_or_left(ctx, peer, &c.state));
+                    }
+                }
+            }
+            match st.cur {
+                None => {
+                    let stashed = c.stash.iter().position(|(h, _)| {
+                        !matches!(judge(ctx, h, peer, inc.count, inc.tag, st.got, len), Ok(Verdict::Stash))
+                    });
+                    if let Some(p) = stashed {
+                        let (h, payload) = c.stash.remove(p).expect("position is in range");
+                        judge(ctx, &h, peer, inc.count, inc.tag, st.got, len)?;
+                        let r = st.got..st.got + payload.len();
+                        inc.buf[r.clone()].copy_from_slice(&payload);
+                        on_frame(idx, r.clone(), &inc.buf[r])?;
+                        st.got += payload.len();
+                        st.first = false;
+                        moved = true;
+                        continue;
+                    }
+                    if c.state != PeerState::Open && c.staged() == 0 {
+                        return Err(lost_or_left(ctx, peer, &c.state));
+                    }
+                    let h = match c.read_header() {
+                        Ok(Io::WouldBlock) => return Ok(moved),
+                        Ok(Io::Ready(None)) => {
+                            c.eof();
+                            return Err(lost_or_left(ctx, peer, &c.state));
+                        }
+                        Ok(Io::Ready(Some(Ok(h)))) => h,
+                        Ok(Io::Ready(Some(Err(e)))) => {
+                            c.state = PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
+                            return Err(lost_or_left(ctx, peer, &c.state));
+                        }
+                        Err(e) => {
+                            c.broken(&e);
+                            return Err(lost_or_left(ctx, peer, &c.state));
+                        }
+                    };
+                    moved = true;
+                    match judge(ctx, &h, peer, inc.count, inc.tag, st.got, len)? {
+                        Verdict::Expected => st.cur = Some((h.payload_len as usize, 0)),
+                        Verdict::Stash => {
+                            if let Err(why) = c.begin_stash(h) {
+                                c.state = PeerState::Lost(why);
+                                return Err(lost_or_left(ctx, peer, &c.state));
+                            }
+                        }
+                        Verdict::Closed => {
+                            c.state = PeerState::Left;
+                            return Err(ctx.peer_lost(peer, "it left the group (destroyed its process group) during this operation"));
+                        }
+                    }
+                }
+                Some((flen, done)) => {
+                    let at = st.got + done;
+                    let k = match c.read_payload(&mut inc.buf[at..st.got + flen]) {
+                        Ok(Io::Ready(0)) if flen > done => {
+                            c.eof();
+                            return Err(lost_or_left(ctx, peer, &c.state));
+                        }
+                        Ok(Io::Ready(k)) => k,
+                        Ok(Io::WouldBlock) => return Ok(moved),
+                        Err(e) => {
+                            c.broken(&e);
+                            return Err(lost_or_left(ctx, peer, &c.state));
+                        }
+                    };
+                    moved |= k > 0;
+                    if done + k == flen {
+                        let r = st.got..st.got + flen;
+                        on_frame(idx, r.clone(), &inc.buf[r])?;
+                        st.got += flen;
+                        st.first = false;
+                        st.cur = None;
+                    } else {
+                        st.cur = Some((flen, done + k));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Best-effort goodbye to every open peer.
+    pub(super) fn close(&mut self, rank: usize) {
+        let h = FrameHeader {
+            op: dist_wire::CollectiveOp::Close,
+            dtype: dist_wire::DType::U8,
+            reduce: 0,
+            group: 0,
+            sender: rank as u32,
+            seq: 0,
+            count: 0,
+            root: dist_wire::NO_ROOT,
+            tag: 0,
+            offset: 0,
+            payload_len: 0,
+        }
+        .encode();
+        for c in self.conns.iter_mut().flatten() {
+            if c.state == PeerState::Open {
+                let _ = c.stream.write_all(&h);
+                let _ = c.stream.shutdown(std::net::Shutdown::Write);
+            }
+        }
+    }
+}

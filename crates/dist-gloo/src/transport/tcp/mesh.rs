@@ -1,0 +1,227 @@
+//! Building the full mesh: listen, publish, connect to lower ranks, accept higher ones.
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dist_backend::{Error, Result, Store};
+use mio::{Interest, Poll, Token};
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+use super::conn::Conn;
+
+const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"DSTH");
+
+/// How the mesh is built.
+#[derive(Clone, Debug)]
+pub struct MeshOptions {
+    /// Address to listen on and publish; `None` picks one (see [`local_ip`]).
+    pub ip: Option<IpAddr>,
+    /// Deadline for the whole mesh.
+    pub timeout: Duration,
+    /// Largest frame payload.
+    pub segment_bytes: usize,
+    /// Busy-poll time before sleeping.
+    pub spin: Duration,
+    /// Kernel socket buffer sizes; `None` keeps Linux's autotuning.
+    pub socket_buffer: Option<usize>,
+}
+
+impl Default for MeshOptions {
+    fn default() -> Self {
+        MeshOptions {
+            ip: None,
+            timeout: Duration::from_secs(300),
+            segment_bytes: crate::transport::DEFAULT_SEGMENT_BYTES,
+            spin: Duration::from_micros(50),
+            socket_buffer: None,
+        }
+    }
+}
+
+/// The address this rank listens on when none is given:
+///
+/// 1. the first address of the interface named by `DIST_SOCKET_IFNAME` (or Gloo's
+///    `GLOO_SOCKET_IFNAME`);
+/// 2. the local address of the route to `MASTER_ADDR`, when set (no packet is sent);
+/// 3. `127.0.0.1`.
+pub fn local_ip(rank: usize) -> Result<IpAddr> {
+    for var in ["DIST_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"] {
+        if let Ok(name) = std::env::var(var) {
+            let ifs = if_addrs::get_if_addrs().map_err(|e| Error::Io { rank, context: "listing network interfaces".into(), source: e })?;
+            let mut mine: Vec<IpAddr> = ifs.iter().filter(|i| i.name == name).map(|i| i.ip()).collect();
+            mine.sort_by_key(|ip| ip.is_ipv6());
+            return mine.first().copied().ok_or_else(|| Error::Init {
+                what: format!("{var}={name} names no interface with an address (have: {})", ifs.iter().map(|i| i.name.as_str()).collect::<Vec<_>>().join(", ")),
+            });
+        }
+    }
+    if let Ok(master) = std::env::var("MASTER_ADDR") {
+        if let Some(ip) = route_to(&master) {
+            return Ok(ip);
+        }
+    }
+    Ok(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+fn route_to(host: &str) -> Option<IpAddr> {
+    let target = (host, 9).to_socket_addrs().ok()?.next()?;
+    if target.ip().is_loopback() {
+        return Some(target.ip());
+    }
+    let any: SocketAddr = if target.is_ipv4() { "0.0.0.0:0".parse().ok()? } else { "[::]:0".parse().ok()? };
+    let s = UdpSocket::bind(any).ok()?;
+    s.connect(target).ok()?;
+    Some(s.local_addr().ok()?.ip())
+}
+
+fn io(rank: usize, context: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io { rank, context, source }
+}
+
+fn tune(s: &TcpStream, opts: &MeshOptions, rank: usize) -> Result<()> {
+    s.set_nodelay(true).map_err(io(rank, "setting TCP_NODELAY".into()))?;
+    if let Some(b) = opts.socket_buffer {
+        let sock = socket2::SockRef::from(s);
+        sock.set_send_buffer_size(b).map_err(io(rank, "setting SO_SNDBUF".into()))?;
+        sock.set_recv_buffer_size(b).map_err(io(rank, "setting SO_RCVBUF".into()))?;
+    }
+    Ok(())
+}
+
+fn hello(group: u32, rank: usize) -> [u8; 12] {
+    let mut b = [0u8; 12];
+    b[..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[4..8].copy_from_slice(&group.to_le_bytes());
+    b[8..].copy_from_slice(&(rank as u32).to_le_bytes());
+    b
+}
+
+/// 32-bit FNV-1a of the group's store prefix: the group id in every frame header.
+pub(crate) fn group_id(prefix: &str) -> u32 {
+    prefix.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
+pub(super) fn build(store: &dyn Store, prefix: &str, rank: usize, world: usize, opts: &MeshOptions) -> Result<(Poll, Vec<Option<Conn>>)> {
+    let poll = Poll::new().map_err(io(rank, "creating the poller".into()))?;
+    let mut conns: Vec<Option<Conn>> = (0..world).map(|_| None).collect();
+    if world == 1 {
+        return Ok((poll, conns));
+    }
+    let deadline = Instant::now() + opts.timeout;
+    let group = group_id(prefix);
+    let ip = match opts.ip {
+        Some(ip) => ip,
+        None => local_ip(rank)?,
+    };
+    let listener = listen(ip, world, rank)?;
+    let addr = listener.local_addr().map_err(io(rank, "reading the listener's address".into()))?;
+    store.set(&format!("{prefix}/addr/{rank}"), addr.to_string().as_bytes())?;
+
+    // Accept the higher ranks on a helper thread while connecting to the lower ones here.
+    let expected = world - 1 - rank;
+    let acceptor = thread::Builder::new()
+        .name(format!("dist-gloo-accept-{rank}"))
+        .spawn(move || accept_all(listener, expected, group, world, rank, deadline))
+        .map_err(io(rank, "spawning the accept thread".into()))?;
+
+    let mut streams: Vec<(usize, TcpStream)> = Vec::new();
+    let mut first_err = None;
+    for peer in 0..rank {
+        match connect_to(store, prefix, peer, group, rank, deadline) {
+            Ok(s) => streams.push((peer, s)),
+            Err(e) => {
+                first_err = Some(e);
+                break;
+            }
+        }
+    }
+    let accepted = acceptor.join().unwrap_or_else(|_| Err(Error::invalid(rank, "connect", "the accept thread panicked")));
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    streams.extend(accepted?);
+    for (peer, s) in streams {
+        tune(&s, opts, rank)?;
+        s.set_nonblocking(true).map_err(io(rank, format!("making the connection to rank {peer} non-blocking")))?;
+        let mut ms = mio::net::TcpStream::from_std(s);
+        poll.registry()
+            .register(&mut ms, Token(peer), Interest::READABLE | Interest::WRITABLE)
+            .map_err(io(rank, format!("registering the connection to rank {peer}")))?;
+        conns[peer] = Some(Conn::new(ms));
+    }
+    Ok((poll, conns))
+}
+
+fn listen(ip: IpAddr, world: usize, rank: usize) -> Result<TcpListener> {
+    let addr = SocketAddr::new(ip, 0);
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)).map_err(io(rank, format!("creating a socket for {addr}")))?;
+    sock.set_reuse_address(true).map_err(io(rank, "setting SO_REUSEADDR".into()))?;
+    sock.bind(&SockAddr::from(addr)).map_err(io(rank, format!("binding {addr}")))?;
+    sock.listen(world.clamp(16, 4096) as i32).map_err(io(rank, format!("listening on {addr}")))?;
+    Ok(sock.into())
+}
+
+fn accept_all(listener: TcpListener, expected: usize, group: u32, world: usize, rank: usize, deadline: Instant) -> Result<Vec<(usize, TcpStream)>> {
+    let mut out: Vec<(usize, TcpStream)> = Vec::with_capacity(expected);
+    listener.set_nonblocking(true).map_err(io(rank, "making the listener non-blocking".into()))?;
+    while out.len() < expected {
+        match listener.accept() {
+            Ok((mut s, from)) => {
+                s.set_nonblocking(false).map_err(io(rank, "configuring an accepted connection".into()))?;
+                s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+                    .map_err(io(rank, "configuring an accepted connection".into()))?;
+                let mut b = [0u8; 12];
+                if s.read_exact(&mut b).is_err() {
+                    tracing::warn!(rank, %from, "dropping a connection that sent no hello");
+                    continue;
+                }
+                let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                let their_group = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                let peer = u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize;
+                if magic != HELLO_MAGIC || their_group != group || peer <= rank || peer >= world || out.iter().any(|(p, _)| *p == peer) {
+                    tracing::warn!(rank, %from, peer, "dropping a connection with a bad hello");
+                    continue;
+                }
+                s.set_read_timeout(None).map_err(io(rank, "configuring an accepted connection".into()))?;
+                out.push((peer, s));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> = (rank + 1..world).filter(|p| !out.iter().any(|(q, _)| q == p)).collect();
+                    return Err(Error::Io {
+                        rank,
+                        context: format!("building the connection mesh: rank(s) {missing:?} did not connect in time"),
+                        source: std::io::ErrorKind::TimedOut.into(),
+                    });
+                }
+                thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(Error::Io { rank, context: "accepting peer connections".into(), source: e }),
+        }
+    }
+    Ok(out)
+}
+
+fn connect_to(store: &dyn Store, prefix: &str, peer: usize, group: u32, rank: usize, deadline: Instant) -> Result<TcpStream> {
+    let raw = store.get(&format!("{prefix}/addr/{peer}"))?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let addr: SocketAddr = text.parse().map_err(|_| Error::Init { what: format!("rank {peer} published an unreadable address {text:?} under {prefix}/addr/{peer}") })?;
+    let mut delay = Duration::from_millis(1);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
+            Ok(mut s) => {
+                s.write_all(&hello(group, rank)).map_err(io(rank, format!("greeting rank {peer} at {addr}")))?;
+                return Ok(s);
+            }
+            Err(e) if Instant::now() + delay < deadline => {
+                tracing::debug!(rank, peer, %addr, error = %e, "connect failed, retrying");
+                thread::sleep(delay);
+                delay = (delay * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => return Err(Error::Io { rank, context: format!("connecting to rank {peer} at {addr}"), source: e }),
+        }
+    }
+}

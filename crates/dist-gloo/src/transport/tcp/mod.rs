@@ -1,0 +1,67 @@
+//! The TCP transport: one connection per pair of ranks, set up through the store.
+
+mod conn;
+mod engine;
+mod mesh;
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use dist_backend::{Result, Store};
+
+pub use mesh::{MeshOptions, local_ip};
+pub(crate) use mesh::group_id;
+
+use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
+use engine::Engine;
+
+/// A full TCP mesh between the ranks of one group.
+#[derive(Debug)]
+pub struct TcpTransport {
+    rank: usize,
+    world_size: usize,
+    segment: usize,
+    engine: Mutex<Engine>,
+}
+
+impl TcpTransport {
+    /// Builds the mesh: listens, publishes this rank's address under `prefix` in `store`,
+    /// connects to lower ranks and accepts higher ones, all within `opts.timeout`.
+    pub fn connect(store: &dyn Store, prefix: &str, rank: usize, world_size: usize, opts: &MeshOptions) -> Result<Self> {
+        let (poll, conns) = mesh::build(store, prefix, rank, world_size, opts)?;
+        Ok(TcpTransport {
+            rank,
+            world_size,
+            segment: opts.segment_bytes.max(8) / 8 * 8,
+            engine: Mutex::new(Engine { poll, events: mio::Events::with_capacity(64), conns, spin: opts.spin }),
+        })
+    }
+
+    /// Changes how long a step busy-polls before sleeping.
+    pub fn set_spin(&self, spin: Duration) {
+        self.engine.lock().unwrap_or_else(|e| e.into_inner()).spin = spin;
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn segment_bytes(&self) -> usize {
+        self.segment
+    }
+
+    fn exchange(&self, ctx: &StepCtx, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>], on_frame: &mut OnFrame<'_>) -> Result<()> {
+        let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        eng.run(ctx, self.segment, sends, recvs, on_frame)
+    }
+
+    fn close(&self) {
+        self.engine.lock().unwrap_or_else(|e| e.into_inner()).close(self.rank);
+    }
+}

@@ -1,0 +1,121 @@
+//! Shared test harness: worlds of ranks as threads, and reference reductions.
+
+#![allow(dead_code, reason = "each test binary uses part of the harness")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dist_backend::store::HashStore;
+use dist_gloo::{GlooBackend, GlooOptions};
+use dist_wire::{DType, ReduceOp, bf16, f16};
+
+/// `n` ranks connected over real loopback TCP through an in-process store.
+pub fn tcp_world(n: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
+    let store = Arc::new(HashStore::new(Duration::from_secs(30)));
+    let prefix = format!("test-{}", std::process::id());
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let store = store.clone();
+                let prefix = prefix.clone();
+                s.spawn(move || GlooBackend::connect(&*store, &prefix, r, n, opts).expect("mesh builds"))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+/// Runs `f` on every rank concurrently and returns the ranks' results in rank order.
+pub fn on_all<R: Send>(ranks: &[GlooBackend], f: impl Fn(&GlooBackend) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ranks.iter().map(|b| s.spawn(|| f(b))).collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    })
+}
+
+/// Whether the type is signed (its test values include negatives).
+fn signed(d: DType) -> bool {
+    matches!(d, DType::I8 | DType::I16 | DType::I32 | DType::I64) || d.is_float()
+}
+
+/// The logical test value of element `i` on rank `r` for `op`.
+pub fn value(d: DType, op: ReduceOp, r: usize, i: usize) -> f64 {
+    match op {
+        ReduceOp::Product => 1.0 + ((r + i) % 2) as f64,
+        _ => ((r * 7 + i * 3) % 11) as f64 - if signed(d) { 5.0 } else { 0.0 },
+    }
+}
+
+/// Encodes logical values as `d` elements.
+pub fn encode(d: DType, vals: impl Iterator<Item = f64>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in vals {
+        match d {
+            DType::I8 => out.extend_from_slice(&(v as i8).to_le_bytes()),
+            DType::U8 => out.extend_from_slice(&(v as u8).to_le_bytes()),
+            DType::I16 => out.extend_from_slice(&(v as i16).to_le_bytes()),
+            DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+            DType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
+            DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
+            DType::U64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
+            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+            _ => unreachable!("every dtype is listed"),
+        }
+    }
+    out
+}
+
+/// Decodes `d` elements to logical values.
+pub fn decode(d: DType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks(d.size())
+        .map(|c| match d {
+            DType::I8 => i8::from_le_bytes([c[0]]) as f64,
+            DType::U8 => c[0] as f64,
+            DType::I16 => i16::from_le_bytes([c[0], c[1]]) as f64,
+            DType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::U32 => u32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::U64 => u64::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::F16 => f16::from_le_bytes([c[0], c[1]]).to_f64(),
+            DType::BF16 => bf16::from_le_bytes([c[0], c[1]]).to_f64(),
+            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::F64 => f64::from_le_bytes(c.try_into().unwrap()),
+            _ => unreachable!("every dtype is listed"),
+        })
+        .collect()
+}
+
+/// The reduction of element `i` over `n` ranks, computed independently of the library.
+pub fn reference(d: DType, op: ReduceOp, n: usize, i: usize) -> f64 {
+    let vals: Vec<f64> = (0..n).map(|r| value(d, op, r, i)).collect();
+    let ints: Vec<i64> = vals.iter().map(|v| *v as i64).collect();
+    match op {
+        ReduceOp::Sum => vals.iter().sum(),
+        ReduceOp::Product => vals.iter().product(),
+        ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::BitAnd => ints.iter().fold(-1i64, |a, b| a & b) as f64,
+        ReduceOp::BitOr => ints.iter().fold(0i64, |a, b| a | b) as f64,
+        ReduceOp::BitXor => ints.iter().fold(0i64, |a, b| a ^ b) as f64,
+        ReduceOp::Avg if d.is_float() => vals.iter().sum::<f64>() / n as f64,
+        ReduceOp::Avg => (ints.iter().sum::<i64>() / n as i64) as f64,
+        ReduceOp::PremulSum(s) => vals.iter().map(|v| v * s).sum(),
+        _ => unreachable!("every op is listed"),
+    }
+}
+
+/// Asserts `got` equals the reference within the dtype's rounding.
+pub fn assert_close(d: DType, what: &str, i: usize, got: f64, want: f64) {
+    let tol = match d {
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+        DType::F32 => 1e-6,
+        DType::F64 => 1e-12,
+        _ => 0.0,
+    };
+    assert!((got - want).abs() <= tol * want.abs().max(1.0), "{what}: element {i}: got {got}, want {want}");
+}
