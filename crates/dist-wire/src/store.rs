@@ -428,6 +428,73 @@ impl Request {
         out
     }
 
+    /// Checks every key, value and list of this request against `limits` (what a decoder with
+    /// those limits would refuse), without encoding it.
+    pub fn check_limits(&self, limits: &Limits) -> Result<(), WireError> {
+        let check = |what: &'static str, len: usize, limit: u64| {
+            if len as u64 > limit {
+                Err(WireError::TooLong {
+                    what,
+                    len: len as u64,
+                    limit,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        let key = |k: &[u8]| check("store key", k.len(), limits.max_key_len);
+        let value = |v: &[u8]| check("store value", v.len(), limits.max_value_len);
+        let mut total = 1usize;
+        match self {
+            Request::Set { key: k, value: v }
+            | Request::Append { key: k, value: v }
+            | Request::QueuePush { key: k, value: v } => {
+                key(k)?;
+                value(v)?;
+                total += 16 + k.len() + v.len();
+            }
+            Request::CompareSet {
+                key: k,
+                expected,
+                desired,
+            } => {
+                key(k)?;
+                value(expected)?;
+                value(desired)?;
+                total += 24 + k.len() + expected.len() + desired.len();
+            }
+            Request::Get { key: k }
+            | Request::DeleteKey { key: k }
+            | Request::QueuePop { key: k }
+            | Request::QueueLen { key: k }
+            | Request::Add { key: k, .. } => {
+                key(k)?;
+                total += 16 + k.len();
+            }
+            Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
+                check("store key list", keys.len(), limits.max_list_len)?;
+                for k in keys {
+                    key(k)?;
+                    total += 8 + k.len();
+                }
+            }
+            Request::MultiSet { pairs } => {
+                check("store pair list", pairs.len(), limits.max_list_len)?;
+                for (k, v) in pairs {
+                    key(k)?;
+                    value(v)?;
+                    total += 16 + k.len() + v.len();
+                }
+            }
+            Request::Validate { .. }
+            | Request::Ping { .. }
+            | Request::GetNumKeys
+            | Request::CancelWait
+            | Request::ListKeys => {}
+        }
+        check("store message", total, limits.max_message_len)
+    }
+
     /// Decodes one request from the start of `buf`.
     ///
     /// Returns `Ok(Some((request, consumed)))` when `buf` starts with a complete request,

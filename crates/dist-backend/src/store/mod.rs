@@ -1,10 +1,28 @@
 //! The rendezvous key-value store (torch's c10d `Store`).
+//!
+//! Four implementations of [`Store`]:
+//!
+//! * [`HashStore`]: in one process (`Mutex` + `Condvar`);
+//! * [`PrefixStore`]: wraps another store and puts `prefix/` before every key;
+//! * [`FileStore`]: processes of one host sharing a file (an append-only record log guarded by
+//!   `flock`);
+//! * [`TcpStore`] (client) and [`TcpStoreServer`]: PyTorch's TCPStore protocol, byte for byte, so
+//!   a torch job and a `dist` job can share one store. The server is one `mio` event loop thread.
 
 use std::time::Duration;
 
 mod error;
+mod file;
+mod hash;
+mod kv;
+mod prefix;
+mod tcp;
 
 pub use error::StoreError;
+pub use file::FileStore;
+pub use hash::HashStore;
+pub use prefix::PrefixStore;
+pub use tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
 
 /// A key-value store shared by every rank of a job, used for rendezvous.
 ///

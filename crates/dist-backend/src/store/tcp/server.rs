@@ -1,0 +1,584 @@
+//! [`TcpStoreServer`]: one `mio` event-loop thread serving every client.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+use dist_wire::WireError;
+use dist_wire::store::{
+    CHECK_NOT_READY, CHECK_READY, Limits, Request, RequestDecoder, Response, STOP_WAITING,
+    VALIDATION_MAGIC, WAIT_CANCELED,
+};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+
+use crate::store::StoreError;
+use crate::store::kv::Kv;
+
+const LISTENER: Token = Token(0);
+const WAKER: Token = Token(1);
+const FIRST_CLIENT: usize = 2;
+/// torch's libuv server uses the same backlog.
+const BACKLOG: i32 = 16384;
+/// A client whose unread replies pile up beyond this is dropped.
+const MAX_PENDING_OUTPUT: usize = 512 * 1024 * 1024;
+
+/// A TCPStore server speaking PyTorch's protocol: one thread, one `mio` event loop, any number
+/// of clients. Waiters are kept per key. Dropping the server stops the thread (through a
+/// `mio::Waker`) and closes every connection.
+///
+/// A client that sends bytes the protocol does not allow (no VALIDATE first, an unknown query,
+/// a length over the [`Limits`], a connection closed mid-request) is disconnected with a
+/// `tracing::warn!` naming the reason; every other client and every key are unaffected.
+#[derive(Debug)]
+pub struct TcpStoreServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    waker: Arc<Waker>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl TcpStoreServer {
+    /// Starts a server on `port` of every interface (`[::]`, falling back to `0.0.0.0`), as
+    /// torch does. Port 0 picks a free port: see [`port`](Self::port).
+    pub fn start(port: u16) -> Result<Self, StoreError> {
+        let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port);
+        match bind(v6) {
+            Ok(l) => Self::serve(l, Limits::DEFAULT),
+            Err(e6) => {
+                tracing::debug!("tcp store: binding {v6} failed ({e6}); trying 0.0.0.0");
+                let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port);
+                let l = bind(v4).map_err(|e| bind_error(v4, e))?;
+                Self::serve(l, Limits::DEFAULT)
+            }
+        }
+    }
+
+    /// Starts a server on exactly `addr` with the given decoder limits.
+    pub fn start_on(addr: SocketAddr, limits: Limits) -> Result<Self, StoreError> {
+        let l = bind(addr).map_err(|e| bind_error(addr, e))?;
+        Self::serve(l, limits)
+    }
+
+    fn serve(listener: std::net::TcpListener, limits: Limits) -> Result<Self, StoreError> {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| io_err("listen", "?".into(), e))?;
+        let poll = Poll::new().map_err(|e| io_err("listen", addr.to_string(), e))?;
+        let waker = Arc::new(
+            Waker::new(poll.registry(), WAKER)
+                .map_err(|e| io_err("listen", addr.to_string(), e))?,
+        );
+        let mut listener = TcpListener::from_std(listener);
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)
+            .map_err(|e| io_err("listen", addr.to_string(), e))?;
+        check_somaxconn();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut lp = EventLoop {
+            poll,
+            listener,
+            conns: HashMap::new(),
+            next_token: FIRST_CLIENT,
+            kv: Kv::default(),
+            waiters: HashMap::new(),
+            limits,
+            stop: Arc::clone(&stop),
+            dirty: Vec::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("tcpstore-{}", addr.port()))
+            .spawn(move || lp.run())
+            .map_err(|e| io_err("spawn server thread", addr.to_string(), e))?;
+        tracing::debug!("tcp store: serving on {addr}");
+        Ok(TcpStoreServer {
+            addr,
+            stop,
+            waker,
+            thread: Some(thread),
+        })
+    }
+
+    /// The port the server listens on (the one picked when started with port 0).
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Err(e) = self.waker.wake() {
+            tracing::warn!("tcp store: could not wake the server thread to stop it: {e}");
+            return;
+        }
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            tracing::warn!("tcp store: the server thread panicked");
+        }
+    }
+}
+
+fn io_err(op: &'static str, addr: String, source: io::Error) -> StoreError {
+    StoreError::Io {
+        op,
+        addr,
+        keys: Vec::new(),
+        source,
+    }
+}
+
+fn bind_error(addr: SocketAddr, source: io::Error) -> StoreError {
+    let errno = source.raw_os_error().unwrap_or(0);
+    let mut reason = source.to_string();
+    if let Some(i) = reason.find(" (os error") {
+        reason.truncate(i);
+    }
+    StoreError::Bind {
+        addr: addr.to_string(),
+        errno,
+        reason,
+        source,
+    }
+}
+
+fn bind(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() {
+        // Dual-stack, so IPv4 clients reach `[::]` too.
+        socket.set_only_v6(false)?;
+    }
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    Ok(socket.into())
+}
+
+fn check_somaxconn() {
+    if let Ok(s) = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        && let Ok(n) = s.trim().parse::<i32>()
+        && n < 1024
+    {
+        tracing::warn!(
+            "tcp store: /proc/sys/net/core/somaxconn is {n}: many clients connecting at once may \
+             be refused and retry"
+        );
+    }
+}
+
+/// One client connection.
+struct Conn {
+    stream: TcpStream,
+    peer: String,
+    dec: RequestDecoder,
+    out: Vec<u8>,
+    out_pos: usize,
+    validated: bool,
+    /// The outstanding WAIT: its keys (for cancellation) and how many are still missing.
+    wait: Option<Wait>,
+}
+
+struct Wait {
+    keys: Vec<Vec<u8>>,
+    missing: usize,
+}
+
+struct EventLoop {
+    poll: Poll,
+    listener: TcpListener,
+    conns: HashMap<Token, Conn>,
+    next_token: usize,
+    kv: Kv,
+    /// key → connections waiting on it (once per occurrence of the key in their WAIT).
+    waiters: HashMap<Vec<u8>, Vec<Token>>,
+    limits: Limits,
+    stop: Arc<AtomicBool>,
+    /// Connections with new output to flush.
+    dirty: Vec<Token>,
+}
+
+impl EventLoop {
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(1024);
+        let mut scratch = vec![0u8; 64 * 1024];
+        loop {
+            if let Err(e) = self.poll.poll(&mut events, None) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                tracing::error!("tcp store: poll failed, the server stops: {e}");
+                return;
+            }
+            for ev in &events {
+                match ev.token() {
+                    WAKER => {}
+                    LISTENER => self.accept(),
+                    t => {
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            self.read(t, &mut scratch);
+                        }
+                        if ev.is_writable() {
+                            self.dirty.push(t);
+                        }
+                    }
+                }
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                tracing::debug!("tcp store: server stopping");
+                return;
+            }
+            self.flush_dirty();
+        }
+    }
+
+    fn accept(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((mut stream, peer)) => {
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!("tcp store: TCP_NODELAY on {peer}: {e}");
+                    }
+                    let token = Token(self.next_token);
+                    self.next_token += 1;
+                    if let Err(e) = self.poll.registry().register(
+                        &mut stream,
+                        token,
+                        Interest::READABLE | Interest::WRITABLE,
+                    ) {
+                        tracing::warn!("tcp store: cannot register client {peer}: {e}");
+                        continue;
+                    }
+                    self.conns.insert(
+                        token,
+                        Conn {
+                            stream,
+                            peer: peer.to_string(),
+                            dec: RequestDecoder::new(self.limits),
+                            out: Vec::new(),
+                            out_pos: 0,
+                            validated: false,
+                            wait: None,
+                        },
+                    );
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // EMFILE and the like: the pending connection stays in the backlog.
+                    tracing::warn!("tcp store: accept failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads everything available from `t`, then handles every complete request.
+    fn read(&mut self, t: Token, scratch: &mut [u8]) {
+        let mut eof = false;
+        {
+            let Some(c) = self.conns.get_mut(&t) else {
+                return;
+            };
+            loop {
+                match c.stream.read(scratch) {
+                    Ok(0) => {
+                        eof = true;
+                        break;
+                    }
+                    Ok(n) => c.dec.feed(&scratch[..n]),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        let reason = format!("read error: {e}");
+                        self.close(t, &reason, false);
+                        return;
+                    }
+                }
+            }
+        }
+        loop {
+            let next = match self.conns.get_mut(&t) {
+                Some(c) => c.dec.next_request(),
+                None => return,
+            };
+            match next {
+                Ok(Some(req)) => {
+                    if let Err(reason) = self.handle(t, req) {
+                        self.close(t, &reason, true);
+                        return;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    self.close(t, &format!("undecodable request: {e}"), true);
+                    return;
+                }
+            }
+        }
+        if eof {
+            let left = self.conns.get(&t).map_or(0, |c| c.dec.buffered());
+            if left > 0 {
+                let e = WireError::Truncated {
+                    what: "store request",
+                    needed: left + 1,
+                    have: left,
+                };
+                self.close(t, &format!("connection closed mid-request: {e}"), true);
+            } else {
+                // Flush what is left (the client may have only shut down its write side).
+                self.flush(t);
+                self.close(t, "closed by client", false);
+            }
+        }
+    }
+
+    /// Drops a client and every wait registration it had.
+    fn close(&mut self, t: Token, reason: &str, warn: bool) {
+        let Some(mut c) = self.conns.remove(&t) else {
+            return;
+        };
+        if warn {
+            tracing::warn!(peer = %c.peer, "tcp store: dropping client: {reason}");
+        } else {
+            tracing::trace!(peer = %c.peer, "tcp store: client gone: {reason}");
+        }
+        if let Some(w) = c.wait.take() {
+            self.unregister_waits(t, &w.keys);
+        }
+        let _ = self.poll.registry().deregister(&mut c.stream);
+    }
+
+    fn unregister_waits(&mut self, t: Token, keys: &[Vec<u8>]) {
+        for k in keys {
+            if let Some(list) = self.waiters.get_mut(k) {
+                list.retain(|x| *x != t);
+                if list.is_empty() {
+                    self.waiters.remove(k);
+                }
+            }
+        }
+    }
+
+    fn reply(&mut self, t: Token, r: &Response) {
+        if let Some(c) = self.conns.get_mut(&t) {
+            r.encode(&mut c.out);
+            self.dirty.push(t);
+        }
+    }
+
+    /// Tells every waiter on `key` that it exists now.
+    fn wake(&mut self, key: &[u8]) {
+        if !self.kv.contains(key) {
+            return;
+        }
+        let Some(list) = self.waiters.remove(key) else {
+            return;
+        };
+        for t in list {
+            let Some(c) = self.conns.get_mut(&t) else {
+                continue;
+            };
+            if let Some(w) = &mut c.wait {
+                w.missing = w.missing.saturating_sub(1);
+                if w.missing == 0 {
+                    c.wait = None;
+                    c.out.push(STOP_WAITING);
+                    self.dirty.push(t);
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, t: Token, req: Request) -> Result<(), String> {
+        let validated = self.conns.get(&t).is_some_and(|c| c.validated);
+        if !validated {
+            return match req {
+                Request::Validate { magic } if magic == VALIDATION_MAGIC => {
+                    if let Some(c) = self.conns.get_mut(&t) {
+                        c.validated = true;
+                    }
+                    Ok(())
+                }
+                Request::Validate { magic } => Err(format!(
+                    "bad VALIDATE magic {magic:#010x} (expected {VALIDATION_MAGIC:#010x})"
+                )),
+                other => Err(format!(
+                    "first request is {} instead of VALIDATE",
+                    other.query_type().name()
+                )),
+            };
+        }
+        match req {
+            Request::Validate { magic } => {
+                if magic != VALIDATION_MAGIC {
+                    return Err(format!("bad VALIDATE magic {magic:#010x}"));
+                }
+            }
+            Request::Set { key, value } => {
+                self.kv.set(&key, &value);
+                self.wake(&key);
+            }
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
+                let v = self.kv.compare_set(&key, &expected, &desired);
+                self.reply(t, &Response::Value(v));
+                self.wake(&key);
+            }
+            Request::Get { key } => {
+                let v = self.kv.get(&key).unwrap_or_default().to_vec();
+                self.reply(t, &Response::Value(v));
+            }
+            Request::Add { key, delta } => match self.kv.add(&key, delta) {
+                Ok(n) => {
+                    self.reply(t, &Response::Int(n));
+                    self.wake(&key);
+                }
+                Err(e) => {
+                    return Err(format!(
+                        "ADD on key {:?} whose value {:?} is not a decimal integer",
+                        String::from_utf8_lossy(&key),
+                        crate::store::error::show_value(&e.0)
+                    ));
+                }
+            },
+            Request::Check { keys } => {
+                let ready = keys.iter().all(|k| self.kv.contains(k));
+                let flag = if ready { CHECK_READY } else { CHECK_NOT_READY };
+                self.reply(t, &Response::Flag(flag));
+            }
+            Request::Wait { keys } => self.wait(t, keys)?,
+            Request::GetNumKeys => {
+                let n = self.kv.num_keys() as i64;
+                self.reply(t, &Response::Int(n));
+            }
+            Request::DeleteKey { key } => {
+                let n = i64::from(self.kv.delete(&key));
+                self.reply(t, &Response::Int(n));
+            }
+            Request::Append { key, value } => {
+                self.kv.append(&key, &value);
+                self.wake(&key);
+            }
+            Request::MultiGet { keys } => {
+                let vs = keys
+                    .iter()
+                    .map(|k| self.kv.get(k).unwrap_or_default().to_vec())
+                    .collect();
+                self.reply(t, &Response::Values(vs));
+            }
+            Request::MultiSet { pairs } => {
+                for (k, v) in &pairs {
+                    self.kv.set(k, v);
+                }
+                for (k, _) in &pairs {
+                    self.wake(k);
+                }
+            }
+            Request::CancelWait => {
+                let w = self.conns.get_mut(&t).and_then(|c| c.wait.take());
+                if let Some(w) = w {
+                    self.unregister_waits(t, &w.keys);
+                }
+                self.reply(t, &Response::Flag(WAIT_CANCELED));
+            }
+            Request::Ping { nonce } => self.reply(t, &Response::Pong(nonce)),
+            Request::QueuePush { key, value } => {
+                self.kv.queue_push(&key, &value);
+                self.wake(&key);
+            }
+            Request::QueuePop { key } => {
+                let v = self.kv.queue_pop(&key);
+                self.reply(t, &Response::Popped(v));
+            }
+            Request::QueueLen { key } => {
+                let n = self.kv.queue_len(&key) as i64;
+                self.reply(t, &Response::Int(n));
+            }
+            Request::ListKeys => {
+                let keys = self.kv.keys().cloned().collect();
+                self.reply(t, &Response::Keys(keys));
+            }
+            other => {
+                return Err(format!("query {} is not served", other.query_type().name()));
+            }
+        }
+        Ok(())
+    }
+
+    fn wait(&mut self, t: Token, keys: Vec<Vec<u8>>) -> Result<(), String> {
+        if self.conns.get(&t).is_some_and(|c| c.wait.is_some()) {
+            return Err("WAIT while another WAIT of the same connection is outstanding".into());
+        }
+        let missing: Vec<&Vec<u8>> = keys.iter().filter(|k| !self.kv.contains(k)).collect();
+        if missing.is_empty() {
+            self.reply(t, &Response::Flag(STOP_WAITING));
+            return Ok(());
+        }
+        for k in &missing {
+            self.waiters.entry((*k).clone()).or_default().push(t);
+        }
+        let n = missing.len();
+        if let Some(c) = self.conns.get_mut(&t) {
+            c.wait = Some(Wait { keys, missing: n });
+        }
+        Ok(())
+    }
+
+    fn flush_dirty(&mut self) {
+        let mut dirty = std::mem::take(&mut self.dirty);
+        dirty.sort_unstable();
+        dirty.dedup();
+        for t in dirty.drain(..) {
+            self.flush(t);
+        }
+        // Keep the allocation.
+        if self.dirty.is_empty() {
+            self.dirty = dirty;
+        }
+    }
+
+    fn flush(&mut self, t: Token) {
+        let Some(c) = self.conns.get_mut(&t) else {
+            return;
+        };
+        while c.out_pos < c.out.len() {
+            match c.stream.write(&c.out[c.out_pos..]) {
+                Ok(0) => {
+                    self.close(t, "connection closed while writing", false);
+                    return;
+                }
+                Ok(n) => c.out_pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let reason = format!("write error: {e}");
+                    self.close(t, &reason, false);
+                    return;
+                }
+            }
+        }
+        if c.out_pos == c.out.len() {
+            c.out.clear();
+            c.out_pos = 0;
+        } else if c.out.len() - c.out_pos > MAX_PENDING_OUTPUT {
+            self.close(t, "client does not read its replies", true);
+        } else if c.out_pos > 64 * 1024 {
+            c.out.drain(..c.out_pos);
+            c.out_pos = 0;
+        }
+    }
+}
