@@ -1,6 +1,7 @@
 //! Shared test harness: worlds of ranks as threads, and reference reductions.
 
 #![allow(dead_code, reason = "each test binary uses part of the harness")]
+#![allow(unreachable_pub, reason = "a test harness module is private to its test binary")]
 
 use std::sync::Arc;
 use std::time::Duration;
