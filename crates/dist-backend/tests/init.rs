@@ -1,0 +1,112 @@
+//! Init from `env://`, `tcp://` and `file://` with several ranks on threads.
+
+use std::collections::HashMap;
+use std::thread;
+use std::time::Duration;
+
+use dist_backend::init::{Launcher, init_from_url_with};
+
+const T: Duration = Duration::from_secs(10);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn env_init_rank0_hosts_the_store() {
+    let port = free_port();
+    let world = 4;
+    let hs: Vec<_> = (0..world)
+        .map(|rank| {
+            thread::spawn(move || {
+                let vars: HashMap<&str, String> = HashMap::from([
+                    ("MASTER_ADDR", "127.0.0.1".to_owned()),
+                    ("MASTER_PORT", port.to_string()),
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", world.to_string()),
+                    ("LOCAL_RANK", (rank % 2).to_string()),
+                    ("LOCAL_WORLD_SIZE", "2".to_owned()),
+                ]);
+                let info =
+                    init_from_url_with("env://", None, None, T, &|k| vars.get(k).cloned()).unwrap();
+                assert_eq!(info.rank, rank);
+                assert_eq!(info.world_size, world);
+                assert_eq!(info.local_rank, rank % 2);
+                assert_eq!(info.local_world_size, 2);
+                assert_eq!(info.launcher, Launcher::Torchrun);
+                info.store.set(&format!("hello/{rank}"), b"hi").unwrap();
+                let keys: Vec<String> = (0..world).map(|r| format!("hello/{r}")).collect();
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                info.store.wait(&refs, T).unwrap();
+                // Keep rank 0 (the server) alive until everyone is done reading.
+                info.store.add("done", 1).unwrap();
+                if rank == 0 {
+                    while info.store.get("done").unwrap() != world.to_string().as_bytes() {
+                        thread::sleep(Duration::from_millis(5));
+                    }
+                }
+                info.store.multi_get(&refs).unwrap()
+            })
+        })
+        .collect();
+    for h in hs {
+        assert_eq!(h.join().unwrap(), vec![b"hi".to_vec(); world]);
+    }
+}
+
+#[test]
+fn tcp_init_with_query_arguments() {
+    let port = free_port();
+    let none = |_: &str| None;
+    let h = thread::spawn(move || {
+        let url = format!("tcp://127.0.0.1:{port}?rank=1&world_size=2");
+        let info = init_from_url_with(&url, None, None, T, &none).unwrap();
+        assert_eq!((info.rank, info.world_size), (1, 2));
+        assert_eq!(info.store.get("from0").unwrap(), b"x");
+        info.store.set("from1", b"y").unwrap();
+    });
+    let url = format!("tcp://localhost:{port}");
+    let info = init_from_url_with(&url, Some(0), Some(2), T, &none).unwrap();
+    assert_eq!(info.launcher, Launcher::Explicit);
+    info.store.set("from0", b"x").unwrap();
+    assert_eq!(info.store.get("from1").unwrap(), b"y");
+    h.join().unwrap();
+}
+
+#[test]
+fn file_init() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", dir.path().join("rdzv").display());
+    let none = |_: &str| None;
+    let hs: Vec<_> = (0..3)
+        .map(|rank| {
+            let url = url.clone();
+            thread::spawn(move || {
+                let info = init_from_url_with(&url, Some(rank), Some(3), T, &none).unwrap();
+                let n = info.store.add("arrived", 1).unwrap();
+                if n == 3 {
+                    info.store.set("go", b"").unwrap();
+                }
+                info.store.wait(&["go"], T).unwrap();
+                info.store.get("arrived").unwrap()
+            })
+        })
+        .collect();
+    for h in hs {
+        assert_eq!(h.join().unwrap(), b"3");
+    }
+}
+
+#[test]
+fn env_init_fails_without_master() {
+    let vars = HashMap::from([("RANK", "1"), ("WORLD_SIZE", "2")]);
+    let e = init_from_url_with("env://", None, None, T, &|k| {
+        vars.get(k).map(|v| (*v).to_owned())
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+}
