@@ -3,7 +3,6 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -11,10 +10,6 @@ use dist_backend::store::{TcpStore, TcpStoreOptions, TcpStoreServer};
 use dist_backend::{Store, StoreError};
 
 const T: Duration = Duration::from_secs(10);
-
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
-}
 
 /// A raw, validated connection.
 fn raw(port: u16) -> TcpStream {
