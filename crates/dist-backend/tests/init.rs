@@ -42,6 +42,7 @@ fn env_init_rank0_hosts_the_store() {
                 let keys: Vec<String> = (0..world).map(|r| format!("hello/{r}")).collect();
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
                 info.store.wait(&refs, T).unwrap();
+                let seen = info.store.multi_get(&refs).unwrap();
                 // Keep rank 0 (the server) alive until everyone is done reading.
                 info.store.add("done", 1).unwrap();
                 if rank == 0 {
@@ -49,7 +50,7 @@ fn env_init_rank0_hosts_the_store() {
                         thread::sleep(Duration::from_millis(5));
                     }
                 }
-                info.store.multi_get(&refs).unwrap()
+                seen
             })
         })
         .collect();

@@ -48,6 +48,11 @@ fn thousand_clients_rendezvous_on_one_server_thread() {
     let server = TcpStoreServer::start(0).unwrap();
     let port = server.port();
     let name = format!("tcpstore-{port}");
+    // The new thread names itself once it runs: give it a moment.
+    let t0 = std::time::Instant::now();
+    while threads_named(&name) == 0 && t0.elapsed() < Duration::from_secs(2) {
+        thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(threads_named(&name), 1);
     let with_server = threads();
     assert_eq!(with_server, before + 1);
