@@ -193,4 +193,20 @@ proptest! {
         let is_too_long = matches!(err, Some(WireError::TooLong { .. }));
         prop_assert!(is_too_long, "{:?}", err);
     }
+
+    #[test]
+    fn check_limits_agrees_with_the_decoder(req in request(), key in 0u64..20, value in 0u64..70, list in 0u64..7) {
+        let limits = Limits { max_key_len: key, max_value_len: value, max_list_len: list, max_message_len: 4096 };
+        let b = req.to_bytes();
+        let decoded = Request::decode(&b, &limits);
+        match req.check_limits(&limits) {
+            Ok(()) => prop_assert_eq!(decoded, Ok(Some((req.clone(), b.len())))),
+            Err(e) => {
+                let is_too_long = matches!(e, WireError::TooLong { .. });
+                prop_assert!(is_too_long);
+                let decode_too_long = matches!(decoded, Err(WireError::TooLong { .. }));
+                prop_assert!(decode_too_long, "{:?}", decoded);
+            }
+        }
+    }
 }
