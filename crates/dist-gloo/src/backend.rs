@@ -24,7 +24,10 @@ pub struct GlooOptions {
 
 impl Default for GlooOptions {
     fn default() -> Self {
-        GlooOptions { mesh: MeshOptions::default(), small_bytes: 64 << 10 }
+        GlooOptions {
+            mesh: MeshOptions::default(),
+            small_bytes: 64 << 10,
+        }
     }
 }
 
@@ -32,7 +35,10 @@ impl GlooOptions {
     /// Defaults, with `DIST_GLOO_SMALL_BYTES` overriding [`GlooOptions::small_bytes`].
     pub fn from_env() -> Self {
         let mut o = GlooOptions::default();
-        if let Some(v) = std::env::var("DIST_GLOO_SMALL_BYTES").ok().and_then(|v| v.parse().ok()) {
+        if let Some(v) = std::env::var("DIST_GLOO_SMALL_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
             o.small_bytes = v;
         }
         o
@@ -55,19 +61,37 @@ pub struct GlooBackend {
 
 impl std::fmt::Debug for GlooBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GlooBackend").field("rank", &self.rank).field("world_size", &self.world_size).field("group", &self.group).finish()
+        f.debug_struct("GlooBackend")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("group", &self.group)
+            .finish()
     }
 }
 
 impl GlooBackend {
     /// Connects a full TCP mesh among `world_size` ranks through `store`, under the key prefix
     /// `prefix` (one prefix per group).
-    pub fn connect(store: &dyn Store, prefix: &str, rank: usize, world_size: usize, opts: &GlooOptions) -> Result<Self> {
+    pub fn connect(
+        store: &dyn Store,
+        prefix: &str,
+        rank: usize,
+        world_size: usize,
+        opts: &GlooOptions,
+    ) -> Result<Self> {
         if rank >= world_size {
-            return Err(Error::invalid(rank, "init", format!("rank {rank} is not below world size {world_size}")));
+            return Err(Error::invalid(
+                rank,
+                "init",
+                format!("rank {rank} is not below world size {world_size}"),
+            ));
         }
         let t = TcpTransport::connect(store, prefix, rank, world_size, &opts.mesh)?;
-        Ok(Self::over(Box::new(t), crate::transport::tcp::group_id(prefix), opts))
+        Ok(Self::over(
+            Box::new(t),
+            crate::transport::tcp::group_id(prefix),
+            opts,
+        ))
     }
 
     /// A backend over any transport (e.g. [`MemTransport::network`] in tests).
@@ -87,7 +111,10 @@ impl GlooBackend {
     /// `world_size` backends connected in memory, one per rank: the real algorithms with no
     /// sockets.
     pub fn in_memory(world_size: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
-        MemTransport::network(world_size, opts.mesh.segment_bytes).into_iter().map(|t| Self::over(Box::new(t), 0, opts)).collect()
+        MemTransport::network(world_size, opts.mesh.segment_bytes)
+            .into_iter()
+            .map(|t| Self::over(Box::new(t), 0, opts))
+            .collect()
     }
 
     /// Sequence number the next collective will carry.
@@ -110,49 +137,89 @@ impl GlooBackend {
     }
 
     fn unsupported(&self, op: CollectiveOp) -> Error {
-        Error::Unsupported { rank: self.rank, backend: "gloo", what: format!("device buffers (in {op})") }
+        Error::Unsupported {
+            rank: self.rank,
+            backend: "gloo",
+            what: format!("device buffers (in {op})"),
+        }
     }
 
     fn invalid(&self, op: CollectiveOp, reason: String) -> Error {
         Error::invalid(self.rank, op.name(), reason)
     }
 
-    fn check_len(&self, op: CollectiveOp, what: &str, len: usize, dtype: DType, count: usize) -> Result<()> {
+    fn check_len(
+        &self,
+        op: CollectiveOp,
+        what: &str,
+        len: usize,
+        dtype: DType,
+        count: usize,
+    ) -> Result<()> {
         if len != count * dtype.size() {
-            return Err(self.invalid(op, format!("{what} is {len} bytes but {count} × {dtype} needs {}", count * dtype.size())));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "{what} is {len} bytes but {count} × {dtype} needs {}",
+                    count * dtype.size()
+                ),
+            ));
         }
         Ok(())
     }
 
     fn check_whole(&self, op: CollectiveOp, what: &str, len: usize, dtype: DType) -> Result<usize> {
-        if len % dtype.size() != 0 {
-            return Err(self.invalid(op, format!("{what} is {len} bytes, not a whole number of {dtype} elements")));
+        if !len.is_multiple_of(dtype.size()) {
+            return Err(self.invalid(
+                op,
+                format!("{what} is {len} bytes, not a whole number of {dtype} elements"),
+            ));
         }
         Ok(len / dtype.size())
     }
 
     fn check_rank(&self, op: CollectiveOp, what: &str, r: usize) -> Result<()> {
         if r >= self.world_size {
-            return Err(self.invalid(op, format!("{what} {r} is not a rank of this group of {}", self.world_size)));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "{what} {r} is not a rank of this group of {}",
+                    self.world_size
+                ),
+            ));
         }
         Ok(())
     }
 
     fn check_counts(&self, op: CollectiveOp, what: &str, counts: &[usize]) -> Result<()> {
         if counts.len() != self.world_size {
-            return Err(self.invalid(op, format!("{what} has {} entries for a group of {}", counts.len(), self.world_size)));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "{what} has {} entries for a group of {}",
+                    counts.len(),
+                    self.world_size
+                ),
+            ));
         }
         Ok(())
     }
 
     fn check_reduce(&self, op: CollectiveOp, rop: ReduceOp, dtype: DType) -> Result<()> {
-        rop.check(dtype).map_err(|source| Error::Wire { rank: self.rank, op: op.name(), source })
+        rop.check(dtype).map_err(|source| Error::Wire {
+            rank: self.rank,
+            op: op.name(),
+            source,
+        })
     }
 
     /// Runs one operation: refuses if the group is aborted, assigns the next sequence number,
     /// and aborts the group if the operation fails (its connections are then in an unknown
     /// state, as in Gloo).
-    #[allow(clippy::too_many_arguments, reason = "one call site per operation, each naming every field")]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one call site per operation, each naming every field"
+    )]
     fn run<R>(
         &self,
         name: CollectiveOp,
@@ -163,14 +230,31 @@ impl GlooBackend {
         opts: &OpOptions,
         f: impl FnOnce(&Op<'_>, &mut Vec<u64>) -> Result<R>,
     ) -> Result<R> {
-        if let Some(cause) = self.poisoned.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-            return Err(Error::Aborted { rank: self.rank, op: name.name(), cause });
+        if let Some(cause) = self
+            .poisoned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                op: name.name(),
+                cause,
+            });
         }
-        let seq = if name == CollectiveOp::SendRecv { 0 } else { self.seq.fetch_add(1, Ordering::Relaxed) };
+        let seq = if name == CollectiveOp::SendRecv {
+            0
+        } else {
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        };
         let mut ctx = StepCtx::new(self.rank, self.group, name, seq, dtype, opts.timeout);
         ctx.reduce = reduce.map_or(0, |r| r.code());
         ctx.root = root.map_or(NO_ROOT, |r| r as u32);
-        let o = Op { t: &*self.transport, ctx, count: count as u64 };
+        let o = Op {
+            t: &*self.transport,
+            ctx,
+            count: count as u64,
+        };
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let res = f(&o, &mut scratch);
         if let Err(e) = &res {
@@ -215,7 +299,13 @@ impl Backend for GlooBackend {
         Capabilities::HOST_ALL
     }
 
-    fn all_reduce(&self, buf: BufMut<'_>, dtype: DType, op: ReduceOp, opts: &OpOptions) -> Result<()> {
+    fn all_reduce(
+        &self,
+        buf: BufMut<'_>,
+        dtype: DType,
+        op: ReduceOp,
+        opts: &OpOptions,
+    ) -> Result<()> {
         let name = CollectiveOp::AllReduce;
         let data = self.host(name, buf)?;
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
@@ -231,7 +321,13 @@ impl Backend for GlooBackend {
         })
     }
 
-    fn broadcast(&self, buf: BufMut<'_>, dtype: DType, root: usize, opts: &OpOptions) -> Result<()> {
+    fn broadcast(
+        &self,
+        buf: BufMut<'_>,
+        dtype: DType,
+        root: usize,
+        opts: &OpOptions,
+    ) -> Result<()> {
         let name = CollectiveOp::Broadcast;
         let data = self.host(name, buf)?;
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
@@ -242,29 +338,60 @@ impl Backend for GlooBackend {
             } else if data.len() <= self.small_bytes {
                 bcast::tree(o, data, root)
             } else {
-                bcast::chain(o, data, root, (self.transport.segment_bytes() / 4).max(64 << 10))
+                bcast::chain(
+                    o,
+                    data,
+                    root,
+                    (self.transport.segment_bytes() / 4).max(64 << 10),
+                )
             }
         })
     }
 
-    fn reduce(&self, buf: BufMut<'_>, dtype: DType, op: ReduceOp, root: usize, opts: &OpOptions) -> Result<()> {
+    fn reduce(
+        &self,
+        buf: BufMut<'_>,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        opts: &OpOptions,
+    ) -> Result<()> {
         let name = CollectiveOp::Reduce;
         let data = self.host(name, buf)?;
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
         self.check_rank(name, "root", root)?;
         self.check_reduce(name, op, dtype)?;
-        self.run(name, dtype, count, Some(op), Some(root), opts, |o, scratch| {
-            self.prepare(o, op, data)?;
-            if data.len() <= self.small_bytes || count < self.world_size {
-                rooted::reduce_tree(o, data, op, root, scratch)?;
-            } else {
-                rooted::reduce_ring(o, data, op, root, scratch)?;
-            }
-            if self.rank == root { self.finalize(o, op, data) } else { Ok(()) }
-        })
+        self.run(
+            name,
+            dtype,
+            count,
+            Some(op),
+            Some(root),
+            opts,
+            |o, scratch| {
+                self.prepare(o, op, data)?;
+                if data.len() <= self.small_bytes || count < self.world_size {
+                    rooted::reduce_tree(o, data, op, root, scratch)?;
+                } else {
+                    rooted::reduce_ring(o, data, op, root, scratch)?;
+                }
+                if self.rank == root {
+                    self.finalize(o, op, data)
+                } else {
+                    Ok(())
+                }
+            },
+        )
     }
 
-    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>, dtype: DType, counts: &[usize], opts: &OpOptions) -> Result<()> {
+    fn all_gather(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        dtype: DType,
+        counts: &[usize],
+        opts: &OpOptions,
+    ) -> Result<()> {
         let name = CollectiveOp::AllGather;
         let (input, output) = (self.host_ref(name, input)?, self.host(name, output)?);
         self.check_counts(name, "counts", counts)?;
@@ -317,18 +444,42 @@ impl Backend for GlooBackend {
         let (input, output) = (self.host_ref(name, input)?, self.host(name, output)?);
         self.check_counts(name, "send_counts", send_counts)?;
         self.check_counts(name, "recv_counts", recv_counts)?;
-        self.check_len(name, "the input", input.len(), dtype, send_counts.iter().sum())?;
-        self.check_len(name, "the output", output.len(), dtype, recv_counts.iter().sum())?;
+        self.check_len(
+            name,
+            "the input",
+            input.len(),
+            dtype,
+            send_counts.iter().sum(),
+        )?;
+        self.check_len(
+            name,
+            "the output",
+            output.len(),
+            dtype,
+            recv_counts.iter().sum(),
+        )?;
         if send_counts[self.rank] != recv_counts[self.rank] {
-            return Err(self.invalid(name, format!(
-                "this rank sends itself {} elements but expects to receive {} from itself",
-                send_counts[self.rank], recv_counts[self.rank]
-            )));
+            return Err(self.invalid(
+                name,
+                format!(
+                    "this rank sends itself {} elements but expects to receive {} from itself",
+                    send_counts[self.rank], recv_counts[self.rank]
+                ),
+            ));
         }
-        self.run(name, dtype, 0, None, None, opts, |o, _| rooted::all_to_all(o, input, output, send_counts, recv_counts))
+        self.run(name, dtype, 0, None, None, opts, |o, _| {
+            rooted::all_to_all(o, input, output, send_counts, recv_counts)
+        })
     }
 
-    fn gather(&self, input: BufRef<'_>, output: Option<BufMut<'_>>, dtype: DType, root: usize, opts: &OpOptions) -> Result<()> {
+    fn gather(
+        &self,
+        input: BufRef<'_>,
+        output: Option<BufMut<'_>>,
+        dtype: DType,
+        root: usize,
+        opts: &OpOptions,
+    ) -> Result<()> {
         let name = CollectiveOp::Gather;
         let input = self.host_ref(name, input)?;
         self.check_rank(name, "root", root)?;
@@ -336,17 +487,39 @@ impl Backend for GlooBackend {
         let output = match (output, self.rank == root) {
             (Some(b), true) => {
                 let out = self.host(name, b)?;
-                self.check_len(name, "the output", out.len(), dtype, count * self.world_size)?;
+                self.check_len(
+                    name,
+                    "the output",
+                    out.len(),
+                    dtype,
+                    count * self.world_size,
+                )?;
                 Some(out)
             }
-            (None, true) => return Err(self.invalid(name, "the root must pass an output buffer".into())),
-            (Some(_), false) => return Err(self.invalid(name, format!("only the root (rank {root}) takes an output buffer"))),
+            (None, true) => {
+                return Err(self.invalid(name, "the root must pass an output buffer".into()));
+            }
+            (Some(_), false) => {
+                return Err(self.invalid(
+                    name,
+                    format!("only the root (rank {root}) takes an output buffer"),
+                ));
+            }
             (None, false) => None,
         };
-        self.run(name, dtype, count, None, Some(root), opts, |o, _| rooted::gather(o, input, output, root))
+        self.run(name, dtype, count, None, Some(root), opts, |o, _| {
+            rooted::gather(o, input, output, root)
+        })
     }
 
-    fn scatter(&self, input: Option<BufRef<'_>>, output: BufMut<'_>, dtype: DType, root: usize, opts: &OpOptions) -> Result<()> {
+    fn scatter(
+        &self,
+        input: Option<BufRef<'_>>,
+        output: BufMut<'_>,
+        dtype: DType,
+        root: usize,
+        opts: &OpOptions,
+    ) -> Result<()> {
         let name = CollectiveOp::Scatter;
         let output = self.host(name, output)?;
         self.check_rank(name, "root", root)?;
@@ -357,15 +530,32 @@ impl Backend for GlooBackend {
                 self.check_len(name, "the input", inp.len(), dtype, count * self.world_size)?;
                 Some(inp)
             }
-            (None, true) => return Err(self.invalid(name, "the root must pass an input buffer".into())),
-            (Some(_), false) => return Err(self.invalid(name, format!("only the root (rank {root}) takes an input buffer"))),
+            (None, true) => {
+                return Err(self.invalid(name, "the root must pass an input buffer".into()));
+            }
+            (Some(_), false) => {
+                return Err(self.invalid(
+                    name,
+                    format!("only the root (rank {root}) takes an input buffer"),
+                ));
+            }
             (None, false) => None,
         };
-        self.run(name, dtype, count, None, Some(root), opts, |o, _| rooted::scatter(o, input, output, root))
+        self.run(name, dtype, count, None, Some(root), opts, |o, _| {
+            rooted::scatter(o, input, output, root)
+        })
     }
 
     fn barrier(&self, opts: &OpOptions) -> Result<()> {
-        self.run(CollectiveOp::Barrier, DType::U8, 0, None, None, opts, |o, _| rooted::barrier(o))
+        self.run(
+            CollectiveOp::Barrier,
+            DType::U8,
+            0,
+            None,
+            None,
+            opts,
+            |o, _| rooted::barrier(o),
+        )
     }
 
     fn send(&self, buf: BufRef<'_>, dtype: DType, dst: usize, opts: &OpOptions) -> Result<()> {
@@ -376,7 +566,9 @@ impl Backend for GlooBackend {
             return Err(self.invalid(name, "a rank cannot send to itself".into()));
         }
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
-        self.run(name, dtype, count, None, None, opts, |o, _| o.step(&[o.send(dst, data, opts.tag)], &mut []))
+        self.run(name, dtype, count, None, None, opts, |o, _| {
+            o.step(&[o.send(dst, data, opts.tag)], &mut [])
+        })
     }
 
     fn recv(&self, buf: BufMut<'_>, dtype: DType, src: usize, opts: &OpOptions) -> Result<()> {
@@ -387,6 +579,8 @@ impl Backend for GlooBackend {
             return Err(self.invalid(name, "a rank cannot receive from itself".into()));
         }
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
-        self.run(name, dtype, count, None, None, opts, |o, _| o.step(&[], &mut [o.recv(src, data, opts.tag)]))
+        self.run(name, dtype, count, None, None, opts, |o, _| {
+            o.step(&[], &mut [o.recv(src, data, opts.tag)])
+        })
     }
 }

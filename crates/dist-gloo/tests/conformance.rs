@@ -31,29 +31,48 @@ fn check_all_reduce(ranks: &[GlooBackend]) {
                 // The big count runs for one type of each width and kind and the ops whose kernels
                 // differ most; the small counts run everything. Keeps the suite in CI's budget.
                 let big_types = [DType::U8, DType::BF16, DType::F32, DType::I64];
-                if count > 7 && !(big_types.contains(&d) && matches!(op, ReduceOp::Sum | ReduceOp::Avg)) {
+                if count > 7
+                    && !(big_types.contains(&d) && matches!(op, ReduceOp::Sum | ReduceOp::Avg))
+                {
                     continue;
                 }
                 let outs = on_all(ranks, |b| {
                     let mut buf = encode(d, (0..count).map(|i| value(d, op, b.rank(), i)));
-                    b.all_reduce(BufMut::Host(&mut buf), d, op, &opts()).unwrap();
+                    b.all_reduce(BufMut::Host(&mut buf), d, op, &opts())
+                        .unwrap();
                     buf
                 });
                 for (r, out) in outs.iter().enumerate() {
-                    assert_eq!(out, &outs[0], "ws {n} {d} {op} count {count}: rank {r} differs bitwise from rank 0");
+                    assert_eq!(
+                        out, &outs[0],
+                        "ws {n} {d} {op} count {count}: rank {r} differs bitwise from rank 0"
+                    );
                 }
                 for (i, got) in decode(d, &outs[0]).into_iter().enumerate() {
-                    assert_close(d, &format!("all_reduce ws {n} {d} {op} count {count}"), i, got, reference(d, op, n, i));
+                    assert_close(
+                        d,
+                        &format!("all_reduce ws {n} {d} {op} count {count}"),
+                        i,
+                        got,
+                        reference(d, op, n, i),
+                    );
                 }
                 // reduce to the last rank, same op
                 let root = n - 1;
                 let outs = on_all(ranks, |b| {
                     let mut buf = encode(d, (0..count).map(|i| value(d, op, b.rank(), i)));
-                    b.reduce(BufMut::Host(&mut buf), d, op, root, &opts()).unwrap();
+                    b.reduce(BufMut::Host(&mut buf), d, op, root, &opts())
+                        .unwrap();
                     buf
                 });
                 for (i, got) in decode(d, &outs[root]).into_iter().enumerate() {
-                    assert_close(d, &format!("reduce ws {n} {d} {op} count {count}"), i, got, reference(d, op, n, i));
+                    assert_close(
+                        d,
+                        &format!("reduce ws {n} {d} {op} count {count}"),
+                        i,
+                        got,
+                        reference(d, op, n, i),
+                    );
                 }
                 // reduce_scatter with uneven counts: rank r gets count + r elements
                 if count > 7 && (op != ReduceOp::Sum || d != DType::F32) {
@@ -64,13 +83,27 @@ fn check_all_reduce(ranks: &[GlooBackend]) {
                 let outs = on_all(ranks, |b| {
                     let input = encode(d, (0..total).map(|i| value(d, op, b.rank(), i)));
                     let mut out = vec![0u8; counts[b.rank()] * d.size()];
-                    b.reduce_scatter(BufRef::Host(&input), BufMut::Host(&mut out), d, op, &counts, &opts()).unwrap();
+                    b.reduce_scatter(
+                        BufRef::Host(&input),
+                        BufMut::Host(&mut out),
+                        d,
+                        op,
+                        &counts,
+                        &opts(),
+                    )
+                    .unwrap();
                     out
                 });
                 let mut at = 0;
                 for (r, out) in outs.iter().enumerate() {
                     for (j, got) in decode(d, out).into_iter().enumerate() {
-                        assert_close(d, &format!("reduce_scatter ws {n} {d} {op} rank {r}"), j, got, reference(d, op, n, at + j));
+                        assert_close(
+                            d,
+                            &format!("reduce_scatter ws {n} {d} {op} rank {r}"),
+                            j,
+                            got,
+                            reference(d, op, n, at + j),
+                        );
                     }
                     at += counts[r];
                 }
@@ -90,26 +123,46 @@ fn check_movement(ranks: &[GlooBackend]) {
             let root = 1 % n;
             // broadcast
             let outs = on_all(ranks, |b| {
-                let mut buf = if b.rank() == root { mine(root) } else { vec![0u8; count * d.size()] };
-                b.broadcast(BufMut::Host(&mut buf), d, root, &opts()).unwrap();
+                let mut buf = if b.rank() == root {
+                    mine(root)
+                } else {
+                    vec![0u8; count * d.size()]
+                };
+                b.broadcast(BufMut::Host(&mut buf), d, root, &opts())
+                    .unwrap();
                 buf
             });
-            assert!(outs.iter().all(|o| *o == mine(root)), "broadcast ws {n} {d} count {count}");
+            assert!(
+                outs.iter().all(|o| *o == mine(root)),
+                "broadcast ws {n} {d} count {count}"
+            );
             // all_gather, uneven: rank r contributes count + r elements
             let counts: Vec<usize> = (0..n).map(|r| count + r).collect();
-            let contrib = |r: usize| encode(d, (0..counts[r]).map(|i| value(d, ReduceOp::Sum, r, i)));
+            let contrib =
+                |r: usize| encode(d, (0..counts[r]).map(|i| value(d, ReduceOp::Sum, r, i)));
             let want: Vec<u8> = (0..n).flat_map(contrib).collect();
             let outs = on_all(ranks, |b| {
                 let mut out = vec![0u8; want.len()];
-                b.all_gather(BufRef::Host(&contrib(b.rank())), BufMut::Host(&mut out), d, &counts, &opts()).unwrap();
+                b.all_gather(
+                    BufRef::Host(&contrib(b.rank())),
+                    BufMut::Host(&mut out),
+                    d,
+                    &counts,
+                    &opts(),
+                )
+                .unwrap();
                 out
             });
-            assert!(outs.iter().all(|o| *o == want), "all_gather ws {n} {d} count {count}");
+            assert!(
+                outs.iter().all(|o| *o == want),
+                "all_gather ws {n} {d} count {count}"
+            );
             // gather and scatter at `root`
             let outs = on_all(ranks, |b| {
                 let mut out = vec![0u8; n * count * d.size()];
                 let o = (b.rank() == root).then_some(BufMut::Host(&mut out));
-                b.gather(BufRef::Host(&mine(b.rank())), o, d, root, &opts()).unwrap();
+                b.gather(BufRef::Host(&mine(b.rank())), o, d, root, &opts())
+                    .unwrap();
                 out
             });
             let all: Vec<u8> = (0..n).flat_map(mine).collect();
@@ -117,7 +170,8 @@ fn check_movement(ranks: &[GlooBackend]) {
             let outs = on_all(ranks, |b| {
                 let mut out = vec![0u8; count * d.size()];
                 let i = (b.rank() == root).then_some(BufRef::Host(&all));
-                b.scatter(i, BufMut::Host(&mut out), d, root, &opts()).unwrap();
+                b.scatter(i, BufMut::Host(&mut out), d, root, &opts())
+                    .unwrap();
                 out
             });
             for (r, o) in outs.iter().enumerate() {
@@ -125,14 +179,27 @@ fn check_movement(ranks: &[GlooBackend]) {
             }
             // all_to_all with split sizes: rank s sends count + s + r elements to rank r
             let split = |s: usize, r: usize| count + s + r;
-            let block = |s: usize, r: usize| encode(d, (0..split(s, r)).map(|i| value(d, ReduceOp::Sum, s * n + r, i)));
+            let block = |s: usize, r: usize| {
+                encode(
+                    d,
+                    (0..split(s, r)).map(|i| value(d, ReduceOp::Sum, s * n + r, i)),
+                )
+            };
             let outs = on_all(ranks, |b| {
                 let me = b.rank();
                 let send_counts: Vec<usize> = (0..n).map(|r| split(me, r)).collect();
                 let recv_counts: Vec<usize> = (0..n).map(|s| split(s, me)).collect();
                 let input: Vec<u8> = (0..n).flat_map(|r| block(me, r)).collect();
                 let mut out = vec![0u8; recv_counts.iter().sum::<usize>() * d.size()];
-                b.all_to_all(BufRef::Host(&input), BufMut::Host(&mut out), d, &send_counts, &recv_counts, &opts()).unwrap();
+                b.all_to_all(
+                    BufRef::Host(&input),
+                    BufMut::Host(&mut out),
+                    d,
+                    &send_counts,
+                    &recv_counts,
+                    &opts(),
+                )
+                .unwrap();
                 out
             });
             for (r, o) in outs.iter().enumerate() {
@@ -156,14 +223,24 @@ fn check_p2p(ranks: &[GlooBackend]) {
         let a: Vec<u8> = encode(DType::I32, (0..1000).map(|i| (i + r) as f64));
         let c: Vec<u8> = encode(DType::I32, (0..3).map(|i| (i * 100 + r) as f64));
         let tag = |t| OpOptions { tag: t, ..opts() };
-        b.send(BufRef::Host(&a), DType::I32, right, &tag(7)).unwrap();
-        b.send(BufRef::Host(&c), DType::I32, right, &tag(9)).unwrap();
+        b.send(BufRef::Host(&a), DType::I32, right, &tag(7))
+            .unwrap();
+        b.send(BufRef::Host(&c), DType::I32, right, &tag(9))
+            .unwrap();
         let mut got_c = vec![0u8; c.len()];
         let mut got_a = vec![0u8; a.len()];
-        b.recv(BufMut::Host(&mut got_c), DType::I32, left, &tag(9)).unwrap();
-        b.recv(BufMut::Host(&mut got_a), DType::I32, left, &tag(7)).unwrap();
-        assert_eq!(got_a, encode(DType::I32, (0..1000).map(|i| (i + left) as f64)));
-        assert_eq!(got_c, encode(DType::I32, (0..3).map(|i| (i * 100 + left) as f64)));
+        b.recv(BufMut::Host(&mut got_c), DType::I32, left, &tag(9))
+            .unwrap();
+        b.recv(BufMut::Host(&mut got_a), DType::I32, left, &tag(7))
+            .unwrap();
+        assert_eq!(
+            got_a,
+            encode(DType::I32, (0..1000).map(|i| (i + left) as f64))
+        );
+        assert_eq!(
+            got_c,
+            encode(DType::I32, (0..3).map(|i| (i * 100 + left) as f64))
+        );
     });
 }
 

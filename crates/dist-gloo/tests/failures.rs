@@ -22,17 +22,35 @@ fn different_ops_fail_on_both_sides_with_both_named() {
         // Both ranks are at sequence 0; rank 0 broadcasts, rank 1 all-reduces.
         let r = if b.rank() == 0 {
             b.broadcast(BufMut::Host(&mut v), DType::F32, 0, &quick(5000))
-                .and_then(|_| b.all_reduce(BufMut::Host(&mut v), DType::F32, ReduceOp::Sum, &quick(5000)))
+                .and_then(|_| {
+                    b.all_reduce(
+                        BufMut::Host(&mut v),
+                        DType::F32,
+                        ReduceOp::Sum,
+                        &quick(5000),
+                    )
+                })
         } else {
-            b.all_reduce(BufMut::Host(&mut v), DType::F32, ReduceOp::Sum, &quick(5000))
+            b.all_reduce(
+                BufMut::Host(&mut v),
+                DType::F32,
+                ReduceOp::Sum,
+                &quick(5000),
+            )
         };
         r.unwrap_err()
     });
     let msg1 = errs[1].to_string();
     assert!(matches!(errs[1], Error::Mismatch { .. }), "{msg1}");
-    assert_eq!(msg1, "rank 1 all_reduce #0 (f32 × 1000) met rank 0 broadcast #0 (f32 × 1000)");
+    assert_eq!(
+        msg1,
+        "rank 1 all_reduce #0 (f32 × 1000) met rank 0 broadcast #0 (f32 × 1000)"
+    );
     let msg0 = errs[0].to_string();
-    assert!(msg0.contains("rank 1 all_reduce #0 (f32 × 1000)"), "rank 0 must name rank 1's op: {msg0}");
+    assert!(
+        msg0.contains("rank 1 all_reduce #0 (f32 × 1000)"),
+        "rank 0 must name rank 1's op: {msg0}"
+    );
 }
 
 #[test]
@@ -40,10 +58,23 @@ fn different_counts_are_a_mismatch_naming_both_counts() {
     let ranks = tcp_world(2, &GlooOptions::default());
     let errs = on_all(&ranks, |b| {
         let mut v = vec![0u8; if b.rank() == 0 { 40 } else { 44 }];
-        b.all_reduce(BufMut::Host(&mut v), DType::I32, ReduceOp::Max, &quick(5000)).unwrap_err().to_string()
+        b.all_reduce(
+            BufMut::Host(&mut v),
+            DType::I32,
+            ReduceOp::Max,
+            &quick(5000),
+        )
+        .unwrap_err()
+        .to_string()
     });
-    assert_eq!(errs[0], "rank 0 all_reduce #0 (i32 × 10) met rank 1 all_reduce #0 (i32 × 11)");
-    assert_eq!(errs[1], "rank 1 all_reduce #0 (i32 × 11) met rank 0 all_reduce #0 (i32 × 10)");
+    assert_eq!(
+        errs[0],
+        "rank 0 all_reduce #0 (i32 × 10) met rank 1 all_reduce #0 (i32 × 11)"
+    );
+    assert_eq!(
+        errs[1],
+        "rank 1 all_reduce #0 (i32 × 11) met rank 0 all_reduce #0 (i32 × 10)"
+    );
 }
 
 #[test]
@@ -52,21 +83,38 @@ fn a_stalled_peer_is_a_timeout_naming_op_seq_and_peer_within_timeout_plus_one_se
     let timeout = Duration::from_millis(800);
     let out = on_all(&ranks, |b| {
         let mut v = vec![1u8; 1 << 20];
-        b.all_reduce(BufMut::Host(&mut v), DType::U8, ReduceOp::Sum, &quick(5000)).unwrap();
+        b.all_reduce(BufMut::Host(&mut v), DType::U8, ReduceOp::Sum, &quick(5000))
+            .unwrap();
         if b.rank() == 2 {
             // Stalls: never joins all_reduce #1.
             std::thread::sleep(timeout * 3);
             return None;
         }
         let t0 = Instant::now();
-        let e = b.all_reduce(BufMut::Host(&mut v), DType::U8, ReduceOp::Sum, &OpOptions::with_timeout(timeout)).unwrap_err();
+        let e = b
+            .all_reduce(
+                BufMut::Host(&mut v),
+                DType::U8,
+                ReduceOp::Sum,
+                &OpOptions::with_timeout(timeout),
+            )
+            .unwrap_err();
         Some((e, t0.elapsed()))
     });
     for (r, o) in out.into_iter().enumerate().take(2) {
         let (e, took) = o.expect("ranks 0 and 1 fail");
-        assert!(took < timeout + Duration::from_secs(1), "rank {r} took {took:?}");
+        assert!(
+            took < timeout + Duration::from_secs(1),
+            "rank {r} took {took:?}"
+        );
         match e {
-            Error::Timeout { rank, op, seq, ref missing_peers, .. } => {
+            Error::Timeout {
+                rank,
+                op,
+                seq,
+                ref missing_peers,
+                ..
+            } => {
                 assert_eq!((rank, op, seq), (r, CollectiveOp::AllReduce, 1));
                 assert!(!missing_peers.is_empty(), "{e}");
             }
@@ -85,7 +133,9 @@ fn after_an_error_the_group_refuses_work_with_the_cause() {
             return String::new();
         }
         b.barrier(&quick(200)).unwrap_err();
-        b.all_reduce(BufMut::Host(&mut v), DType::F64, ReduceOp::Sum, &quick(200)).unwrap_err().to_string()
+        b.all_reduce(BufMut::Host(&mut v), DType::F64, ReduceOp::Sum, &quick(200))
+            .unwrap_err()
+            .to_string()
     });
     assert!(errs[0].starts_with("rank 0: all_reduce refused: the group was aborted by an earlier error: rank 0: barrier #0 timed out"), "{}", errs[0]);
 }
@@ -95,12 +145,35 @@ fn invalid_arguments_are_rejected_before_the_wire_and_name_rank_op_and_sizes() {
     let ranks = tcp_world(2, &GlooOptions::default());
     let b = &ranks[0];
     let mut v = vec![0u8; 6];
-    let e = b.all_reduce(BufMut::Host(&mut v), DType::F32, ReduceOp::Sum, &quick(100)).unwrap_err().to_string();
-    assert_eq!(e, "rank 0: invalid argument to all_reduce: the buffer is 6 bytes, not a whole number of f32 elements");
-    let e = b.broadcast(BufMut::Host(&mut v), DType::U8, 2, &quick(100)).unwrap_err().to_string();
-    assert_eq!(e, "rank 0: invalid argument to broadcast: root 2 is not a rank of this group of 2");
-    let e = b.all_reduce(BufMut::Host(&mut v), DType::BF16, ReduceOp::BitOr, &quick(100)).unwrap_err().to_string();
-    assert_eq!(e, "rank 0: all_reduce: reduce op BOR is not defined for dtype bf16");
+    let e = b
+        .all_reduce(BufMut::Host(&mut v), DType::F32, ReduceOp::Sum, &quick(100))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "rank 0: invalid argument to all_reduce: the buffer is 6 bytes, not a whole number of f32 elements"
+    );
+    let e = b
+        .broadcast(BufMut::Host(&mut v), DType::U8, 2, &quick(100))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "rank 0: invalid argument to broadcast: root 2 is not a rank of this group of 2"
+    );
+    let e = b
+        .all_reduce(
+            BufMut::Host(&mut v),
+            DType::BF16,
+            ReduceOp::BitOr,
+            &quick(100),
+        )
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "rank 0: all_reduce: reduce op BOR is not defined for dtype bf16"
+    );
     // None of these consumed a sequence number or aborted the group.
     assert_eq!(b.next_seq(), 0);
     on_all(&ranks, |b| b.barrier(&quick(5000)).unwrap());

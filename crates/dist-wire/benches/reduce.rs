@@ -4,6 +4,11 @@
 //! the ratio between the two is independent of the machine's noise. `../shared/anchors/memcpy_bench.c`
 //! measures the same loop in C (run both in one invocation: `cargo xtask bench kernels`).
 
+#![allow(
+    missing_docs,
+    reason = "criterion_group! generates an undocumented public function"
+)]
+
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use dist_wire::{DType, ReduceOp, bf16, f16, reduce_into, reduce_slice};
 use std::hint::black_box;

@@ -206,7 +206,7 @@ fn with_typed_mut<T: Kernel>(bytes: &mut [u8], mut f: impl FnMut(&mut [T], usize
 }
 
 fn check_whole(dtype: DType, len: usize) -> Result<(), WireError> {
-    if len % dtype.size() == 0 {
+    if len.is_multiple_of(dtype.size()) {
         Ok(())
     } else {
         Err(WireError::PartialElement { len, dtype })

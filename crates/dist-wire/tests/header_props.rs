@@ -42,7 +42,7 @@ proptest! {
         let mut b = h.encode();
         b[at] = byte;
         match FrameHeader::decode(&b) {
-            Ok(d) => prop_assert_eq!(d.encode()[..], b[..]),
+            Ok(d) => prop_assert_eq!(&d.encode()[..], &b[..]),
             Err(e) => prop_assert!(!e.to_string().is_empty()),
         }
         prop_assert!(FrameHeader::decode(&b[..cut]).is_err() || cut == HEADER_LEN);

@@ -10,7 +10,12 @@ use super::{Op, even_blocks, ring, tags};
 /// whole buffer. A non-power-of-two rank count first folds the extra ranks into the lowest ones
 /// and sends them the result at the end. Every rank combines the same partial results in the
 /// same tree, so all end with identical bits.
-pub(crate) fn recursive_doubling(o: &Op<'_>, data: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>) -> Result<()> {
+pub(crate) fn recursive_doubling(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     if n == 1 {
         return Ok(());
@@ -34,7 +39,10 @@ pub(crate) fn recursive_doubling(o: &Op<'_>, data: &mut [u8], op: ReduceOp, scra
     while mask < p2 {
         let partner = r ^ mask;
         let tag = tags::RD_STEP | step;
-        o.step(&[o.send(partner, data, tag)], &mut [o.recv(partner, tmp, tag)])?;
+        o.step(
+            &[o.send(partner, data, tag)],
+            &mut [o.recv(partner, tmp, tag)],
+        )?;
         // The lower rank's partial result goes on the left, so both sides compute a ⊕ b alike.
         if partner < r {
             o.combine(op, tmp, data)?;
@@ -52,7 +60,12 @@ pub(crate) fn recursive_doubling(o: &Op<'_>, data: &mut [u8], op: ReduceOp, scra
 }
 
 /// Ring all_reduce: reduce-scatter, finalize own block, all-gather.
-pub(crate) fn ring(o: &Op<'_>, data: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>) -> Result<()> {
+pub(crate) fn ring(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
     let elem = o.dtype().size();
     let blocks = even_blocks(data.len() / elem, o.n(), elem);
     ring::reduce_scatter(o, data, &blocks, op, scratch)?;

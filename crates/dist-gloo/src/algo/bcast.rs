@@ -43,7 +43,10 @@ pub(crate) fn chain(o: &Op<'_>, data: &mut [u8], root: usize, seg: usize) -> Res
     if vr == 0 {
         if let Some(next) = next {
             for k in 0..nseg {
-                o.step(&[o.send(next, &data[range(k)], tags::CHAIN | (k as u32 & 0xffff))], &mut [])?;
+                o.step(
+                    &[o.send(next, &data[range(k)], tags::CHAIN | (k as u32 & 0xffff))],
+                    &mut [],
+                )?;
             }
         }
         return Ok(());
@@ -53,7 +56,11 @@ pub(crate) fn chain(o: &Op<'_>, data: &mut [u8], root: usize, seg: usize) -> Res
         let at = if k < nseg { range(k).start } else { len };
         let (done, rest) = data.split_at_mut(at);
         let sends: Vec<_> = match (k, next) {
-            (1.., Some(next)) => vec![o.send(next, &done[range(k - 1)], tags::CHAIN | ((k - 1) as u32 & 0xffff))],
+            (1.., Some(next)) => vec![o.send(
+                next,
+                &done[range(k - 1)],
+                tags::CHAIN | ((k - 1) as u32 & 0xffff),
+            )],
             _ => vec![],
         };
         let mut recvs: Vec<_> = if k < nseg {

@@ -53,29 +53,50 @@ impl Op<'_> {
 
     /// One step with no frame callback.
     pub(crate) fn step(&self, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>]) -> Result<()> {
-        self.t.exchange(&self.ctx, sends, recvs, &mut |_, _, _| Ok(()))
+        self.t
+            .exchange(&self.ctx, sends, recvs, &mut |_, _, _| Ok(()))
     }
 
     /// One step with a frame callback.
-    pub(crate) fn step_with(&self, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>], on_frame: &mut OnFrame<'_>) -> Result<()> {
+    pub(crate) fn step_with(
+        &self,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+    ) -> Result<()> {
         self.t.exchange(&self.ctx, sends, recvs, on_frame)
     }
 
     pub(crate) fn send<'b>(&self, peer: usize, data: &'b [u8], tag: u32) -> Outgoing<'b> {
-        Outgoing { peer, data, count: self.count, tag }
+        Outgoing {
+            peer,
+            data,
+            count: self.count,
+            tag,
+        }
     }
 
     pub(crate) fn recv<'b>(&self, peer: usize, buf: &'b mut [u8], tag: u32) -> Incoming<'b> {
-        Incoming { peer, buf, count: self.count, tag }
+        Incoming {
+            peer,
+            buf,
+            count: self.count,
+            tag,
+        }
     }
 
     /// `dst ⊕= src` with the op's combiner, errors named for this rank and op.
     pub(crate) fn combine(&self, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<()> {
-        dist_wire::reduce_into(op.combiner(), self.ctx.dtype, dst, src).map_err(|source| self.wire(source))
+        dist_wire::reduce_into(op.combiner(), self.ctx.dtype, dst, src)
+            .map_err(|source| self.wire(source))
     }
 
     pub(crate) fn wire(&self, source: dist_wire::WireError) -> Error {
-        Error::Wire { rank: self.ctx.rank, op: self.ctx.op.name(), source }
+        Error::Wire {
+            rank: self.ctx.rank,
+            op: self.ctx.op.name(),
+            source,
+        }
     }
 }
 
@@ -120,7 +141,10 @@ pub(crate) fn split_pair(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&
 }
 
 /// Mutable views of disjoint, ascending byte ranges of one buffer.
-pub(crate) fn split_blocks<'b>(mut buf: &'b mut [u8], blocks: &[Range<usize>]) -> Vec<&'b mut [u8]> {
+pub(crate) fn split_blocks<'b>(
+    mut buf: &'b mut [u8],
+    blocks: &[Range<usize>],
+) -> Vec<&'b mut [u8]> {
     let mut out = Vec::with_capacity(blocks.len());
     let mut at = 0;
     for b in blocks {
@@ -157,6 +181,9 @@ mod tests {
         let (a, b) = split_pair(&mut v, 0..2, 4..5);
         assert_eq!((a, &*b), (&[0u8, 1][..], &[4u8][..]));
         let blocks = split_blocks(&mut v, &[1..2, 2..2, 5..7]);
-        assert_eq!(blocks.iter().map(|b| b.to_vec()).collect::<Vec<_>>(), vec![vec![1], vec![], vec![5, 6]]);
+        assert_eq!(
+            blocks.iter().map(|b| b.to_vec()).collect::<Vec<_>>(),
+            vec![vec![1], vec![], vec![5, 6]]
+        );
     }
 }

@@ -16,7 +16,13 @@ use super::{Op, split_pair, tags};
 /// After it returns, block `rank` of `data` holds the reduction (by `op`'s combiner) of block
 /// `rank` of every rank's `data`. Other blocks hold partial results. `scratch` is grown to the
 /// largest block.
-pub(crate) fn reduce_scatter(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>], op: ReduceOp, scratch: &mut Vec<u64>) -> Result<()> {
+pub(crate) fn reduce_scatter(
+    o: &Op<'_>,
+    data: &mut [u8],
+    blocks: &[Range<usize>],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     if n == 1 {
         return Ok(());
@@ -33,9 +39,11 @@ pub(crate) fn reduce_scatter(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>
         let (out, acc) = split_pair(data, blocks[send_b].clone(), blocks[recv_b].clone());
         let tmp = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..acc.len()];
         let tag = tags::RING_RS | s as u32;
-        o.step_with(&[o.send(right, out, tag)], &mut [o.recv(left, tmp, tag)], &mut |_, range, bytes| {
-            o.combine(op, &mut acc[range], bytes)
-        })?;
+        o.step_with(
+            &[o.send(right, out, tag)],
+            &mut [o.recv(left, tmp, tag)],
+            &mut |_, range, bytes| o.combine(op, &mut acc[range], bytes),
+        )?;
     }
     Ok(())
 }

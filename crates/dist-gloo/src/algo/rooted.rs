@@ -7,7 +7,13 @@ use super::{Op, blocks_of, even_blocks, ring, split_blocks, tags};
 
 /// Binomial-tree reduce into `root` (small buffers). Non-root buffers end up holding partial
 /// results.
-pub(crate) fn reduce_tree(o: &Op<'_>, data: &mut [u8], op: ReduceOp, root: usize, scratch: &mut Vec<u64>) -> Result<()> {
+pub(crate) fn reduce_tree(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    root: usize,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     if scratch.len() * 8 < data.len() {
         scratch.resize(data.len().div_ceil(8), 0);
@@ -29,22 +35,40 @@ pub(crate) fn reduce_tree(o: &Op<'_>, data: &mut [u8], op: ReduceOp, root: usize
 }
 
 /// Ring reduce-scatter, then every rank sends its reduced block to `root` (large buffers).
-pub(crate) fn reduce_ring(o: &Op<'_>, data: &mut [u8], op: ReduceOp, root: usize, scratch: &mut Vec<u64>) -> Result<()> {
+pub(crate) fn reduce_ring(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    root: usize,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
     let blocks = even_blocks(data.len() / elem, n, elem);
     ring::reduce_scatter(o, data, &blocks, op, scratch)?;
     if r != root {
-        return o.step(&[o.send(root, &data[blocks[r].clone()], tags::GATHER)], &mut []);
+        return o.step(
+            &[o.send(root, &data[blocks[r].clone()], tags::GATHER)],
+            &mut [],
+        );
     }
     let mut parts = split_blocks(data, &blocks);
-    let mut recvs: Vec<_> =
-        parts.iter_mut().enumerate().filter(|(p, _)| *p != root).map(|(p, b)| o.recv(p, b, tags::GATHER)).collect();
+    let mut recvs: Vec<_> = parts
+        .iter_mut()
+        .enumerate()
+        .filter(|(p, _)| *p != root)
+        .map(|(p, b)| o.recv(p, b, tags::GATHER))
+        .collect();
     o.step(&[], &mut recvs)
 }
 
 /// Every rank's `input` into `root`'s `output`, rank by rank, with all receives in flight at
 /// once.
-pub(crate) fn gather(o: &Op<'_>, input: &[u8], output: Option<&mut [u8]>, root: usize) -> Result<()> {
+pub(crate) fn gather(
+    o: &Op<'_>,
+    input: &[u8],
+    output: Option<&mut [u8]>,
+    root: usize,
+) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     let Some(output) = output else {
         return o.step(&[o.send(root, input, tags::GATHER)], &mut []);
@@ -52,25 +76,44 @@ pub(crate) fn gather(o: &Op<'_>, input: &[u8], output: Option<&mut [u8]>, root: 
     let blocks = blocks_of(&vec![input.len(); n], 1);
     let mut parts = split_blocks(output, &blocks);
     parts[r].copy_from_slice(input);
-    let mut recvs: Vec<_> = parts.iter_mut().enumerate().filter(|(p, _)| *p != r).map(|(p, b)| o.recv(p, b, tags::GATHER)).collect();
+    let mut recvs: Vec<_> = parts
+        .iter_mut()
+        .enumerate()
+        .filter(|(p, _)| *p != r)
+        .map(|(p, b)| o.recv(p, b, tags::GATHER))
+        .collect();
     o.step(&[], &mut recvs)
 }
 
 /// `root`'s `input`, cut into n equal blocks, to every rank's `output`.
-pub(crate) fn scatter(o: &Op<'_>, input: Option<&[u8]>, output: &mut [u8], root: usize) -> Result<()> {
+pub(crate) fn scatter(
+    o: &Op<'_>,
+    input: Option<&[u8]>,
+    output: &mut [u8],
+    root: usize,
+) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     let Some(input) = input else {
         return o.step(&[], &mut [o.recv(root, output, tags::GATHER)]);
     };
     let blocks = blocks_of(&vec![output.len(); n], 1);
     output.copy_from_slice(&input[blocks[r].clone()]);
-    let sends: Vec<_> = (0..n).filter(|&p| p != r).map(|p| o.send(p, &input[blocks[p].clone()], tags::GATHER)).collect();
+    let sends: Vec<_> = (0..n)
+        .filter(|&p| p != r)
+        .map(|p| o.send(p, &input[blocks[p].clone()], tags::GATHER))
+        .collect();
     o.step(&sends, &mut [])
 }
 
 /// Pairwise exchange of blocks with every peer, all in flight at once. Each frame announces
 /// the element count of its block, so split sizes that disagree between two ranks are caught.
-pub(crate) fn all_to_all(o: &Op<'_>, input: &[u8], output: &mut [u8], send_counts: &[usize], recv_counts: &[usize]) -> Result<()> {
+pub(crate) fn all_to_all(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    send_counts: &[usize],
+    recv_counts: &[usize],
+) -> Result<()> {
     let (r, elem) = (o.rank(), o.dtype().size());
     let sb = blocks_of(send_counts, elem);
     let rb = blocks_of(recv_counts, elem);
@@ -80,13 +123,23 @@ pub(crate) fn all_to_all(o: &Op<'_>, input: &[u8], output: &mut [u8], send_count
         .iter()
         .enumerate()
         .filter(|(p, _)| *p != r)
-        .map(|(p, b)| crate::transport::Outgoing { peer: p, data: &input[b.clone()], count: send_counts[p] as u64, tag: tags::DIRECT })
+        .map(|(p, b)| crate::transport::Outgoing {
+            peer: p,
+            data: &input[b.clone()],
+            count: send_counts[p] as u64,
+            tag: tags::DIRECT,
+        })
         .collect();
     let mut recvs: Vec<_> = parts
         .iter_mut()
         .enumerate()
         .filter(|(p, _)| *p != r)
-        .map(|(p, b)| crate::transport::Incoming { peer: p, buf: b, count: recv_counts[p] as u64, tag: tags::DIRECT })
+        .map(|(p, b)| crate::transport::Incoming {
+            peer: p,
+            buf: b,
+            count: recv_counts[p] as u64,
+            tag: tags::DIRECT,
+        })
         .collect();
     o.step(&sends, &mut recvs)
 }
@@ -99,7 +152,10 @@ pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
     let mut round = 0;
     while dist < n {
         let tag = tags::BARRIER | round;
-        o.step(&[o.send((r + dist) % n, &[], tag)], &mut [o.recv((r + n - dist) % n, &mut [], tag)])?;
+        o.step(
+            &[o.send((r + dist) % n, &[], tag)],
+            &mut [o.recv((r + n - dist) % n, &mut [], tag)],
+        )?;
         dist <<= 1;
         round += 1;
     }

@@ -1,14 +1,14 @@
 //! An in-process transport over channels, for tests: the same algorithms, no sockets.
 
 use std::collections::VecDeque;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Mutex;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::Instant;
 
 use dist_backend::Result;
 use dist_wire::FrameHeader;
 
-use super::{frames, judge, Incoming, OnFrame, Outgoing, StepCtx, Transport, Verdict};
+use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, Verdict, frames, judge};
 
 type Frame = (FrameHeader, Vec<u8>);
 
@@ -28,7 +28,8 @@ impl MemTransport {
     pub fn network(world_size: usize, segment: usize) -> Vec<MemTransport> {
         // channels[src][dst]
         let mut senders: Vec<Vec<Option<Sender<Frame>>>> = Vec::new();
-        let mut receivers: Vec<Vec<Option<Receiver<Frame>>>> = (0..world_size).map(|_| Vec::new()).collect();
+        let mut receivers: Vec<Vec<Option<Receiver<Frame>>>> =
+            (0..world_size).map(|_| Vec::new()).collect();
         for _src in 0..world_size {
             let mut row = Vec::new();
             for rx_row in receivers.iter_mut() {
@@ -42,8 +43,14 @@ impl MemTransport {
             .map(|rank| MemTransport {
                 rank,
                 segment: segment.max(8) / 8 * 8,
-                to: senders[rank].iter_mut().map(|s| s.take().expect("each sender taken once")).collect(),
-                from: receivers[rank].iter_mut().map(|r| Mutex::new(r.take().expect("each receiver taken once"))).collect(),
+                to: senders[rank]
+                    .iter_mut()
+                    .map(|s| s.take().expect("each sender taken once"))
+                    .collect(),
+                from: receivers[rank]
+                    .iter_mut()
+                    .map(|r| Mutex::new(r.take().expect("each receiver taken once")))
+                    .collect(),
                 stash: Mutex::new((0..world_size).map(|_| VecDeque::new()).collect()),
             })
             .collect()
@@ -63,7 +70,13 @@ impl Transport for MemTransport {
         self.segment
     }
 
-    fn exchange(&self, ctx: &StepCtx, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>], on_frame: &mut OnFrame<'_>) -> Result<()> {
+    fn exchange(
+        &self,
+        ctx: &StepCtx,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+    ) -> Result<()> {
         for s in sends {
             for r in frames(s.data.len(), self.segment) {
                 let h = ctx.header(s.count, s.tag, r.start, r.len());
@@ -76,16 +89,27 @@ impl Transport for MemTransport {
             let mut got = 0;
             let mut first = true;
             while first || got < inc.buf.len() {
-                let stashed = stash[inc.peer].iter().position(|(h, _)| matches!(judge(ctx, h, inc.peer, inc.count, inc.tag, got, inc.buf.len()), Ok(Verdict::Expected) | Err(_)));
+                let stashed = stash[inc.peer].iter().position(|(h, _)| {
+                    matches!(
+                        judge(ctx, h, inc.peer, inc.count, inc.tag, got, inc.buf.len()),
+                        Ok(Verdict::Expected) | Err(_)
+                    )
+                });
                 let (h, payload) = match stashed.and_then(|p| stash[inc.peer].remove(p)) {
                     Some(f) => f,
                     None => {
-                        let rx = self.from[inc.peer].lock().unwrap_or_else(|e| e.into_inner());
+                        let rx = self.from[inc.peer]
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner());
                         let wait = ctx.deadline.saturating_duration_since(Instant::now());
                         match rx.recv_timeout(wait) {
                             Ok(f) => f,
-                            Err(RecvTimeoutError::Timeout) => return Err(ctx.timeout(vec![inc.peer])),
-                            Err(RecvTimeoutError::Disconnected) => return Err(ctx.peer_lost(inc.peer, "its transport was dropped")),
+                            Err(RecvTimeoutError::Timeout) => {
+                                return Err(ctx.timeout(vec![inc.peer]));
+                            }
+                            Err(RecvTimeoutError::Disconnected) => {
+                                return Err(ctx.peer_lost(inc.peer, "its transport was dropped"));
+                            }
                         }
                     }
                 };
@@ -106,7 +130,14 @@ impl Transport for MemTransport {
     }
 
     fn close(&self) {
-        let ctx = StepCtx::new(self.rank, 0, dist_wire::CollectiveOp::Close, 0, dist_wire::DType::U8, std::time::Duration::ZERO);
+        let ctx = StepCtx::new(
+            self.rank,
+            0,
+            dist_wire::CollectiveOp::Close,
+            0,
+            dist_wire::DType::U8,
+            std::time::Duration::ZERO,
+        );
         for (peer, tx) in self.to.iter().enumerate() {
             if peer != self.rank {
                 let _ = tx.send((ctx.header(0, 0, 0, 0), Vec::new()));

@@ -47,7 +47,14 @@ pub struct StepCtx {
 
 impl StepCtx {
     /// Context for an operation that starts now.
-    pub fn new(rank: usize, group: u32, op: CollectiveOp, seq: u64, dtype: DType, timeout: Duration) -> Self {
+    pub fn new(
+        rank: usize,
+        group: u32,
+        op: CollectiveOp,
+        seq: u64,
+        dtype: DType,
+        timeout: Duration,
+    ) -> Self {
         let started = Instant::now();
         StepCtx {
             rank,
@@ -58,7 +65,9 @@ impl StepCtx {
             reduce: 0,
             root: NO_ROOT,
             started,
-            deadline: started.checked_add(timeout).unwrap_or(started + Duration::from_secs(86_400 * 365)),
+            deadline: started
+                .checked_add(timeout)
+                .unwrap_or(started + Duration::from_secs(86_400 * 365)),
         }
     }
 
@@ -81,7 +90,13 @@ impl StepCtx {
 
     /// This rank's description of the operation, for mismatch errors.
     pub fn desc(&self, count: u64) -> OpDesc {
-        OpDesc { rank: self.rank, op: self.op, seq: self.seq, dtype: self.dtype, count }
+        OpDesc {
+            rank: self.rank,
+            op: self.op,
+            seq: self.seq,
+            dtype: self.dtype,
+            count,
+        }
     }
 
     /// The error for peers that had not delivered by the deadline.
@@ -99,7 +114,13 @@ impl StepCtx {
 
     /// The error for a peer whose connection is gone.
     pub fn peer_lost(&self, peer: usize, reason: impl Into<String>) -> Error {
-        Error::PeerLost { rank: self.rank, peer, op: self.op, seq: self.seq, reason: reason.into() }
+        Error::PeerLost {
+            rank: self.rank,
+            peer,
+            op: self.op,
+            seq: self.seq,
+            reason: reason.into(),
+        }
     }
 }
 
@@ -167,7 +188,15 @@ pub(crate) enum Verdict {
 }
 
 /// Checks a received header against the step's expectation for `recv` after `got` bytes.
-pub(crate) fn judge(ctx: &StepCtx, h: &FrameHeader, peer: usize, want_count: u64, want_tag: u32, got: usize, len: usize) -> Result<Verdict> {
+pub(crate) fn judge(
+    ctx: &StepCtx,
+    h: &FrameHeader,
+    peer: usize,
+    want_count: u64,
+    want_tag: u32,
+    got: usize,
+    len: usize,
+) -> Result<Verdict> {
     if h.op == CollectiveOp::Close {
         return Ok(Verdict::Closed);
     }
@@ -177,23 +206,49 @@ pub(crate) fn judge(ctx: &StepCtx, h: &FrameHeader, peer: usize, want_count: u64
     }
     let theirs = OpDesc::from(h);
     if h.sender as usize != peer || h.group != ctx.group {
-        return Err(Error::invalid(ctx.rank, ctx.op.name(), format!("frame from rank {peer} claims to be {theirs} of group {:#x} (expected group {:#x}): crossed connections", h.group, ctx.group)));
+        return Err(Error::invalid(
+            ctx.rank,
+            ctx.op.name(),
+            format!(
+                "frame from rank {peer} claims to be {theirs} of group {:#x} (expected group {:#x}): crossed connections",
+                h.group, ctx.group
+            ),
+        ));
     }
-    if h.op != ctx.op || h.seq != ctx.seq || h.dtype != ctx.dtype || h.count != want_count || h.tag != want_tag || h.reduce != ctx.reduce || h.root != ctx.root {
+    if h.op != ctx.op
+        || h.seq != ctx.seq
+        || h.dtype != ctx.dtype
+        || h.count != want_count
+        || h.tag != want_tag
+        || h.reduce != ctx.reduce
+        || h.root != ctx.root
+    {
         let ours = ctx.desc(want_count);
         if h.op == ctx.op && h.seq == ctx.seq && h.dtype == ctx.dtype && h.count == want_count {
             // Same op and shape: the difference is in the reduce op, root or algorithm step.
-            return Err(Error::invalid(ctx.rank, ctx.op.name(), format!(
-                "{ours} (reduce op {}, root {}, step {want_tag:#x}) met {theirs} (reduce op {}, root {}, step {:#x}): the ranks disagree on arguments",
-                ctx.reduce, ctx.root as i64, h.reduce, h.root as i64, h.tag)));
+            return Err(Error::invalid(
+                ctx.rank,
+                ctx.op.name(),
+                format!(
+                    "{ours} (reduce op {}, root {}, step {want_tag:#x}) met {theirs} (reduce op {}, root {}, step {:#x}): the ranks disagree on arguments",
+                    ctx.reduce, ctx.root as i64, h.reduce, h.root as i64, h.tag
+                ),
+            ));
         }
         return Err(Error::Mismatch { ours, theirs });
     }
     let end = got as u64 + h.payload_len;
     if h.offset != got as u64 || end > len as u64 {
-        return Err(Error::invalid(ctx.rank, ctx.op.name(), format!(
-            "{} expected {len} bytes from rank {peer}; {theirs} sent a frame at offset {} of {} bytes (received so far: {got})",
-            ctx.desc(want_count), h.offset, h.payload_len)));
+        return Err(Error::invalid(
+            ctx.rank,
+            ctx.op.name(),
+            format!(
+                "{} expected {len} bytes from rank {peer}; {theirs} sent a frame at offset {} of {} bytes (received so far: {got})",
+                ctx.desc(want_count),
+                h.offset,
+                h.payload_len
+            ),
+        ));
     }
     Ok(Verdict::Expected)
 }

@@ -1,7 +1,10 @@
 //! Shared test harness: worlds of ranks as threads, and reference reductions.
 
 #![allow(dead_code, reason = "each test binary uses part of the harness")]
-#![allow(unreachable_pub, reason = "a test harness module is private to its test binary")]
+#![allow(
+    unreachable_pub,
+    reason = "a test harness module is private to its test binary"
+)]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,10 +22,14 @@ pub fn tcp_world(n: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
             .map(|r| {
                 let store = store.clone();
                 let prefix = prefix.clone();
-                s.spawn(move || GlooBackend::connect(&*store, &prefix, r, n, opts).expect("mesh builds"))
+                s.spawn(move || {
+                    GlooBackend::connect(&*store, &prefix, r, n, opts).expect("mesh builds")
+                })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
     })
 }
 
@@ -30,7 +37,9 @@ pub fn tcp_world(n: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
 pub fn on_all<R: Send>(ranks: &[GlooBackend], f: impl Fn(&GlooBackend) -> R + Sync) -> Vec<R> {
     std::thread::scope(|s| {
         let hs: Vec<_> = ranks.iter().map(|b| s.spawn(|| f(b))).collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
     })
 }
 
@@ -118,5 +127,8 @@ pub fn assert_close(d: DType, what: &str, i: usize, got: f64, want: f64) {
         DType::F64 => 1e-12,
         _ => 0.0,
     };
-    assert!((got - want).abs() <= tol * want.abs().max(1.0), "{what}: element {i}: got {got}, want {want}");
+    assert!(
+        (got - want).abs() <= tol * want.abs().max(1.0),
+        "{what}: element {i}: got {got}, want {want}"
+    );
 }

@@ -81,7 +81,9 @@ impl Conn {
     }
 
     /// Reads the next frame header. `Ok(Ready(None))` on EOF.
-    pub(super) fn read_header(&mut self) -> io::Result<Io<Option<Result<FrameHeader, dist_wire::WireError>>>> {
+    pub(super) fn read_header(
+        &mut self,
+    ) -> io::Result<Io<Option<Result<FrameHeader, dist_wire::WireError>>>> {
         match self.fill(HEADER_LEN)? {
             Io::WouldBlock => Ok(Io::WouldBlock),
             Io::Ready(false) => Ok(Io::Ready(None)),
@@ -104,7 +106,9 @@ impl Conn {
                 return loop {
                     match self.stream.read(dst) {
                         Ok(k) => break Ok(Io::Ready(k)),
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break Ok(Io::WouldBlock),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            break Ok(Io::WouldBlock);
+                        }
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                         Err(e) => break Err(e),
                     }
@@ -125,7 +129,10 @@ impl Conn {
     /// Starts stashing a frame whose header has been read.
     pub(super) fn begin_stash(&mut self, h: FrameHeader) -> Result<(), String> {
         if h.payload_len > MAX_STASHED_FRAME {
-            return Err(format!("frame of {} bytes exceeds the {MAX_STASHED_FRAME}-byte limit (corrupt stream?)", h.payload_len));
+            return Err(format!(
+                "frame of {} bytes exceeds the {MAX_STASHED_FRAME}-byte limit (corrupt stream?)",
+                h.payload_len
+            ));
         }
         self.partial = Some((h, Vec::with_capacity(h.payload_len as usize)));
         Ok(())
@@ -181,7 +188,9 @@ impl Conn {
             match self.read_header() {
                 Ok(Io::WouldBlock) => return,
                 Ok(Io::Ready(None)) => return self.eof(),
-                Ok(Io::Ready(Some(Ok(h)))) if h.op == CollectiveOp::Close => self.state = PeerState::Left,
+                Ok(Io::Ready(Some(Ok(h)))) if h.op == CollectiveOp::Close => {
+                    self.state = PeerState::Left
+                }
                 Ok(Io::Ready(Some(Ok(h)))) => {
                     if let Err(why) = self.begin_stash(h) {
                         self.state = PeerState::Lost(why);
@@ -189,7 +198,8 @@ impl Conn {
                     }
                 }
                 Ok(Io::Ready(Some(Err(e)))) => {
-                    self.state = PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
+                    self.state =
+                        PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
                     return;
                 }
                 Err(e) => return self.broken(&e),
@@ -199,7 +209,9 @@ impl Conn {
 
     pub(super) fn eof(&mut self) {
         if self.state == PeerState::Open {
-            self.state = PeerState::Lost("its connection closed without a goodbye (the process exited or crashed)".into());
+            self.state = PeerState::Lost(
+                "its connection closed without a goodbye (the process exited or crashed)".into(),
+            );
         }
     }
 

@@ -9,7 +9,7 @@ use dist_wire::{FrameHeader, HEADER_LEN};
 use mio::{Events, Poll};
 
 use super::conn::{Conn, Io, PeerState};
-use crate::transport::{frames, judge, Incoming, OnFrame, Outgoing, StepCtx, Verdict};
+use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Verdict, frames, judge};
 
 /// Progress state of one outgoing message.
 struct SendState {
@@ -43,7 +43,10 @@ pub(super) struct Engine {
 fn lost_or_left(ctx: &StepCtx, peer: usize, state: &PeerState) -> Error {
     match state {
         PeerState::Lost(why) => ctx.peer_lost(peer, why.clone()),
-        _ => ctx.peer_lost(peer, "it left the group (destroyed its process group) before this operation"),
+        _ => ctx.peer_lost(
+            peer,
+            "it left the group (destroyed its process group) before this operation",
+        ),
     }
 }
 
@@ -51,7 +54,11 @@ impl Engine {
     fn conn(&mut self, ctx: &StepCtx, peer: usize) -> Result<&mut Conn> {
         match self.conns.get_mut(peer) {
             Some(Some(c)) => Ok(c),
-            _ => Err(Error::invalid(ctx.rank, ctx.op.name(), format!("no connection to rank {peer}"))),
+            _ => Err(Error::invalid(
+                ctx.rank,
+                ctx.op.name(),
+                format!("no connection to rank {peer}"),
+            )),
         }
     }
 
@@ -65,12 +72,32 @@ impl Engine {
     ) -> Result<()> {
         for (i, r) in recvs.iter().enumerate() {
             if recvs[..i].iter().any(|o| o.peer == r.peer) {
-                return Err(Error::invalid(ctx.rank, ctx.op.name(), format!("two receives from rank {} in one step", r.peer)));
+                return Err(Error::invalid(
+                    ctx.rank,
+                    ctx.op.name(),
+                    format!("two receives from rank {} in one step", r.peer),
+                ));
             }
         }
-        let mut tx: Vec<SendState> =
-            sends.iter().map(|_| SendState { frame: 0, hdr: [0; HEADER_LEN], hdr_done: 0, payload_done: 0, done: false }).collect();
-        let mut rx: Vec<RecvState> = recvs.iter().map(|_| RecvState { got: 0, cur: None, first: true, done: false }).collect();
+        let mut tx: Vec<SendState> = sends
+            .iter()
+            .map(|_| SendState {
+                frame: 0,
+                hdr: [0; HEADER_LEN],
+                hdr_done: 0,
+                payload_done: 0,
+                done: false,
+            })
+            .collect();
+        let mut rx: Vec<RecvState> = recvs
+            .iter()
+            .map(|_| RecvState {
+                got: 0,
+                cur: None,
+                first: true,
+                done: false,
+            })
+            .collect();
         let mut spin_until: Option<Instant> = None;
         loop {
             let mut progress = false;
@@ -81,7 +108,11 @@ impl Engine {
                 }
                 pending = true;
                 // Messages to one peer go out whole and in order: never interleave their bytes.
-                if sends[..i].iter().zip(&tx[..i]).any(|(o, st)| o.peer == sends[i].peer && !st.done) {
+                if sends[..i]
+                    .iter()
+                    .zip(&tx[..i])
+                    .any(|(o, st)| o.peer == sends[i].peer && !st.done)
+                {
                     continue;
                 }
                 progress |= self.drive_send(ctx, seg, &sends[i], &mut tx[i])?;
@@ -101,8 +132,19 @@ impl Engine {
             }
             let now = Instant::now();
             if now >= ctx.deadline {
-                let mut missing: Vec<usize> = recvs.iter().zip(&rx).filter(|(_, s)| !s.done).map(|(r, _)| r.peer).collect();
-                missing.extend(sends.iter().zip(&tx).filter(|(_, s)| !s.done).map(|(s, _)| s.peer));
+                let mut missing: Vec<usize> = recvs
+                    .iter()
+                    .zip(&rx)
+                    .filter(|(_, s)| !s.done)
+                    .map(|(r, _)| r.peer)
+                    .collect();
+                missing.extend(
+                    sends
+                        .iter()
+                        .zip(&tx)
+                        .filter(|(_, s)| !s.done)
+                        .map(|(s, _)| s.peer),
+                );
                 return Err(ctx.timeout(missing));
             }
             let until = *spin_until.get_or_insert(now + self.spin);
@@ -116,13 +158,23 @@ impl Engine {
 
     /// Sleeps in the poller until some socket is ready, draining sockets the step does not
     /// receive from and failing if one of them turns out lost.
-    fn wait(&mut self, ctx: &StepCtx, recvs: &[Incoming<'_>], rx: &[RecvState], timeout: Duration) -> Result<()> {
+    fn wait(
+        &mut self,
+        ctx: &StepCtx,
+        recvs: &[Incoming<'_>],
+        rx: &[RecvState],
+        timeout: Duration,
+    ) -> Result<()> {
         // Cap each sleep so a lost wake-up can only cost latency, never a hang.
         let timeout = timeout.min(Duration::from_millis(100));
-        if let Err(e) = self.poll.poll(&mut self.events, Some(timeout)) {
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(Error::Io { rank: ctx.rank, context: format!("{} #{}: polling sockets", ctx.op, ctx.seq), source: e });
-            }
+        if let Err(e) = self.poll.poll(&mut self.events, Some(timeout))
+            && e.kind() != io::ErrorKind::Interrupted
+        {
+            return Err(Error::Io {
+                rank: ctx.rank,
+                context: format!("{} #{}: polling sockets", ctx.op, ctx.seq),
+                source: e,
+            });
         }
         let ready: Vec<usize> = self.events.iter().map(|ev| ev.token().0).collect();
         for peer in ready {
@@ -141,7 +193,13 @@ impl Engine {
     }
 
     /// Writes as much of one message as the socket takes. Returns whether any byte moved.
-    fn drive_send(&mut self, ctx: &StepCtx, seg: usize, s: &Outgoing<'_>, st: &mut SendState) -> Result<bool> {
+    fn drive_send(
+        &mut self,
+        ctx: &StepCtx,
+        seg: usize,
+        s: &Outgoing<'_>,
+        st: &mut SendState,
+    ) -> Result<bool> {
         let c = self.conn(ctx, s.peer)?;
         if c.state != PeerState::Open {
             return Err(lost_or_left(ctx, s.peer, &c.state));
@@ -187,7 +245,14 @@ impl Engine {
 
     /// Reads as much of one message as the socket has, calling `on_frame` per complete frame.
     /// Returns whether any byte moved.
-    fn drive_recv(&mut self, ctx: &StepCtx, idx: usize, inc: &mut Incoming<'_>, st: &mut RecvState, on_frame: &mut OnFrame<'_>) -> Result<bool> {
+    fn drive_recv(
+        &mut self,
+        ctx: &StepCtx,
+        idx: usize,
+        inc: &mut Incoming<'_>,
+        st: &mut RecvState,
+        on_frame: &mut OnFrame<'_>,
+    ) -> Result<bool> {
         let peer = inc.peer;
         let len = inc.buf.len();
         let c = self.conn(ctx, peer)?;
@@ -214,7 +279,10 @@ impl Engine {
             match st.cur {
                 None => {
                     let stashed = c.stash.iter().position(|(h, _)| {
-                        !matches!(judge(ctx, h, peer, inc.count, inc.tag, st.got, len), Ok(Verdict::Stash))
+                        !matches!(
+                            judge(ctx, h, peer, inc.count, inc.tag, st.got, len),
+                            Ok(Verdict::Stash)
+                        )
                     });
                     if let Some(p) = stashed {
                         let (h, payload) = c.stash.remove(p).expect("position is in range");
@@ -238,7 +306,8 @@ impl Engine {
                         }
                         Ok(Io::Ready(Some(Ok(h)))) => h,
                         Ok(Io::Ready(Some(Err(e)))) => {
-                            c.state = PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
+                            c.state =
+                                PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
                             return Err(lost_or_left(ctx, peer, &c.state));
                         }
                         Err(e) => {

@@ -49,18 +49,30 @@ impl Default for MeshOptions {
 pub fn local_ip(rank: usize) -> Result<IpAddr> {
     for var in ["DIST_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"] {
         if let Ok(name) = std::env::var(var) {
-            let ifs = if_addrs::get_if_addrs().map_err(|e| Error::Io { rank, context: "listing network interfaces".into(), source: e })?;
-            let mut mine: Vec<IpAddr> = ifs.iter().filter(|i| i.name == name).map(|i| i.ip()).collect();
+            let ifs = if_addrs::get_if_addrs().map_err(|e| Error::Io {
+                rank,
+                context: "listing network interfaces".into(),
+                source: e,
+            })?;
+            let mut mine: Vec<IpAddr> = ifs
+                .iter()
+                .filter(|i| i.name == name)
+                .map(|i| i.ip())
+                .collect();
             mine.sort_by_key(|ip| ip.is_ipv6());
             return mine.first().copied().ok_or_else(|| Error::Init {
-                what: format!("{var}={name} names no interface with an address (have: {})", ifs.iter().map(|i| i.name.as_str()).collect::<Vec<_>>().join(", ")),
+                what: format!(
+                    "{var}={name} names no interface with an address (have: {})",
+                    ifs.iter()
+                        .map(|i| i.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
             });
         }
     }
-    if let Ok(master) = std::env::var("MASTER_ADDR") {
-        if let Some(ip) = route_to(&master) {
-            return Ok(ip);
-        }
+    if let Some(ip) = std::env::var("MASTER_ADDR").ok().and_then(|m| route_to(&m)) {
+        return Ok(ip);
     }
     Ok(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
@@ -70,22 +82,33 @@ fn route_to(host: &str) -> Option<IpAddr> {
     if target.ip().is_loopback() {
         return Some(target.ip());
     }
-    let any: SocketAddr = if target.is_ipv4() { "0.0.0.0:0".parse().ok()? } else { "[::]:0".parse().ok()? };
+    let any: SocketAddr = if target.is_ipv4() {
+        "0.0.0.0:0".parse().ok()?
+    } else {
+        "[::]:0".parse().ok()?
+    };
     let s = UdpSocket::bind(any).ok()?;
     s.connect(target).ok()?;
     Some(s.local_addr().ok()?.ip())
 }
 
 fn io(rank: usize, context: String) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Io { rank, context, source }
+    move |source| Error::Io {
+        rank,
+        context,
+        source,
+    }
 }
 
 fn tune(s: &TcpStream, opts: &MeshOptions, rank: usize) -> Result<()> {
-    s.set_nodelay(true).map_err(io(rank, "setting TCP_NODELAY".into()))?;
+    s.set_nodelay(true)
+        .map_err(io(rank, "setting TCP_NODELAY".into()))?;
     if let Some(b) = opts.socket_buffer {
         let sock = socket2::SockRef::from(s);
-        sock.set_send_buffer_size(b).map_err(io(rank, "setting SO_SNDBUF".into()))?;
-        sock.set_recv_buffer_size(b).map_err(io(rank, "setting SO_RCVBUF".into()))?;
+        sock.set_send_buffer_size(b)
+            .map_err(io(rank, "setting SO_SNDBUF".into()))?;
+        sock.set_recv_buffer_size(b)
+            .map_err(io(rank, "setting SO_RCVBUF".into()))?;
     }
     Ok(())
 }
@@ -100,10 +123,18 @@ fn hello(group: u32, rank: usize) -> [u8; 12] {
 
 /// 32-bit FNV-1a of the group's store prefix: the group id in every frame header.
 pub(crate) fn group_id(prefix: &str) -> u32 {
-    prefix.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+    prefix.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
 }
 
-pub(super) fn build(store: &dyn Store, prefix: &str, rank: usize, world: usize, opts: &MeshOptions) -> Result<(Poll, Vec<Option<Conn>>)> {
+pub(super) fn build(
+    store: &dyn Store,
+    prefix: &str,
+    rank: usize,
+    world: usize,
+    opts: &MeshOptions,
+) -> Result<(Poll, Vec<Option<Conn>>)> {
     let poll = Poll::new().map_err(io(rank, "creating the poller".into()))?;
     let mut conns: Vec<Option<Conn>> = (0..world).map(|_| None).collect();
     if world == 1 {
@@ -116,8 +147,13 @@ pub(super) fn build(store: &dyn Store, prefix: &str, rank: usize, world: usize, 
         None => local_ip(rank)?,
     };
     let listener = listen(ip, world, rank)?;
-    let addr = listener.local_addr().map_err(io(rank, "reading the listener's address".into()))?;
-    store.set(&format!("{prefix}/addr/{rank}"), addr.to_string().as_bytes())?;
+    let addr = listener
+        .local_addr()
+        .map_err(io(rank, "reading the listener's address".into()))?;
+    store.set(
+        &format!("{prefix}/addr/{rank}"),
+        addr.to_string().as_bytes(),
+    )?;
 
     // Accept the higher ranks on a helper thread while connecting to the lower ones here.
     let expected = world - 1 - rank;
@@ -137,18 +173,34 @@ pub(super) fn build(store: &dyn Store, prefix: &str, rank: usize, world: usize, 
             }
         }
     }
-    let accepted = acceptor.join().unwrap_or_else(|_| Err(Error::invalid(rank, "connect", "the accept thread panicked")));
+    let accepted = acceptor.join().unwrap_or_else(|_| {
+        Err(Error::invalid(
+            rank,
+            "connect",
+            "the accept thread panicked",
+        ))
+    });
     if let Some(e) = first_err {
         return Err(e);
     }
     streams.extend(accepted?);
     for (peer, s) in streams {
         tune(&s, opts, rank)?;
-        s.set_nonblocking(true).map_err(io(rank, format!("making the connection to rank {peer} non-blocking")))?;
+        s.set_nonblocking(true).map_err(io(
+            rank,
+            format!("making the connection to rank {peer} non-blocking"),
+        ))?;
         let mut ms = mio::net::TcpStream::from_std(s);
         poll.registry()
-            .register(&mut ms, Token(peer), Interest::READABLE | Interest::WRITABLE)
-            .map_err(io(rank, format!("registering the connection to rank {peer}")))?;
+            .register(
+                &mut ms,
+                Token(peer),
+                Interest::READABLE | Interest::WRITABLE,
+            )
+            .map_err(io(
+                rank,
+                format!("registering the connection to rank {peer}"),
+            ))?;
         conns[peer] = Some(Conn::new(ms));
     }
     Ok((poll, conns))
@@ -156,22 +208,40 @@ pub(super) fn build(store: &dyn Store, prefix: &str, rank: usize, world: usize, 
 
 fn listen(ip: IpAddr, world: usize, rank: usize) -> Result<TcpListener> {
     let addr = SocketAddr::new(ip, 0);
-    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)).map_err(io(rank, format!("creating a socket for {addr}")))?;
-    sock.set_reuse_address(true).map_err(io(rank, "setting SO_REUSEADDR".into()))?;
-    sock.bind(&SockAddr::from(addr)).map_err(io(rank, format!("binding {addr}")))?;
-    sock.listen(world.clamp(16, 4096) as i32).map_err(io(rank, format!("listening on {addr}")))?;
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+        .map_err(io(rank, format!("creating a socket for {addr}")))?;
+    sock.set_reuse_address(true)
+        .map_err(io(rank, "setting SO_REUSEADDR".into()))?;
+    sock.bind(&SockAddr::from(addr))
+        .map_err(io(rank, format!("binding {addr}")))?;
+    sock.listen(world.clamp(16, 4096) as i32)
+        .map_err(io(rank, format!("listening on {addr}")))?;
     Ok(sock.into())
 }
 
-fn accept_all(listener: TcpListener, expected: usize, group: u32, world: usize, rank: usize, deadline: Instant) -> Result<Vec<(usize, TcpStream)>> {
+fn accept_all(
+    listener: TcpListener,
+    expected: usize,
+    group: u32,
+    world: usize,
+    rank: usize,
+    deadline: Instant,
+) -> Result<Vec<(usize, TcpStream)>> {
     let mut out: Vec<(usize, TcpStream)> = Vec::with_capacity(expected);
-    listener.set_nonblocking(true).map_err(io(rank, "making the listener non-blocking".into()))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(io(rank, "making the listener non-blocking".into()))?;
     while out.len() < expected {
         match listener.accept() {
             Ok((mut s, from)) => {
-                s.set_nonblocking(false).map_err(io(rank, "configuring an accepted connection".into()))?;
-                s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+                s.set_nonblocking(false)
                     .map_err(io(rank, "configuring an accepted connection".into()))?;
+                s.set_read_timeout(Some(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(1)),
+                ))
+                .map_err(io(rank, "configuring an accepted connection".into()))?;
                 let mut b = [0u8; 12];
                 if s.read_exact(&mut b).is_err() {
                     tracing::warn!(rank, %from, "dropping a connection that sent no hello");
@@ -180,40 +250,68 @@ fn accept_all(listener: TcpListener, expected: usize, group: u32, world: usize, 
                 let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 let their_group = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
                 let peer = u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize;
-                if magic != HELLO_MAGIC || their_group != group || peer <= rank || peer >= world || out.iter().any(|(p, _)| *p == peer) {
+                if magic != HELLO_MAGIC
+                    || their_group != group
+                    || peer <= rank
+                    || peer >= world
+                    || out.iter().any(|(p, _)| *p == peer)
+                {
                     tracing::warn!(rank, %from, peer, "dropping a connection with a bad hello");
                     continue;
                 }
-                s.set_read_timeout(None).map_err(io(rank, "configuring an accepted connection".into()))?;
+                s.set_read_timeout(None)
+                    .map_err(io(rank, "configuring an accepted connection".into()))?;
                 out.push((peer, s));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (rank + 1..world).filter(|p| !out.iter().any(|(q, _)| q == p)).collect();
+                    let missing: Vec<usize> = (rank + 1..world)
+                        .filter(|p| !out.iter().any(|(q, _)| q == p))
+                        .collect();
                     return Err(Error::Io {
                         rank,
-                        context: format!("building the connection mesh: rank(s) {missing:?} did not connect in time"),
+                        context: format!(
+                            "building the connection mesh: rank(s) {missing:?} did not connect in time"
+                        ),
                         source: std::io::ErrorKind::TimedOut.into(),
                     });
                 }
                 thread::sleep(Duration::from_millis(1));
             }
-            Err(e) => return Err(Error::Io { rank, context: "accepting peer connections".into(), source: e }),
+            Err(e) => {
+                return Err(Error::Io {
+                    rank,
+                    context: "accepting peer connections".into(),
+                    source: e,
+                });
+            }
         }
     }
     Ok(out)
 }
 
-fn connect_to(store: &dyn Store, prefix: &str, peer: usize, group: u32, rank: usize, deadline: Instant) -> Result<TcpStream> {
+fn connect_to(
+    store: &dyn Store,
+    prefix: &str,
+    peer: usize,
+    group: u32,
+    rank: usize,
+    deadline: Instant,
+) -> Result<TcpStream> {
     let raw = store.get(&format!("{prefix}/addr/{peer}"))?;
     let text = String::from_utf8_lossy(&raw).into_owned();
-    let addr: SocketAddr = text.parse().map_err(|_| Error::Init { what: format!("rank {peer} published an unreadable address {text:?} under {prefix}/addr/{peer}") })?;
+    let addr: SocketAddr = text.parse().map_err(|_| Error::Init {
+        what: format!(
+            "rank {peer} published an unreadable address {text:?} under {prefix}/addr/{peer}"
+        ),
+    })?;
     let mut delay = Duration::from_millis(1);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
             Ok(mut s) => {
-                s.write_all(&hello(group, rank)).map_err(io(rank, format!("greeting rank {peer} at {addr}")))?;
+                s.write_all(&hello(group, rank))
+                    .map_err(io(rank, format!("greeting rank {peer} at {addr}")))?;
                 return Ok(s);
             }
             Err(e) if Instant::now() + delay < deadline => {
@@ -221,7 +319,13 @@ fn connect_to(store: &dyn Store, prefix: &str, peer: usize, group: u32, rank: us
                 thread::sleep(delay);
                 delay = (delay * 2).min(Duration::from_millis(200));
             }
-            Err(e) => return Err(Error::Io { rank, context: format!("connecting to rank {peer} at {addr}"), source: e }),
+            Err(e) => {
+                return Err(Error::Io {
+                    rank,
+                    context: format!("connecting to rank {peer} at {addr}"),
+                    source: e,
+                });
+            }
         }
     }
 }

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use dist_backend::{Result, Store};
 
-pub use mesh::{MeshOptions, local_ip};
 pub(crate) use mesh::group_id;
+pub use mesh::{MeshOptions, local_ip};
 
 use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
 use engine::Engine;
@@ -27,13 +27,24 @@ pub struct TcpTransport {
 impl TcpTransport {
     /// Builds the mesh: listens, publishes this rank's address under `prefix` in `store`,
     /// connects to lower ranks and accepts higher ones, all within `opts.timeout`.
-    pub fn connect(store: &dyn Store, prefix: &str, rank: usize, world_size: usize, opts: &MeshOptions) -> Result<Self> {
+    pub fn connect(
+        store: &dyn Store,
+        prefix: &str,
+        rank: usize,
+        world_size: usize,
+        opts: &MeshOptions,
+    ) -> Result<Self> {
         let (poll, conns) = mesh::build(store, prefix, rank, world_size, opts)?;
         Ok(TcpTransport {
             rank,
             world_size,
             segment: opts.segment_bytes.max(8) / 8 * 8,
-            engine: Mutex::new(Engine { poll, events: mio::Events::with_capacity(64), conns, spin: opts.spin }),
+            engine: Mutex::new(Engine {
+                poll,
+                events: mio::Events::with_capacity(64),
+                conns,
+                spin: opts.spin,
+            }),
         })
     }
 
@@ -56,12 +67,21 @@ impl Transport for TcpTransport {
         self.segment
     }
 
-    fn exchange(&self, ctx: &StepCtx, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>], on_frame: &mut OnFrame<'_>) -> Result<()> {
+    fn exchange(
+        &self,
+        ctx: &StepCtx,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+    ) -> Result<()> {
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         eng.run(ctx, self.segment, sends, recvs, on_frame)
     }
 
     fn close(&self) {
-        self.engine.lock().unwrap_or_else(|e| e.into_inner()).close(self.rank);
+        self.engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .close(self.rank);
     }
 }
