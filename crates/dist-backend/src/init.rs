@@ -6,7 +6,11 @@
 //!   of `SLURM_JOB_NODELIST`; else Open MPI's `OMPI_COMM_WORLD_RANK`/`_SIZE`/`_LOCAL_RANK`/
 //!   `_LOCAL_SIZE`; else PMI's `PMI_RANK`/`PMI_SIZE` (with MPICH's `MPI_LOCALRANKID`/
 //!   `MPI_LOCALNRANKS` when set). Rank 0 hosts the [`TcpStore`] server on
-//!   `MASTER_ADDR:MASTER_PORT`, as torch does; the others connect.
+//!   `MASTER_ADDR:MASTER_PORT`, as torch does; the others connect. When the launcher runs the
+//!   store itself (torchrun and `distrun` set `TORCHELASTIC_USE_AGENT_STORE=True`), rank 0
+//!   connects as a client too, and every key lives under `/worker/attempt_<n>` with `n` from
+//!   `TORCHELASTIC_RESTART_COUNT`, as in torch, so a restarted job does not see the keys of
+//!   the attempt before it.
 //! * `tcp://host:port`: the same TCP store, with rank and world size given explicitly (as
 //!   arguments or `?rank=..&world_size=..`).
 //! * `file:///path`: a [`FileStore`] at that path.
@@ -29,7 +33,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::store::{FileStore, Store, TcpStore, TcpStoreOptions};
+use crate::store::{FileStore, PrefixStore, Store, TcpStore, TcpStoreOptions};
 use crate::{Error, Result};
 
 /// Which launcher the rank information came from.
@@ -77,6 +81,11 @@ pub struct InitConfig {
     pub master_port: Option<u16>,
     /// Where the values came from.
     pub launcher: Launcher,
+    /// `Some(restart count)` when the launcher serves the store itself
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`, restart count from `TORCHELASTIC_RESTART_COUNT`,
+    /// default 0): then rank 0 connects as a client instead of starting the server, and keys
+    /// are prefixed with `/worker/attempt_<count>`.
+    pub agent_store: Option<u64>,
 }
 
 /// The outcome of init: who this process is and the store every rank shares.
@@ -296,6 +305,12 @@ impl InitConfig {
             }
             None => None,
         };
+        let agent_store = match env("TORCHELASTIC_USE_AGENT_STORE") {
+            Some(v) if matches!(v.trim(), "True" | "true" | "1") => {
+                Some(num(env, "TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u64)
+            }
+            _ => None,
+        };
         Ok(InitConfig {
             rank,
             world_size,
@@ -304,11 +319,14 @@ impl InitConfig {
             master_addr,
             master_port,
             launcher,
+            agent_store,
         })
     }
 
     /// Makes the TCP store at `master_addr:master_port`: rank 0 starts the server there (and
-    /// waits until every rank has joined), the others connect.
+    /// waits until every rank has joined), the others connect. With
+    /// [`agent_store`](Self::agent_store) every rank connects and the store is a
+    /// [`PrefixStore`] under `/worker/attempt_<n>`.
     pub fn connect(&self, timeout: Duration) -> Result<InitInfo> {
         let addr = self.master_addr.clone().ok_or_else(|| {
             init_err(format!(
@@ -322,8 +340,23 @@ impl InitConfig {
                 self.launcher, self.rank
             ))
         })?;
-        let store = tcp_store(&addr, port, self.rank, self.world_size, timeout)?;
-        Ok(self.info(store))
+        let Some(attempt) = self.agent_store else {
+            let store = tcp_store(&addr, port, self.rank, self.world_size, timeout)?;
+            return Ok(self.info(store));
+        };
+        // torch's `_create_c10d_store` with `TORCHELASTIC_USE_AGENT_STORE`: a client on every
+        // rank, namespaced by attempt.
+        let opts = TcpStoreOptions {
+            host: addr,
+            port,
+            world_size: Some(self.world_size),
+            is_master: false,
+            timeout,
+            wait_for_workers: true,
+        };
+        let inner: Arc<dyn Store> = Arc::new(TcpStore::new(&opts)?);
+        let store = PrefixStore::new(format!("/worker/attempt_{attempt}"), inner);
+        Ok(self.info(Arc::new(store)))
     }
 
     fn info(&self, store: Arc<dyn Store>) -> InitInfo {
@@ -629,8 +662,35 @@ mod tests {
                 master_addr: Some("host0".into()),
                 master_port: Some(29500),
                 launcher: Launcher::Torchrun,
+                agent_store: None,
             }
         );
+    }
+
+    #[test]
+    fn agent_store_variables() {
+        let base = [("RANK", "0"), ("WORLD_SIZE", "2")];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            InitConfig::from_lookup(env(&v))
+        };
+        assert_eq!(with(&[]).unwrap().agent_store, None);
+        let c = with(&[("TORCHELASTIC_USE_AGENT_STORE", "False")]).unwrap();
+        assert_eq!(c.agent_store, None);
+        let c = with(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]).unwrap();
+        assert_eq!(c.agent_store, Some(0));
+        let c = with(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "3"),
+        ])
+        .unwrap();
+        assert_eq!(c.agent_store, Some(3));
+        let m = init_msg(with(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "x"),
+        ]));
+        assert!(m.contains("TORCHELASTIC_RESTART_COUNT"), "{m}");
     }
 
     #[test]

@@ -111,3 +111,39 @@ fn env_init_fails_without_master() {
     .unwrap_err();
     assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
 }
+
+#[test]
+fn env_init_with_agent_store_makes_every_rank_a_client() {
+    // The launcher (torchrun's agent, distrun) already serves the store on the master port:
+    // rank 0 must connect to it rather than fail to bind.
+    let server = dist_backend::store::TcpStoreServer::start(0).unwrap();
+    let port = server.port();
+    let world = 3;
+    let hs: Vec<_> = (0..world)
+        .map(|rank| {
+            thread::spawn(move || {
+                let vars: HashMap<&str, String> = HashMap::from([
+                    ("MASTER_ADDR", "127.0.0.1".to_owned()),
+                    ("MASTER_PORT", port.to_string()),
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", world.to_string()),
+                    ("TORCHELASTIC_USE_AGENT_STORE", "True".to_owned()),
+                    ("TORCHELASTIC_RESTART_COUNT", "2".to_owned()),
+                ]);
+                let info =
+                    init_from_url_with("env://", None, None, T, &|k| vars.get(k).cloned()).unwrap();
+                assert_eq!(info.rank, rank);
+                info.store.set(&format!("r{rank}"), b"x").unwrap();
+                info.store.wait(&["r0", "r1", "r2"], T).unwrap();
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    // Keys live under the attempt's namespace, as in torch.
+    let raw = dist_backend::store::TcpStore::connect("127.0.0.1", port, T).unwrap();
+    use dist_backend::store::Store;
+    assert_eq!(raw.get("/worker/attempt_2/r1").unwrap(), b"x");
+    assert!(!raw.check(&["r1"]).unwrap());
+}
