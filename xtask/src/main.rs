@@ -4,6 +4,7 @@
 //! build small: it depends on `serde_json` only, and builds into `target/xtask` (see
 //! `.cargo/config.toml`) so it never invalidates the main build cache.
 
+mod bench;
 mod check_layers;
 mod ci;
 mod util;
@@ -20,6 +21,7 @@ COMMANDS:
     ci              What CI runs, cheapest first, stopping at the first failure:
                     fmt, clippy, check-layers, test, doc, cargo-deny (if installed)
     check-layers    Fail if a dist-* crate depends on a crate above it in the layer DAG
+    bench           nccl-tests-style collective benchmarks (`cargo xtask bench --help`)
     help            Print this message
 ";
 
@@ -35,6 +37,19 @@ fn main() -> ExitCode {
     if cmd == "help" || cmd == "-h" || cmd == "--help" {
         print!("{HELP}");
         return ExitCode::SUCCESS;
+    }
+    if cmd == "bench" {
+        if rest.iter().any(|a| a == "-h" || a == "--help") {
+            print!("{}", bench::HELP);
+            return ExitCode::SUCCESS;
+        }
+        return match bench::run_bench(rest) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(msg) => {
+                eprintln!("xtask bench: {msg}");
+                ExitCode::FAILURE
+            }
+        };
     }
     if let Some(extra) = rest.first() {
         eprintln!("xtask {cmd}: unexpected argument `{extra}`\n\n{HELP}");

@@ -39,3 +39,15 @@ pub(crate) fn display(cmd: &Command) -> String {
     }
     s
 }
+
+/// Runs `cmd` to completion with inherited stdio; an error names the command and its status.
+pub(crate) fn run(cmd: &mut Command) -> Result<(), String> {
+    let status = cmd
+        .status()
+        .map_err(|e| format!("could not start `{}`: {e}", display(cmd)))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("`{}` failed with {status}", display(cmd)))
+    }
+}

@@ -423,10 +423,14 @@ impl Backend for GlooBackend {
         self.check_reduce(name, op, dtype)?;
         self.run(name, dtype, total, Some(op), None, opts, |o, scratch| {
             let blocks = blocks_of(counts, dtype.size());
-            let mut work = input.to_vec();
-            self.prepare(o, op, &mut work)?;
-            ring::reduce_scatter(o, &mut work, &blocks, op, scratch)?;
-            output.copy_from_slice(&work[blocks[self.rank].clone()]);
+            if let ReduceOp::PremulSum(_) = op {
+                // The scale must be applied to a copy: the input is the caller's.
+                let mut work = input.to_vec();
+                self.prepare(o, op, &mut work)?;
+                ring::reduce_scatter_into(o, &work, output, &blocks, op, scratch)?;
+            } else {
+                ring::reduce_scatter_into(o, input, output, &blocks, op, scratch)?;
+            }
             self.finalize(o, op, output)
         })
     }

@@ -64,3 +64,68 @@ pub(crate) fn all_gather(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -
     }
     Ok(())
 }
+
+/// Reduce-scatter from an input buffer that must not be modified into `output` (block `rank`):
+/// the same ring as [`reduce_scatter`], but partial results live in two alternating carry
+/// buffers of one block each, so no copy of the whole input is made.
+pub(crate) fn reduce_scatter_into(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    blocks: &[Range<usize>],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
+    let (n, r) = (o.n(), o.rank());
+    if n == 1 {
+        output.copy_from_slice(&input[blocks[0].clone()]);
+        return Ok(());
+    }
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let largest = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
+    let words = largest.div_ceil(8);
+    if scratch.len() < 3 * words {
+        scratch.resize(3 * words, 0);
+    }
+    let (tmp, carries) = scratch.split_at_mut(words);
+    let (carry_a, carry_b) = carries.split_at_mut(words);
+    let mut carry: [&mut [u8]; 2] = [
+        bytemuck::cast_slice_mut(carry_a),
+        bytemuck::cast_slice_mut(carry_b),
+    ];
+    let tmp: &mut [u8] = bytemuck::cast_slice_mut(tmp);
+    for s in 0..n - 1 {
+        let send_b = (r + 2 * n - 1 - s) % n;
+        let recv_b = (r + 2 * n - 2 - s) % n;
+        let (slen, rlen) = (blocks[send_b].len(), blocks[recv_b].len());
+        let [ca, cb] = &mut carry;
+        // Step s sends what step s-1 produced (or the raw input at step 0) and produces into the
+        // other carry, or into `output` at the last step.
+        let (prev, next): (&[u8], &mut [u8]) = if s % 2 == 0 {
+            (&ca[..], &mut cb[..])
+        } else {
+            (&cb[..], &mut ca[..])
+        };
+        let out: &[u8] = if s == 0 {
+            &input[blocks[send_b].clone()]
+        } else {
+            &prev[..slen]
+        };
+        let dst: &mut [u8] = if s == n - 2 {
+            &mut *output
+        } else {
+            &mut next[..rlen]
+        };
+        let mine = &input[blocks[recv_b].clone()];
+        let tag = tags::RING_RS | s as u32;
+        o.step_with(
+            &[o.send(right, out, tag)],
+            &mut [o.recv(left, &mut tmp[..rlen], tag)],
+            &mut |_, range, bytes| {
+                dst[range.clone()].copy_from_slice(&mine[range.clone()]);
+                o.combine(op, &mut dst[range], bytes)
+            },
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,346 @@
+//! `cargo xtask bench`: nccl-tests-style collective benchmarks, optionally side by side with
+//! torch's Gloo or Open MPI run in the same invocation (every performance claim is made so).
+//!
+//! The rank processes are `crates/dist-gloo/examples/gloo_bench.rs`, built in release mode and
+//! launched here with torchrun's environment; rank 0 prints nccl-tests' table. With `--vs`, the
+//! peer's script from `../shared/anchors/` runs right after with the same ops and sizes, and a
+//! table of both and their ratio follows.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use serde_json::Value;
+
+use crate::util::{cargo, project_root, run};
+
+pub(crate) const HELP: &str = "\
+cargo xtask bench <OP>|all|latency [FLAGS]
+
+OP: all_reduce broadcast all_gather reduce_scatter all_to_all barrier allreduce_4B
+FLAGS (nccl-tests' names):
+    -b <size>         smallest size in bytes per rank (K, M, G suffixes), default 4K
+    -e <size>         largest size, default 64M
+    -f <factor>       multiplication factor between sizes, default 16
+    -n <iters>        timed iterations (default: fitted to a 1.5 s budget per size)
+    -w <iters>        warm-up iterations, default 3
+    -c <0|1>          check results (#wrong), default 1
+    -o sum -d float -r 0   the only reduce op, dtype and root measured today
+    --world-size <n[,n..]> ranks (processes on this host), default 2,4
+    --backend gloo    the backend (only gloo today)
+    -J <file>         write our results as JSON (one file per world size: file.wsN.json)
+    --vs torch|mpi    also run torch 1.x Gloo (Debian python3-torch) or Open MPI TCP
+                      (openmpi-bin + python3-mpi4py) with the same ops and sizes
+";
+
+const OPS: [&str; 5] = [
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+];
+const LATENCY: [&str; 2] = ["barrier", "allreduce_4B"];
+
+struct Flags {
+    ops: Vec<String>,
+    sizes: Vec<u64>,
+    iters: Option<String>,
+    warmup: String,
+    check: String,
+    world_sizes: Vec<usize>,
+    json: Option<String>,
+    vs: Option<String>,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .map(|n| n * mul)
+        .map_err(|_| format!("`{s}` is not a size"))
+}
+
+fn parse(args: &[String]) -> Result<Flags, String> {
+    let Some((op, rest)) = args.split_first() else {
+        return Err(format!("missing <OP>\n\n{HELP}"));
+    };
+    let ops: Vec<String> = match op.as_str() {
+        "all" => LATENCY
+            .iter()
+            .chain(OPS.iter())
+            .map(|s| s.to_string())
+            .collect(),
+        "latency" => LATENCY.iter().map(|s| s.to_string()).collect(),
+        o if OPS.contains(&o) || LATENCY.contains(&o) => vec![o.to_string()],
+        o => return Err(format!("unknown op `{o}`\n\n{HELP}")),
+    };
+    let (mut b, mut e, mut f) = (4u64 << 10, 64u64 << 20, 16u64);
+    let mut fl = Flags {
+        ops,
+        sizes: vec![],
+        iters: None,
+        warmup: "3".into(),
+        check: "1".into(),
+        world_sizes: vec![2, 4],
+        json: None,
+        vs: None,
+    };
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        let mut val = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match flag.as_str() {
+            "-b" | "--minbytes" => b = parse_size(&val()?)?,
+            "-e" | "--maxbytes" => e = parse_size(&val()?)?,
+            "-f" | "--stepfactor" => {
+                f = val()?
+                    .parse()
+                    .map_err(|_| "-f takes an integer".to_string())?
+            }
+            "-n" | "--iters" => fl.iters = Some(val()?),
+            "-w" | "--warmup_iters" => fl.warmup = val()?,
+            "-c" | "--check" => fl.check = val()?,
+            "-o" | "--op" => expect(&val()?, "sum", "-o")?,
+            "-d" | "--datatype" => expect(&val()?, "float", "-d")?,
+            "-r" | "--root" => expect(&val()?, "0", "-r")?,
+            "--backend" => expect(&val()?, "gloo", "--backend")?,
+            "--world-size" => {
+                fl.world_sizes = val()?
+                    .split(',')
+                    .map(|s| s.parse().map_err(|_| format!("bad world size `{s}`")))
+                    .collect::<Result<_, _>>()?
+            }
+            "-J" | "--output_file" => fl.json = Some(val()?),
+            "--vs" => fl.vs = Some(val()?),
+            other => return Err(format!("unknown flag `{other}`\n\n{HELP}")),
+        }
+    }
+    if f < 2 || b == 0 || b > e {
+        return Err("sizes: need 0 < -b <= -e and -f >= 2".into());
+    }
+    let mut s = b;
+    while s <= e {
+        fl.sizes.push(s);
+        s *= f;
+    }
+    Ok(fl)
+}
+
+fn expect(v: &str, only: &str, flag: &str) -> Result<(), String> {
+    if v == only {
+        Ok(())
+    } else {
+        Err(format!("{flag} {v}: only `{only}` is measured today"))
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")
+        .map_err(|e| format!("finding a free port: {e}"))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+}
+
+fn anchors() -> PathBuf {
+    std::env::var_os("DIST_ANCHORS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| project_root().join("../shared/anchors"))
+}
+
+fn sizes_arg(fl: &Flags) -> String {
+    fl.sizes
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Runs our ranks; returns the parsed JSON results.
+fn run_ours(fl: &Flags, n: usize, exe: &PathBuf, out: &PathBuf) -> Result<Value, String> {
+    let port = free_port()?;
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..n {
+        let mut cmd = Command::new(exe);
+        cmd.args([
+            "--ops",
+            &fl.ops.join(","),
+            "--sizes",
+            &sizes_arg(fl),
+            "-w",
+            &fl.warmup,
+            "-c",
+            &fl.check,
+            "--json",
+        ])
+        .arg(out)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", n.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", n.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string());
+        if let Some(i) = &fl.iters {
+            cmd.args(["-n", i]);
+        }
+        if rank != 0 {
+            cmd.stdout(Stdio::null());
+        }
+        children.push(
+            cmd.spawn()
+                .map_err(|e| format!("starting rank {rank}: {e}"))?,
+        );
+    }
+    let mut failed = None;
+    for (rank, c) in children.iter_mut().enumerate() {
+        let st = c.wait().map_err(|e| e.to_string())?;
+        if !st.success() && failed.is_none() {
+            failed = Some(format!("rank {rank} exited with {st}"));
+        }
+    }
+    if let Some(f) = failed {
+        return Err(f);
+    }
+    let text =
+        std::fs::read_to_string(out).map_err(|e| format!("reading {}: {e}", out.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("parsing {}: {e}", out.display()))
+}
+
+fn run_peer(fl: &Flags, n: usize, peer: &str, out: &PathBuf) -> Result<Value, String> {
+    let dir = anchors();
+    let ops = fl.ops.join(",");
+    let mut cmd = match peer {
+        "torch" => {
+            let mut c = Command::new("/usr/bin/python3");
+            c.arg(dir.join("torch_gloo_bench.py")).args([
+                "--world-size",
+                &n.to_string(),
+                "--port",
+                &free_port()?.to_string(),
+            ]);
+            c
+        }
+        "mpi" => {
+            let mut c = Command::new("mpirun");
+            c.args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-np",
+                &n.to_string(),
+                "--mca",
+                "pml",
+                "ob1",
+                "--mca",
+                "oob_tcp_if_include",
+                "lo",
+                "--mca",
+                "btl",
+                "tcp,self",
+                "--mca",
+                "btl_tcp_if_include",
+                "lo",
+                "/usr/bin/python3",
+            ])
+            .arg(dir.join("mpi_bench.py"))
+            .args(["--label", "tcp"]);
+            c
+        }
+        other => return Err(format!("--vs {other}: expected torch or mpi")),
+    };
+    cmd.args(["--sizes", &sizes_arg(fl), "--ops", &ops, "--out"])
+        .arg(out)
+        .stdout(Stdio::null());
+    run(&mut cmd)
+        .map_err(|e| format!("{e}\n(is the peer installed? see ../shared/anchors/README.md)"))?;
+    let text =
+        std::fs::read_to_string(out).map_err(|e| format!("reading {}: {e}", out.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("parsing {}: {e}", out.display()))
+}
+
+fn find<'a>(v: &'a Value, op: &str, size: u64) -> Option<&'a Value> {
+    v["results"].as_array()?.iter().find(|r| {
+        r["op"] == op && (LATENCY.contains(&op) || r["bytes_per_rank"].as_u64() == Some(size))
+    })
+}
+
+fn compare(fl: &Flags, n: usize, peer: &str, ours: &Value, theirs: &Value) {
+    println!(
+        "\n# world_size {n}: dist-gloo vs {peer} (same invocation; busbw in GB/s, time = median of per-iteration max over ranks)"
+    );
+    println!(
+        "# {:>15} {:>10} | {:>10} {:>8} | {:>10} {:>8} | {:>8}",
+        "op", "bytes", "ours us", "busbw", "peer us", "busbw", "ratio"
+    );
+    for op in &fl.ops {
+        let sizes: Vec<u64> = if LATENCY.contains(&op.as_str()) {
+            vec![0]
+        } else {
+            fl.sizes.clone()
+        };
+        for s in sizes {
+            let (Some(a), Some(b)) = (find(ours, op, s), find(theirs, op, s)) else {
+                println!(
+                    "  {op:>15} {s:>10} | (missing on one side{})",
+                    find(theirs, op, s).map_or(String::new(), |r| format!(": {}", r["note"]))
+                );
+                continue;
+            };
+            let (ta, tb) = (
+                a["median_us"].as_f64().unwrap_or(f64::NAN),
+                b["median_us"].as_f64().unwrap_or(f64::NAN),
+            );
+            let (ba, bb) = (a["busbw_GBps"].as_f64(), b["busbw_GBps"].as_f64());
+            // Bandwidth ops compare bus bandwidth (higher is better); latency ops compare time.
+            let ratio = match (ba, bb) {
+                (Some(x), Some(y)) if y > 0.0 => x / y,
+                _ => tb / ta,
+            };
+            let bw = |b: Option<f64>| b.map_or("-".to_string(), |b| format!("{b:.3}"));
+            println!(
+                "  {op:>15} {s:>10} | {ta:>10.1} {:>8} | {tb:>10.1} {:>8} | {ratio:>7.2}x",
+                bw(ba),
+                bw(bb)
+            );
+        }
+    }
+}
+
+pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
+    let fl = parse(args)?;
+    run(cargo().args([
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "dist-gloo",
+        "--example",
+        "gloo_bench",
+    ]))?;
+    let exe = project_root().join("target/release/examples/gloo_bench");
+    let tmp = std::env::temp_dir();
+    for &n in &fl.world_sizes {
+        let ours_path = match &fl.json {
+            Some(j) => PathBuf::from(format!("{j}.ws{n}.json")),
+            None => tmp.join(format!("dist-bench-ours-{}-ws{n}.json", std::process::id())),
+        };
+        let ours = run_ours(&fl, n, &exe, &ours_path)?;
+        if let Some(peer) = &fl.vs {
+            let theirs = run_peer(
+                &fl,
+                n,
+                peer,
+                &tmp.join(format!(
+                    "dist-bench-{peer}-{}-ws{n}.json",
+                    std::process::id()
+                )),
+            )?;
+            compare(&fl, n, peer, &ours, &theirs);
+        }
+    }
+    Ok(())
+}
