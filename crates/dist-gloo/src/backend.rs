@@ -12,35 +12,45 @@ use crate::transport::tcp::{MeshOptions, TcpTransport};
 use crate::transport::{StepCtx, Transport};
 
 /// Tuning of the Gloo backend.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct GlooOptions {
     /// How the TCP mesh is built (address, timeout, segment size, busy-poll time).
     pub mesh: MeshOptions,
     /// Buffers up to this many bytes use the latency-bound algorithms (recursive doubling,
-    /// binomial trees); larger ones the bandwidth-bound ones (ring, chain). Every rank must use
-    /// the same value: a disagreement fails with an error naming the step.
-    pub small_bytes: usize,
-}
-
-impl Default for GlooOptions {
-    fn default() -> Self {
-        GlooOptions {
-            mesh: MeshOptions::default(),
-            small_bytes: 64 << 10,
-        }
-    }
+    /// binomial trees); larger ones the bandwidth-bound ones (ring, chain). `None` picks
+    /// [`GlooOptions::auto_small_bytes`]. Every rank must use the same value: a disagreement
+    /// fails with an error naming the algorithm step.
+    pub small_bytes: Option<usize>,
 }
 
 impl GlooOptions {
-    /// Defaults, with `DIST_GLOO_SMALL_BYTES` overriding [`GlooOptions::small_bytes`].
+    /// The switch point, measured with `cargo xtask bench all_reduce -b 4K -e 4M -f 4` over
+    /// loopback on a 2-core host forcing each algorithm in turn (`DIST_GLOO_SMALL_BYTES=0` and
+    /// `=100000000`): with two ranks the ring (then one exchange each way per phase) wins from
+    /// 16 KiB; with more ranks recursive doubling's log2(n) whole-buffer exchanges win up to
+    /// about 256 KiB, where the ring's 2(n-1) latency-bound steps stop dominating.
+    pub fn auto_small_bytes(world_size: usize) -> usize {
+        if world_size <= 2 { 16 << 10 } else { 256 << 10 }
+    }
+
+    /// Defaults, overridden by `DIST_GLOO_SMALL_BYTES` ([`GlooOptions::small_bytes`]),
+    /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
+    /// and `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning).
     pub fn from_env() -> Self {
-        let mut o = GlooOptions::default();
-        if let Some(v) = std::env::var("DIST_GLOO_SMALL_BYTES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-        {
-            o.small_bytes = v;
+        fn var(name: &str) -> Option<usize> {
+            std::env::var(name).ok().and_then(|v| v.parse().ok())
         }
+        let mut o = GlooOptions {
+            small_bytes: var("DIST_GLOO_SMALL_BYTES"),
+            ..Default::default()
+        };
+        if let Some(v) = var("DIST_GLOO_SPIN_US") {
+            o.mesh.spin = std::time::Duration::from_micros(v as u64);
+        }
+        if let Some(v) = var("DIST_GLOO_SEGMENT_BYTES") {
+            o.mesh.segment_bytes = v;
+        }
+        o.mesh.socket_buffer = var("DIST_GLOO_SOCKET_BUFFER");
         o
     }
 }
@@ -96,12 +106,15 @@ impl GlooBackend {
 
     /// A backend over any transport (e.g. [`MemTransport::network`] in tests).
     pub fn over(transport: Box<dyn Transport>, group: u32, opts: &GlooOptions) -> Self {
+        let world_size = transport.world_size();
         GlooBackend {
             rank: transport.rank(),
             world_size: transport.world_size(),
             group,
             transport,
-            small_bytes: opts.small_bytes,
+            small_bytes: opts
+                .small_bytes
+                .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
             seq: AtomicU64::new(0),
             poisoned: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),

@@ -178,3 +178,26 @@ fn invalid_arguments_are_rejected_before_the_wire_and_name_rank_op_and_sizes() {
     assert_eq!(b.next_seq(), 0);
     on_all(&ranks, |b| b.barrier(&quick(5000)).unwrap());
 }
+
+#[test]
+fn an_ipv6_mesh_works_when_the_host_has_ipv6_loopback() {
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("skipped: no IPv6 loopback on this host");
+        return;
+    }
+    let mut o = GlooOptions::default();
+    o.mesh.ip = Some("::1".parse().unwrap());
+    let ranks = common::tcp_world(3, &o);
+    let out = on_all(&ranks, |b| {
+        let mut v = [b.rank() as u64 + 1; 3];
+        b.all_reduce(
+            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+            DType::U64,
+            ReduceOp::Product,
+            &quick(5000),
+        )
+        .unwrap();
+        v
+    });
+    assert!(out.iter().all(|v| *v == [6; 3]));
+}

@@ -47,8 +47,13 @@ impl Default for MeshOptions {
 /// 2. the local address of the route to `MASTER_ADDR`, when set (no packet is sent);
 /// 3. `127.0.0.1`.
 pub fn local_ip(rank: usize) -> Result<IpAddr> {
+    local_ip_with(rank, &|k| std::env::var(k).ok())
+}
+
+/// [`local_ip`] reading variables through `env`.
+pub fn local_ip_with(rank: usize, env: &dyn Fn(&str) -> Option<String>) -> Result<IpAddr> {
     for var in ["DIST_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"] {
-        if let Ok(name) = std::env::var(var) {
+        if let Some(name) = env(var) {
             let ifs = if_addrs::get_if_addrs().map_err(|e| Error::Io {
                 rank,
                 context: "listing network interfaces".into(),
@@ -59,10 +64,11 @@ pub fn local_ip(rank: usize) -> Result<IpAddr> {
                 .filter(|i| i.name == name)
                 .map(|i| i.ip())
                 .collect();
+            // Prefer IPv4, which every peer can reach when the interface has both.
             mine.sort_by_key(|ip| ip.is_ipv6());
             return mine.first().copied().ok_or_else(|| Error::Init {
                 what: format!(
-                    "{var}={name} names no interface with an address (have: {})",
+                    "{var}={name} names no interface with an address (interfaces: {})",
                     ifs.iter()
                         .map(|i| i.name.as_str())
                         .collect::<Vec<_>>()
@@ -71,7 +77,7 @@ pub fn local_ip(rank: usize) -> Result<IpAddr> {
             });
         }
     }
-    if let Some(ip) = std::env::var("MASTER_ADDR").ok().and_then(|m| route_to(&m)) {
+    if let Some(ip) = env("MASTER_ADDR").and_then(|m| route_to(&m)) {
         return Ok(ip);
     }
     Ok(IpAddr::V4(Ipv4Addr::LOCALHOST))
@@ -327,5 +333,46 @@ fn connect_to(
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn interface_name_picks_its_address_and_a_bad_name_is_an_error_naming_the_variable() {
+        assert_eq!(
+            local_ip_with(0, &env(&[("GLOO_SOCKET_IFNAME", "lo")])).unwrap(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        );
+        let e = local_ip_with(3, &env(&[("DIST_SOCKET_IFNAME", "nosuch0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("init: DIST_SOCKET_IFNAME=nosuch0 names no interface"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn master_addr_route_and_fallback() {
+        assert_eq!(
+            local_ip_with(0, &env(&[("MASTER_ADDR", "127.0.0.1")])).unwrap(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        );
+        assert_eq!(
+            local_ip_with(0, &env(&[])).unwrap(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        );
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use dist_backend::{Result, Store};
 
 pub(crate) use mesh::group_id;
-pub use mesh::{MeshOptions, local_ip};
+pub use mesh::{MeshOptions, local_ip, local_ip_with};
 
 use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
 use engine::Engine;
