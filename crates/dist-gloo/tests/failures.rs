@@ -187,7 +187,7 @@ fn an_ipv6_mesh_works_when_the_host_has_ipv6_loopback() {
     }
     let mut o = GlooOptions::default();
     o.mesh.ip = Some("::1".parse().unwrap());
-    let ranks = common::tcp_world(3, &o);
+    let ranks = tcp_world(3, &o);
     let out = on_all(&ranks, |b| {
         let mut v = [b.rank() as u64 + 1; 3];
         b.all_reduce(
