@@ -60,6 +60,11 @@ const LAYERS: &[Layer] = &[
         optional_only: BACKENDS,
     },
     Layer {
+        name: "dist-run",
+        allowed: &["dist-backend", "dist-wire"],
+        optional_only: &[],
+    },
+    Layer {
         name: "dist",
         allowed: &[
             "dist-wire",
@@ -251,6 +256,7 @@ mod tests {
                 &[("dist-backend", None, false), ("dist-gloo", None, true)],
             ),
             ("dist", &[("dist-gloo", None, false)]),
+            ("dist-run", &[("dist-backend", None, false)]),
         ]);
         assert_eq!(check(&m).unwrap(), Vec::<String>::new());
         // Dev-dependencies may reach up; external crates are not checked.
@@ -296,6 +302,30 @@ mod tests {
                 "dist-collective -> dist-gloo is not allowed: dist-collective may depend on \
               dist-backend, dist-wire, and on dist-gloo, dist-nccl only as optional dependencies \
               (features)"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_launcher_stays_off_the_backends() {
+        let m = metadata(&[
+            ("dist-gloo", &[]),
+            ("dist-collective", &[]),
+            (
+                "dist-run",
+                &[
+                    ("dist-backend", None, false),
+                    ("dist-wire", None, false),
+                    ("dist-gloo", Some("dev"), false),
+                    ("dist-collective", None, false),
+                ],
+            ),
+        ]);
+        assert_eq!(
+            check(&m).unwrap(),
+            [
+                "dist-run -> dist-collective is not allowed: dist-run may depend on dist-backend, \
+              dist-wire"
             ]
         );
     }

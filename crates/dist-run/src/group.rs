@@ -1,0 +1,432 @@
+//! One attempt: this node's ranks, from spawn to the last one's end.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::agents::Agents;
+use crate::env::Job;
+use crate::signals;
+
+/// How often children (and the other nodes) are polled.
+const POLL: Duration = Duration::from_millis(10);
+/// How often the store is asked whether another node failed.
+const REMOTE_POLL: Duration = Duration::from_millis(100);
+/// How long output still in the pipes may take to drain after the ranks ended.
+const DRAIN: Duration = Duration::from_secs(2);
+
+/// What one attempt needs.
+pub(crate) struct Attempt<'a> {
+    pub(crate) job: &'a Job,
+    pub(crate) command: &'a [String],
+    pub(crate) restart: u32,
+    pub(crate) grace: Duration,
+    pub(crate) tail_lines: usize,
+    pub(crate) log_dir: Option<&'a Path>,
+    pub(crate) agents: Option<&'a Agents>,
+}
+
+/// How an attempt ended.
+pub(crate) enum Outcome {
+    /// Every rank of this node exited 0.
+    Success,
+    /// A rank of this node failed first; the others were stopped.
+    Failed(Failure),
+    /// Another node reported a failure (exit code, description); this node's ranks were stopped.
+    RemoteFailed(i32, String),
+    /// `distrun` received this signal; the ranks were stopped.
+    Interrupted(i32),
+}
+
+/// The first rank that failed.
+pub(crate) struct Failure {
+    rank: u32,
+    local_rank: u32,
+    node_rank: u32,
+    pid: u32,
+    status: ExitStatus,
+    tail: Vec<String>,
+    stopped: Vec<u32>,
+}
+
+impl Failure {
+    /// `exit code 7` or `killed by SIGSEGV`.
+    fn how(&self) -> String {
+        match (self.status.code(), self.status.signal()) {
+            (Some(c), _) => format!("exit code {c}"),
+            (None, Some(s)) => format!("killed by {}", signals::name(s)),
+            _ => format!("{}", self.status),
+        }
+    }
+
+    /// The code `distrun` exits with: the rank's, or `128 + signal`.
+    pub(crate) fn exit_code(&self) -> i32 {
+        match (self.status.code(), self.status.signal()) {
+            (Some(c), _) => c,
+            (None, Some(s)) => 128 + s,
+            _ => 1,
+        }
+    }
+
+    fn one_line(&self) -> String {
+        format!(
+            "rank {} (node {}, local rank {}) failed: {}",
+            self.rank,
+            self.node_rank,
+            self.local_rank,
+            self.how()
+        )
+    }
+
+    /// The multi-line summary printed when the job fails.
+    pub(crate) fn summary(&self, tail_lines: usize) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "distrun: rank {} failed first (node {}, local rank {}, pid {}): {}",
+            self.rank,
+            self.node_rank,
+            self.local_rank,
+            self.pid,
+            self.how()
+        );
+        if self.tail.is_empty() {
+            let _ = writeln!(s, "distrun: rank {} printed nothing", self.rank);
+        } else {
+            let _ = writeln!(
+                s,
+                "distrun: last {} line(s) of rank {} (at most {tail_lines}):",
+                self.tail.len(),
+                self.rank
+            );
+            for l in &self.tail {
+                let _ = writeln!(s, "distrun:   {l}");
+            }
+        }
+        if !self.stopped.is_empty() {
+            let list: Vec<String> = self.stopped.iter().map(u32::to_string).collect();
+            let _ = writeln!(s, "distrun: stopped rank(s) {}", list.join(", "));
+        }
+        s
+    }
+}
+
+/// One running rank.
+struct Rank {
+    rank: u32,
+    local_rank: u32,
+    child: Child,
+    status: Option<ExitStatus>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// Runs one attempt of this node's ranks.
+pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
+    let (done_tx, done_rx) = mpsc::channel::<u32>();
+    let mut ranks = Vec::new();
+    let mut readers = 0;
+    for local_rank in 0..a.job.nproc_per_node {
+        match spawn(a, local_rank, &done_tx) {
+            Ok((r, n)) => {
+                ranks.push(r);
+                readers += n;
+            }
+            Err(e) => {
+                stop(&mut ranks, libc::SIGTERM, a.grace);
+                return Err(e);
+            }
+        }
+    }
+    drop(done_tx);
+
+    let mut first_failure: Option<usize> = None;
+    let mut last_remote_check = Instant::now();
+    let outcome = loop {
+        if let Some(sig) = signals::pending() {
+            stop(&mut ranks, sig, a.grace);
+            break Outcome::Interrupted(sig);
+        }
+        let mut running = 0;
+        for (i, r) in ranks.iter_mut().enumerate() {
+            if r.status.is_some() {
+                continue;
+            }
+            match r.child.try_wait() {
+                Ok(Some(st)) => {
+                    r.status = Some(st);
+                    if !st.success() && first_failure.is_none() {
+                        first_failure = Some(i);
+                    }
+                }
+                Ok(None) => running += 1,
+                Err(e) => {
+                    eprintln!("distrun: waiting for rank {}: {e}", r.rank);
+                    running += 1;
+                }
+            }
+        }
+        if let Some(i) = first_failure {
+            let r = &ranks[i];
+            let status = r.status.unwrap_or_else(|| ExitStatus::from_raw(1 << 8));
+            if let Some(ag) = a.agents {
+                let f = Failure {
+                    rank: r.rank,
+                    local_rank: r.local_rank,
+                    node_rank: a.job.node_rank,
+                    pid: r.child.id(),
+                    status,
+                    tail: Vec::new(),
+                    stopped: Vec::new(),
+                };
+                ag.report_failure(a.restart, f.exit_code(), &f.one_line());
+            }
+            let stopped = stop(&mut ranks, libc::SIGTERM, a.grace);
+            let r = &ranks[i];
+            // The failed rank's last words may still be in its pipes.
+            drain(&done_rx, &mut readers);
+            let tail = r
+                .tail
+                .lock()
+                .map(|t| t.iter().cloned().collect())
+                .unwrap_or_default();
+            break Outcome::Failed(Failure {
+                rank: r.rank,
+                local_rank: r.local_rank,
+                node_rank: a.job.node_rank,
+                pid: r.child.id(),
+                status,
+                tail,
+                stopped,
+            });
+        }
+        if running == 0 {
+            break Outcome::Success;
+        }
+        if let Some(ag) = a.agents
+            && last_remote_check.elapsed() >= REMOTE_POLL
+        {
+            last_remote_check = Instant::now();
+            if let Some((code, what)) = ag.failure(a.restart)? {
+                stop(&mut ranks, libc::SIGTERM, a.grace);
+                break Outcome::RemoteFailed(code, what);
+            }
+        }
+        std::thread::sleep(POLL);
+    };
+    drain(&done_rx, &mut readers);
+    Ok(outcome)
+}
+
+/// Waits until `left` more output threads have finished (their pipes closed), for at most
+/// [`DRAIN`]: a process the rank left behind may hold a pipe open forever. `left` counts down.
+fn drain(done: &mpsc::Receiver<u32>, left: &mut usize) {
+    let deadline = Instant::now() + DRAIN;
+    while *left > 0 {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        match done.recv_timeout(wait) {
+            Ok(_) => *left -= 1,
+            Err(_) => break,
+        }
+    }
+}
+
+/// Starts local rank `local_rank`: its own process group, torchrun's environment, and two
+/// threads pumping its stdout and stderr. Returns the rank and its number of reader threads.
+fn spawn(
+    a: &Attempt<'_>,
+    local_rank: u32,
+    done: &mpsc::Sender<u32>,
+) -> Result<(Rank, usize), String> {
+    let rank = a.job.rank(local_rank);
+    let (prog, args) = a.command.split_first().ok_or("no command to run")?;
+    let mut cmd = Command::new(prog);
+    cmd.args(args)
+        .envs(a.job.child_env(local_rank, a.restart, |k| {
+            std::env::var_os(k).map(|_| String::new())
+        }))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: the closure runs in the child between fork and exec, and only calls `prctl`
+        // and `getppid`, which are async-signal-safe and allocate nothing.
+        unsafe {
+            let parent = libc::getpid();
+            cmd.pre_exec(move || {
+                // Die with distrun, even if it is SIGKILLed.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() != parent {
+                    libc::_exit(137);
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("could not start rank {rank} ({prog:?}): {e}"))?;
+    let tail = Arc::new(Mutex::new(VecDeque::with_capacity(a.tail_lines)));
+    let logs = match a.log_dir {
+        Some(dir) => {
+            let d = dir
+                .join(format!("attempt_{}", a.restart))
+                .join(format!("rank_{rank}"));
+            std::fs::create_dir_all(&d)
+                .map_err(|e| format!("could not create log directory {}: {e}", d.display()))?;
+            let open = |name: &str| {
+                let p = d.join(name);
+                File::create(&p).map_err(|e| format!("could not create {}: {e}", p.display()))
+            };
+            Some((open("stdout.log")?, open("stderr.log")?))
+        }
+        None => None,
+    };
+    let (out_log, err_log) = match logs {
+        Some((o, e)) => (Some(o), Some(e)),
+        None => (None, None),
+    };
+    let mut readers = 0;
+    if let Some(out) = child.stdout.take() {
+        pump(
+            out,
+            rank,
+            false,
+            Arc::clone(&tail),
+            a.tail_lines,
+            out_log,
+            done.clone(),
+        )?;
+        readers += 1;
+    }
+    if let Some(err) = child.stderr.take() {
+        pump(
+            err,
+            rank,
+            true,
+            Arc::clone(&tail),
+            a.tail_lines,
+            err_log,
+            done.clone(),
+        )?;
+        readers += 1;
+    }
+    Ok((
+        Rank {
+            rank,
+            local_rank,
+            child,
+            status: None,
+            tail,
+        },
+        readers,
+    ))
+}
+
+/// A thread copying `src` line by line to our stdout (or stderr) with a `[rank R] ` prefix,
+/// to `log` unprefixed, and into the rank's `tail`.
+#[allow(clippy::too_many_arguments)]
+fn pump(
+    src: impl Read + Send + 'static,
+    rank: u32,
+    to_stderr: bool,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    tail_lines: usize,
+    mut log: Option<File>,
+    done: mpsc::Sender<u32>,
+) -> Result<(), String> {
+    let prefix = format!("[rank {rank}] ");
+    std::thread::Builder::new()
+        .name(format!(
+            "distrun-rank{rank}-{}",
+            if to_stderr { "err" } else { "out" }
+        ))
+        .spawn(move || {
+            let mut src = BufReader::new(src);
+            let mut line = Vec::new();
+            let mut out = Vec::new();
+            loop {
+                line.clear();
+                match src.read_until(b'\n', &mut line) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => break,
+                }
+                if let Some(f) = log.as_mut() {
+                    let _ = f.write_all(&line);
+                }
+                let text = line.strip_suffix(b"\n").unwrap_or(&line);
+                let text = text.strip_suffix(b"\r").unwrap_or(text);
+                out.clear();
+                out.extend_from_slice(prefix.as_bytes());
+                out.extend_from_slice(text);
+                out.push(b'\n');
+                // One write per line under the lock, so ranks' lines never interleave. A closed
+                // stdout is not a reason to stop draining the rank's pipe.
+                let _ = if to_stderr {
+                    std::io::stderr().lock().write_all(&out)
+                } else {
+                    let mut o = std::io::stdout().lock();
+                    o.write_all(&out).and_then(|()| o.flush())
+                };
+                if tail_lines > 0
+                    && let Ok(mut t) = tail.lock()
+                {
+                    if t.len() == tail_lines {
+                        t.pop_front();
+                    }
+                    t.push_back(String::from_utf8_lossy(&out[..out.len() - 1]).into_owned());
+                }
+            }
+            let _ = done.send(rank);
+        })
+        .map(|_| ())
+        .map_err(|e| format!("could not start an output thread for rank {rank}: {e}"))
+}
+
+/// Stops every rank still running: `sig` to its process group, then SIGKILL to the ones left
+/// after `grace`, and reaps them. Returns the ranks that were still running.
+fn stop(ranks: &mut [Rank], sig: i32, grace: Duration) -> Vec<u32> {
+    let mut stopped = Vec::new();
+    for r in ranks.iter_mut() {
+        if r.status.is_none() {
+            if let Ok(Some(st)) = r.child.try_wait() {
+                r.status = Some(st);
+            } else {
+                stopped.push(r.rank);
+            }
+        }
+        // Also the groups of ranks that exited: what they started dies with the job.
+        signals::kill_group(r.child.id(), sig);
+    }
+    let deadline = Instant::now() + grace;
+    loop {
+        let mut running = false;
+        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            match r.child.try_wait() {
+                Ok(Some(st)) => r.status = Some(st),
+                _ => running = true,
+            }
+        }
+        if !running || Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
+    for r in ranks.iter_mut() {
+        signals::kill_group(r.child.id(), libc::SIGKILL);
+        if r.status.is_none() {
+            r.status = r.child.wait().ok();
+        }
+    }
+    stopped
+}

@@ -1,0 +1,222 @@
+//! `distrun`: start the ranks of a `dist` job, the way `torchrun` starts a PyTorch job.
+//!
+//! ```sh
+//! distrun --nproc-per-node 4 -- ./target/release/train --epochs 3
+//! distrun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \
+//!         --nproc-per-node 8 -- ./train          # and --node-rank 1 on the other host
+//! distrun --nproc-per-node 2 -- sh -c 'echo $RANK'   # any program works
+//! ```
+//!
+//! * Every child gets torchrun's environment ([`Job::child_env`]): `RANK`, `LOCAL_RANK`,
+//!   `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `ROLE_RANK`, `ROLE_WORLD_SIZE`,
+//!   `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RESTART_COUNT` (also as `DIST_RESTART_COUNT`),
+//!   `TORCHELASTIC_MAX_RESTARTS`, `TORCHELASTIC_USE_AGENT_STORE=True`, and `OMP_NUM_THREADS=1`
+//!   unless it is set.
+//! * On node 0, `distrun` itself serves the rendezvous store (a
+//!   [`TcpStoreServer`](dist_backend::store::TcpStoreServer), speaking PyTorch's TCPStore
+//!   protocol) for the whole job, so every rank, rank 0 included, connects to it as a client
+//!   (`dist_backend::init` honours `TORCHELASTIC_USE_AGENT_STORE`, as torch does, and puts the
+//!   keys of restart `n` under `/worker/attempt_<n>`). `--master-port 0`, the default on one node,
+//!   lets the server pick a free port, so two jobs on one machine never collide.
+//! * Each line a child prints, on stdout or stderr, is printed on the same stream of `distrun`
+//!   prefixed with `[rank R] `. With `--tee` (or `--log-dir`) it is also written, unprefixed, to
+//!   `<log-dir>/attempt_<n>/rank_<r>/{stdout,stderr}.log`.
+//! * When a rank fails (non-zero exit or a signal), the others are stopped (SIGTERM to each
+//!   child's process group, SIGKILL after `--grace-period`) and a summary names the rank that
+//!   failed first, its exit code or signal, and the last lines it printed. `--max-restarts K`
+//!   restarts the whole job up to `K` times. The exit code is 0 when every rank succeeds, else
+//!   that of the first failure (`128 + signal` for a signal).
+//! * With `--nnodes M > 1`, the `distrun` of each node joins the others through the store on
+//!   node 0 before every attempt; a failure on one node stops the ranks of every node, and the
+//!   restart decision is the same everywhere.
+//! * SIGINT, SIGTERM and SIGHUP sent to `distrun` are forwarded to the ranks (SIGKILL after the
+//!   grace period); `distrun` then exits with `128 + signal`, without restarting.
+//!
+//! This is its own crate, not a binary of the `dist` facade, because a launcher has its own
+//! dependencies (`clap`, `libc`) that a library user of `dist` should not have to compile. It
+//! depends only on `dist-backend` (for the store server); it neither knows nor loads any
+//! backend.
+
+mod agents;
+mod cli;
+mod env;
+mod group;
+mod signals;
+
+pub use cli::Args;
+pub use env::Job;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dist_backend::store::TcpStoreServer;
+
+use crate::agents::Agents;
+use crate::group::{Attempt, Outcome};
+
+/// torchrun's default master port when several nodes must agree on one.
+pub const DEFAULT_MULTI_NODE_PORT: u16 = 29500;
+
+/// Runs the job described by `args` to its end and returns the exit code `distrun` should
+/// exit with. Errors of `distrun` itself (bad arguments, a port in use, an unreachable node 0)
+/// are printed and give 1.
+///
+/// Call it from the main thread: children are spawned with `PR_SET_PDEATHSIG` on Linux, which
+/// fires when the spawning thread exits.
+pub fn run(args: &Args) -> i32 {
+    match run_job(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("distrun: error: {e}");
+            1
+        }
+    }
+}
+
+fn run_job(args: &Args) -> Result<i32, String> {
+    args.validate()?;
+    signals::install();
+    let port = args.master_port.unwrap_or(if args.nnodes == 1 {
+        0
+    } else {
+        DEFAULT_MULTI_NODE_PORT
+    });
+    // Node 0 serves the store for the whole job, across restarts.
+    let server = if args.node_rank == 0 {
+        Some(
+            TcpStoreServer::start(port)
+                .map_err(|e| format!("could not start the rendezvous store on port {port}: {e}"))?,
+        )
+    } else {
+        None
+    };
+    let port = server.as_ref().map_or(port, TcpStoreServer::port);
+    let job = Job {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr.clone(),
+        master_port: port,
+        max_restarts: args.max_restarts,
+        run_id: args.run_id.clone(),
+    };
+    eprintln!(
+        "distrun: {} rank(s) on node {} of {} (world size {}), store at {}:{}",
+        job.nproc_per_node,
+        job.node_rank,
+        job.nnodes,
+        job.world_size(),
+        job.master_addr,
+        job.master_port
+    );
+    let agents = if job.nnodes > 1 {
+        let host = if server.is_some() {
+            "127.0.0.1"
+        } else {
+            job.master_addr.as_str()
+        };
+        Some(Agents::connect(
+            host,
+            port,
+            job.nnodes,
+            job.node_rank,
+            args.rdzv_timeout,
+        )?)
+    } else {
+        None
+    };
+    let log_dir = log_dir(args);
+    if let Some(d) = &log_dir {
+        eprintln!("distrun: logs in {}", d.display());
+    }
+
+    let mut attempt = 0;
+    loop {
+        if let Some(a) = &agents {
+            a.join(attempt, args.rdzv_timeout)?;
+        }
+        let att = Attempt {
+            job: &job,
+            command: &args.command,
+            restart: attempt,
+            grace: args.grace_period,
+            tail_lines: args.tail_lines,
+            log_dir: log_dir.as_deref(),
+            agents: agents.as_ref(),
+        };
+        let outcome = group::run_attempt(&att)?;
+        let mut failure = match outcome {
+            Outcome::Interrupted(sig) => {
+                eprintln!(
+                    "distrun: received {}: stopped every rank",
+                    signals::name(sig)
+                );
+                return Ok(128 + sig);
+            }
+            Outcome::Success => None,
+            Outcome::Failed(f) => {
+                eprint!("{}", f.summary(args.tail_lines));
+                Some(f.exit_code())
+            }
+            Outcome::RemoteFailed(code, what) => {
+                eprintln!("distrun: stopped this node's ranks: {what}");
+                Some(code)
+            }
+        };
+        if let Some(a) = &agents {
+            // Every node decides the same: restart or end, with the first failure's code.
+            if let Some((code, what)) = a.finish(attempt)?
+                && failure.is_none()
+            {
+                eprintln!("distrun: the job failed on another node: {what}");
+                failure = Some(code);
+            }
+        }
+        match failure {
+            None => {
+                if let Some(a) = &agents {
+                    a.leave();
+                }
+                return Ok(0);
+            }
+            Some(code) if attempt >= args.max_restarts => {
+                if args.max_restarts > 0 {
+                    eprintln!(
+                        "distrun: giving up after {} restart(s) (--max-restarts {})",
+                        attempt, args.max_restarts
+                    );
+                }
+                if let Some(a) = &agents {
+                    a.leave();
+                }
+                return Ok(code);
+            }
+            Some(_) => {
+                attempt += 1;
+                eprintln!(
+                    "distrun: restarting the job (restart {attempt} of {})",
+                    args.max_restarts
+                );
+            }
+        }
+    }
+}
+
+/// `--log-dir`, or with `--tee` alone a fresh directory under the system's temporary one.
+fn log_dir(args: &Args) -> Option<PathBuf> {
+    if let Some(d) = &args.log_dir {
+        return Some(d.clone());
+    }
+    if !args.tee {
+        return None;
+    }
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_millis();
+    Some(std::env::temp_dir().join(format!(
+        "distrun-{}-{}-{stamp}",
+        args.run_id,
+        std::process::id()
+    )))
+}

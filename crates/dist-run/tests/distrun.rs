@@ -1,0 +1,341 @@
+//! `distrun` as users run it: real processes, real signals, real ports.
+//!
+//! Ranks are `sh -c` scripts, or this test binary itself re-run as a worker (the `worker`
+//! test, which does nothing unless `DISTRUN_TEST_WORKER` is set) that rendezvouses through
+//! `dist_backend::init`'s `env://` path.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const DISTRUN: &str = env!("CARGO_BIN_EXE_distrun");
+
+fn distrun(args: &[&str]) -> Command {
+    let mut c = Command::new(DISTRUN);
+    c.args(args).stdin(Stdio::null());
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    distrun(args).output().expect("run distrun")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Runs this test binary's `worker` test under distrun's environment.
+fn worker_cmd() -> Vec<String> {
+    vec![
+        std::env::current_exe().unwrap().display().to_string(),
+        "worker".into(),
+        "--exact".into(),
+        "--nocapture".into(),
+        "--test-threads=1".into(),
+    ]
+}
+
+/// A rank: rendezvous through the launcher's store (`env://`), then print what it saw.
+#[test]
+fn worker() {
+    if std::env::var_os("DISTRUN_TEST_WORKER").is_none() {
+        return;
+    }
+    let info = dist_backend::init::init_from_url("env://", None, None, Duration::from_secs(20))
+        .expect("env:// init under distrun");
+    let keys: Vec<String> = (0..info.world_size).map(|r| format!("hello/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    info.store
+        .set(&keys[info.rank], info.rank.to_string().as_bytes())
+        .unwrap();
+    info.store.wait(&refs, Duration::from_secs(20)).unwrap();
+    println!(
+        "RENDEZVOUS rank={} world={} launcher={} port={}",
+        info.rank,
+        info.world_size,
+        info.launcher,
+        std::env::var("MASTER_PORT").unwrap()
+    );
+}
+
+#[test]
+fn children_get_torchruns_environment() {
+    let script = "echo ENV RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE \
+                  LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE GROUP_RANK=$GROUP_RANK ROLE_RANK=$ROLE_RANK \
+                  ROLE_WORLD_SIZE=$ROLE_WORLD_SIZE MASTER_ADDR=$MASTER_ADDR \
+                  MASTER_PORT=$MASTER_PORT TORCHELASTIC_RESTART_COUNT=$TORCHELASTIC_RESTART_COUNT \
+                  DIST_RESTART_COUNT=$DIST_RESTART_COUNT \
+                  TORCHELASTIC_MAX_RESTARTS=$TORCHELASTIC_MAX_RESTARTS \
+                  TORCHELASTIC_USE_AGENT_STORE=$TORCHELASTIC_USE_AGENT_STORE \
+                  OMP_NUM_THREADS=$OMP_NUM_THREADS";
+    let out = distrun(&[
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ])
+    .env_remove("OMP_NUM_THREADS")
+    .output()
+    .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stdout = text(&out.stdout);
+    let mut seen = BTreeMap::new();
+    for line in stdout.lines() {
+        let Some(rest) = line.split_once("ENV ").map(|(_, r)| r) else {
+            continue;
+        };
+        let vars: BTreeMap<&str, &str> = rest
+            .split_whitespace()
+            .filter_map(|kv| kv.split_once('='))
+            .collect();
+        let rank: usize = vars["RANK"].parse().unwrap();
+        assert!(line.starts_with(&format!("[rank {rank}] ENV ")), "{line}");
+        assert_eq!(vars["LOCAL_RANK"], rank.to_string());
+        assert_eq!(vars["ROLE_RANK"], rank.to_string());
+        assert_eq!(vars["WORLD_SIZE"], "3");
+        assert_eq!(vars["LOCAL_WORLD_SIZE"], "3");
+        assert_eq!(vars["ROLE_WORLD_SIZE"], "3");
+        assert_eq!(vars["GROUP_RANK"], "0");
+        assert_eq!(vars["MASTER_ADDR"], "127.0.0.1");
+        let port: u16 = vars["MASTER_PORT"].parse().unwrap();
+        assert_ne!(port, 0, "the store's real port, not 0");
+        assert_eq!(vars["TORCHELASTIC_RESTART_COUNT"], "0");
+        assert_eq!(vars["DIST_RESTART_COUNT"], "0");
+        assert_eq!(vars["TORCHELASTIC_MAX_RESTARTS"], "2");
+        assert_eq!(vars["TORCHELASTIC_USE_AGENT_STORE"], "True");
+        assert_eq!(vars["OMP_NUM_THREADS"], "1");
+        seen.insert(rank, port);
+    }
+    assert_eq!(
+        seen.keys().copied().collect::<Vec<_>>(),
+        [0, 1, 2],
+        "{stdout}"
+    );
+    assert_eq!(seen.values().collect::<BTreeSet<_>>().len(), 1);
+    // A user's OMP_NUM_THREADS is kept.
+    let out = distrun(&["--", "sh", "-c", "echo omp=$OMP_NUM_THREADS"])
+        .env("OMP_NUM_THREADS", "6")
+        .output()
+        .unwrap();
+    assert!(text(&out.stdout).contains("[rank 0] omp=6"), "{out:?}");
+}
+
+#[test]
+fn output_lines_are_prefixed_by_rank() {
+    let out = run(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo out$RANK; echo err$RANK >&2; echo two$RANK; printf 'no newline'",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    for r in 0..2 {
+        for l in [
+            format!("out{r}"),
+            format!("two{r}"),
+            "no newline".to_owned(),
+        ] {
+            assert!(
+                stdout.lines().any(|x| x == format!("[rank {r}] {l}")),
+                "{l}: {stdout}"
+            );
+        }
+        assert!(
+            stderr.lines().any(|x| x == format!("[rank {r}] err{r}")),
+            "{stderr}"
+        );
+        assert!(!stdout.contains(&format!("err{r}")), "{stdout}");
+    }
+    // Every line of the children carries a prefix.
+    assert!(stdout.lines().all(|l| l.starts_with("[rank ")), "{stdout}");
+}
+
+#[test]
+fn first_failure_stops_the_others() {
+    let start = Instant::now();
+    let out = run(&[
+        "--nproc-per-node",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 1 ]; then echo about to fail; sleep 0.2; echo last words >&2; exit 7; fi; \
+         sleep 60",
+    ]);
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("rank 1 failed first") && stderr.contains("exit code 7"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("distrun:   [rank 1] about to fail"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("distrun:   [rank 1] last words"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("stopped rank(s) 0, 2"), "{stderr}");
+}
+
+#[test]
+fn ranks_that_ignore_sigterm_are_killed_after_the_grace_period() {
+    let start = Instant::now();
+    let out = run(&[
+        "--nproc-per-node",
+        "2",
+        "--grace-period",
+        "0.5",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 0 ]; then sleep 0.3; kill -SEGV $$; fi; trap '' TERM; sleep 60",
+    ]);
+    assert!(start.elapsed() < Duration::from_secs(15));
+    // A signal is reported by name, and the exit code is 128 + its number.
+    assert_eq!(out.status.code(), Some(128 + 11), "{out:?}");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("rank 0 failed first"), "{stderr}");
+    assert!(stderr.contains("killed by SIGSEGV"), "{stderr}");
+}
+
+#[test]
+fn max_restarts_restarts_the_job() {
+    // Rank 1 fails on the first attempt only.
+    let script = "echo attempt $DIST_RESTART_COUNT; \
+                  if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit 3; fi";
+    let out = run(&[
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("[rank 0] attempt 1"), "{stdout}");
+    assert!(stdout.contains("[rank 1] attempt 1"), "{stdout}");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("restarting the job (restart 1 of 1)"),
+        "{stderr}"
+    );
+    // Without restarts the same job fails with rank 1's code.
+    let out = run(&["--nproc-per-node", "2", "--", "sh", "-c", script]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    // A rank that always fails uses up the restarts.
+    let out = run(&["--max-restarts", "2", "--", "sh", "-c", "exit 5"]);
+    assert_eq!(out.status.code(), Some(5), "{out:?}");
+    assert!(
+        text(&out.stderr).contains("giving up after 2 restart(s)"),
+        "{out:?}"
+    );
+}
+
+/// Ranks rendezvous through distrun's store (rank 0 as a client too), in every attempt.
+fn rendezvous_lines(out: &Output) -> BTreeMap<usize, String> {
+    text(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split_once("RENDEZVOUS ")?.1;
+            let rank = rest.split_once("rank=")?.1.split_whitespace().next()?;
+            Some((rank.parse().ok()?, rest.to_owned()))
+        })
+        .collect()
+}
+
+#[test]
+fn port_zero_gives_concurrent_jobs_their_own_store() {
+    let jobs: Vec<_> = (0..2)
+        .map(|_| {
+            let mut c = distrun(&["--nproc-per-node", "3", "--master-port", "0", "--"]);
+            c.args(worker_cmd())
+                .env("DISTRUN_TEST_WORKER", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            c.spawn().unwrap()
+        })
+        .collect();
+    let mut ports = BTreeSet::new();
+    for j in jobs {
+        let out = j.wait_with_output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let seen = rendezvous_lines(&out);
+        assert_eq!(seen.len(), 3, "{out:?}");
+        let job_ports: BTreeSet<&str> = seen
+            .values()
+            .map(|l| l.rsplit_once("port=").unwrap().1)
+            .collect();
+        assert_eq!(job_ports.len(), 1);
+        assert!(seen.values().all(|l| l.contains("launcher=torchrun")));
+        ports.insert(job_ports.into_iter().next().unwrap().to_owned());
+    }
+    assert_eq!(ports.len(), 2, "two jobs, two ports: {ports:?}");
+}
+
+#[test]
+fn two_nodes_rendezvous_and_share_a_failure() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let node = |rank: &str, cmd: &[String]| {
+        let mut c = distrun(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--rdzv-timeout",
+            "20",
+            "--",
+        ]);
+        c.args(cmd)
+            .env("DISTRUN_TEST_WORKER", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let nodes = [node("1", &worker_cmd()), node("0", &worker_cmd())];
+    let mut all = BTreeMap::new();
+    for n in nodes {
+        let out = n.wait_with_output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        all.extend(rendezvous_lines(&out));
+    }
+    assert_eq!(all.keys().copied().collect::<Vec<_>>(), [0, 1, 2, 3]);
+    assert!(all.values().all(|l| l.contains("world=4")), "{all:?}");
+
+    // Rank 3 (node 1) fails: node 0's ranks are stopped too, and both exit with its code.
+    let sh = |s: &str| vec!["sh".to_owned(), "-c".to_owned(), s.to_owned()];
+    let script = "if [ $RANK = 3 ]; then exit 4; fi; sleep 60";
+    let start = Instant::now();
+    let nodes = [node("0", &sh(script)), node("1", &sh(script))];
+    let outs: Vec<Output> = nodes
+        .into_iter()
+        .map(|n| n.wait_with_output().unwrap())
+        .collect();
+    assert!(start.elapsed() < Duration::from_secs(15));
+    for out in &outs {
+        assert_eq!(out.status.code(), Some(4), "{out:?}");
+    }
+    assert!(text(&outs[0].stderr).contains("rank 3 (node 1, local rank 1) failed: exit code 4"));
+}
