@@ -9,10 +9,26 @@
 //! | [`wire`] | `dist-wire` | dtypes, reduce ops and kernels, the frame header, store codec (sans-IO) |
 //! | [`backend`] | `dist-backend` | the [`Backend`] contract, rendezvous [`Store`]s, `env://` init |
 //! | [`gloo`] | `dist-gloo` | the pure-Rust CPU backend (in progress) |
+//! | [`collective`] | `dist-collective` | process groups, typed collectives, async [`Work`], sub-groups, [`DeviceMesh`] |
 //!
-//! The typed collective API (`dist-collective`), the GPU backend (`dist-nccl`), data-parallel
-//! training (`dist-parallel`) and RPC (`dist-rpc`) are planned and will join this list as
-//! modules.
+//! The GPU backend (`dist-nccl`), data-parallel training (`dist-parallel`) and RPC
+//! (`dist-rpc`) are planned and will join this list as modules.
+//!
+//! The flat names read like `import torch.distributed as dist`:
+//!
+//! ```
+//! use dist::ReduceOp;
+//!
+//! // In a job: `let pg = dist::init_process_group(dist::InitOptions::new())?;` on every rank.
+//! // Here, three ranks as threads of this process:
+//! let sums = dist::run_world(3, |pg| {
+//!     let mut t = [1.0f32, pg.rank() as f32];
+//!     pg.all_reduce(&mut t, ReduceOp::Sum)?;
+//!     Ok(t)
+//! })?;
+//! assert_eq!(sums, vec![[3.0, 3.0]; 3]);
+//! # Ok::<(), dist::collective::Error>(())
+//! ```
 //!
 //! # Semver
 //!
@@ -53,6 +69,17 @@ pub use dist_backend as backend;
 ///
 /// Re-export of the `dist-gloo` crate.
 pub use dist_gloo as gloo;
+
+/// The typed, torch-shaped API: process groups, collectives, async work, sub-groups, meshes.
+///
+/// Re-export of the `dist-collective` crate.
+pub use dist_collective as collective;
+
+pub use dist_collective::testing::run_world;
+pub use dist_collective::{
+    DeviceMesh, InitOptions, P2pOp, ProcessGroup, Work, destroy_process_group, get_rank,
+    get_world_size, init_process_group, is_initialized, new_group,
+};
 
 pub use dist_backend::{
     Backend, BufMut, BufRef, Capabilities, Error, OpOptions, Result, Store, StoreError,

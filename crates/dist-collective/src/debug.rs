@@ -1,0 +1,172 @@
+//! Debugging aids: the `DIST_DEBUG` level and the per-group flight recorder.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+/// How much the library logs about each operation, from `DIST_DEBUG` (torch's
+/// `TORCH_DISTRIBUTED_DEBUG`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum DebugLevel {
+    /// Unset or `OFF`: failures only (a `warn` event plus the flight recorder dump).
+    Off,
+    /// `INFO`: group creation and destruction at `info`, each operation's completion at `debug`.
+    Info,
+    /// `DETAIL`: each operation's start and end at `info`, and before every collective a
+    /// fingerprint check across ranks (op, dtype, count, root) that fails with an error naming
+    /// both sides instead of a hang or garbage.
+    Detail,
+}
+
+impl DebugLevel {
+    /// Reads `DIST_DEBUG` (`OFF`, `INFO`, `DETAIL`, case-insensitive; anything else is `Off`).
+    pub fn from_env() -> Self {
+        match std::env::var("DIST_DEBUG")
+            .unwrap_or_default()
+            .to_ascii_uppercase()
+            .as_str()
+        {
+            "INFO" => DebugLevel::Info,
+            "DETAIL" => DebugLevel::Detail,
+            _ => DebugLevel::Off,
+        }
+    }
+}
+
+/// Default number of operations a group's flight recorder keeps (`DIST_FLIGHT_RECORDER_SIZE`
+/// overrides it).
+pub const DEFAULT_FLIGHT_RECORDER_SIZE: usize = 64;
+
+/// Where an operation is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum OpState {
+    /// Issued, waiting for earlier operations of the group.
+    Scheduled,
+    /// Running on the backend.
+    Started,
+    /// Finished successfully.
+    Completed,
+    /// Finished with an error.
+    Failed,
+}
+
+/// One operation in a group's flight recorder.
+#[derive(Clone, Debug, Serialize)]
+pub struct FlightEntry {
+    /// Issue number in the group (0, 1, ...): collectives, point-to-point and group steps.
+    pub seq: u64,
+    /// The operation (`"all_reduce"`, `"isend"`, ...).
+    pub op: &'static str,
+    /// Element type name, when the operation has one.
+    pub dtype: Option<String>,
+    /// Element counts (per rank for uneven operations).
+    pub counts: Vec<usize>,
+    /// Root or peer (group rank), when the operation has one.
+    pub peer: Option<usize>,
+    /// Where it is.
+    pub state: OpState,
+    /// Unix time in milliseconds when it was issued.
+    pub issued_ms: f64,
+    /// Unix time in milliseconds when it started running.
+    pub started_ms: Option<f64>,
+    /// Unix time in milliseconds when it finished.
+    pub finished_ms: Option<f64>,
+    /// The error, when it failed.
+    pub error: Option<String>,
+}
+
+fn now_ms() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .unwrap_or(0.0)
+}
+
+/// The last N operations of one group.
+#[derive(Debug)]
+pub(crate) struct FlightRecorder {
+    cap: usize,
+    inner: Mutex<(u64, VecDeque<FlightEntry>)>,
+}
+
+/// What describes an operation when it is issued.
+pub(crate) struct OpInfo {
+    pub(crate) op: &'static str,
+    pub(crate) dtype: Option<String>,
+    pub(crate) counts: Vec<usize>,
+    pub(crate) peer: Option<usize>,
+}
+
+impl FlightRecorder {
+    pub(crate) fn from_env() -> Self {
+        let cap = std::env::var("DIST_FLIGHT_RECORDER_SIZE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_FLIGHT_RECORDER_SIZE);
+        FlightRecorder {
+            cap,
+            inner: Mutex::new((0, VecDeque::new())),
+        }
+    }
+
+    /// Records a new operation; returns its issue number.
+    pub(crate) fn issue(&self, info: OpInfo) -> u64 {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let seq = g.0;
+        g.0 += 1;
+        if self.cap > 0 {
+            if g.1.len() == self.cap {
+                g.1.pop_front();
+            }
+            g.1.push_back(FlightEntry {
+                seq,
+                op: info.op,
+                dtype: info.dtype,
+                counts: info.counts,
+                peer: info.peer,
+                state: OpState::Scheduled,
+                issued_ms: now_ms(),
+                started_ms: None,
+                finished_ms: None,
+                error: None,
+            });
+        }
+        seq
+    }
+
+    pub(crate) fn started(&self, seq: u64) {
+        self.update(seq, |e| {
+            e.state = OpState::Started;
+            e.started_ms = Some(now_ms());
+        });
+    }
+
+    pub(crate) fn finished(&self, seq: u64, error: Option<String>) {
+        self.update(seq, |e| {
+            e.state = if error.is_some() {
+                OpState::Failed
+            } else {
+                OpState::Completed
+            };
+            e.finished_ms = Some(now_ms());
+            e.error = error;
+        });
+    }
+
+    fn update(&self, seq: u64, f: impl FnOnce(&mut FlightEntry)) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = g.1.iter_mut().rev().find(|e| e.seq == seq) {
+            f(e);
+        }
+    }
+
+    pub(crate) fn entries(&self) -> Vec<FlightEntry> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.1.iter().cloned().collect()
+    }
+}

@@ -1,0 +1,1033 @@
+//! [`ProcessGroup`]: a set of ranks with its own connections, worker thread and flight recorder,
+//! and the typed collectives over it.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use dist_backend::store::PrefixStore;
+use dist_backend::{Backend, BufMut, BufRef, OpOptions, Store};
+use dist_wire::{Element, ReduceOp};
+
+use crate::debug::{DebugLevel, FlightEntry, FlightRecorder, OpInfo};
+use crate::exec::Exec;
+use crate::p2p::{self, Dir, P2pJob};
+use crate::work::{Completer, Work};
+use crate::{Error, Result};
+
+/// The backends this build can create.
+pub const AVAILABLE_BACKENDS: &[&str] = &[
+    #[cfg(feature = "gloo")]
+    "gloo",
+];
+
+/// What every group of one job shares: backend name, timeout, the job's store.
+#[derive(Clone)]
+pub(crate) struct GroupConfig {
+    pub(crate) backend: String,
+    pub(crate) timeout: Duration,
+    pub(crate) root_store: Arc<dyn Store>,
+    pub(crate) debug: DebugLevel,
+}
+
+/// What an operation needs from its group while it runs (on the caller's thread or a worker).
+pub(crate) struct OpCtx {
+    pub(crate) rank: usize,
+    pub(crate) world_size: usize,
+    pub(crate) name: String,
+    pub(crate) timeout: Duration,
+    pub(crate) debug: DebugLevel,
+    pub(crate) recorder: FlightRecorder,
+}
+
+pub(crate) struct GroupInner {
+    pub(crate) ctx: Arc<OpCtx>,
+    pub(crate) cfg: GroupConfig,
+    /// Store prefix of this group (its namespace in the job's store).
+    pub(crate) prefix: String,
+    /// This group's namespace.
+    pub(crate) store: Arc<dyn Store>,
+    /// Global rank of each group rank.
+    pub(crate) global_ranks: Vec<usize>,
+    /// Sub-groups created from this one so far (every rank counts the same).
+    pub(crate) created: AtomicU64,
+    /// Monitored barriers run so far.
+    pub(crate) monitored: AtomicU64,
+    exec: Arc<Exec>,
+    p2p: Mutex<Option<Sender<P2pJob>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for GroupInner {
+    fn drop(&mut self) {
+        self.exec.close();
+        self.p2p.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            // Queued operations finish first (each bounded by its timeout).
+            let _ = t.join();
+        }
+        if self.ctx.debug >= DebugLevel::Info {
+            tracing::info!(rank = self.ctx.rank, group = %self.ctx.name, "process group destroyed");
+        }
+    }
+}
+
+/// A group of ranks that run collectives together (torch's `ProcessGroup`).
+///
+/// Cheap to clone (an `Arc`), `Send + Sync`: clones share one set of connections, one worker
+/// thread and one issue order. The group is destroyed when the last clone is dropped (or by
+/// [`ProcessGroup::destroy`]): queued operations finish first, then the connections close.
+///
+/// Ranks in arguments (`root`, `dst`, `src`) are ranks **in this group**; convert with
+/// [`get_group_rank`](ProcessGroup::get_group_rank) and
+/// [`get_global_rank`](ProcessGroup::get_global_rank).
+///
+/// Every collective must be called by every rank of the group in the same order. Blocking forms
+/// borrow their buffers and run on the caller's thread once the group's earlier operations are
+/// done; `*_async` forms take ownership of their buffers and run on the group's worker thread
+/// (see [`Work`]). Point-to-point operations run on a separate engine with its own connections
+/// and do not wait for collectives.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    pub(crate) inner: Arc<GroupInner>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("name", &self.inner.ctx.name)
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("backend", &self.backend())
+            .finish()
+    }
+}
+
+fn connect_backend(
+    cfg: &GroupConfig,
+    prefix: &str,
+    rank: usize,
+    world_size: usize,
+) -> Result<Box<dyn Backend>> {
+    match cfg.backend.as_str() {
+        #[cfg(feature = "gloo")]
+        "gloo" => {
+            let mut o = dist_gloo::GlooOptions::from_env();
+            o.mesh.timeout = cfg.timeout;
+            Ok(Box::new(dist_gloo::GlooBackend::connect(
+                &*cfg.root_store,
+                prefix,
+                rank,
+                world_size,
+                &o,
+            )?))
+        }
+        other => {
+            let _ = (prefix, rank, world_size);
+            Err(Error::UnknownBackend {
+                name: other.to_owned(),
+                available: AVAILABLE_BACKENDS,
+            })
+        }
+    }
+}
+
+/// A fingerprint of one collective, compared across ranks at `DIST_DEBUG=DETAIL`.
+type Fingerprint = [u64; 4];
+
+fn fingerprint(
+    op: &'static str,
+    dtype: Option<dist_wire::DType>,
+    count: usize,
+    root: Option<usize>,
+) -> Fingerprint {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in op.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    [
+        h,
+        dtype.map_or(u64::MAX, |d| u64::from(d.code())),
+        count as u64,
+        root.map_or(u64::MAX, |r| r as u64),
+    ]
+}
+
+fn check_fingerprint(
+    ctx: &OpCtx,
+    b: &dyn Backend,
+    op: &'static str,
+    fp: Fingerprint,
+) -> Result<()> {
+    let mut all = vec![0u64; 4 * ctx.world_size];
+    let counts = vec![4; ctx.world_size];
+    b.all_gather(
+        BufRef::Host(bytemuck::cast_slice(&fp)),
+        BufMut::Host(bytemuck::cast_slice_mut(&mut all)),
+        dist_wire::DType::U64,
+        &counts,
+        &OpOptions::with_timeout(ctx.timeout),
+    )?;
+    for (r, theirs) in all.chunks_exact(4).enumerate() {
+        if theirs != fp {
+            return Err(Error::invalid(
+                ctx.rank,
+                op,
+                format!(
+                    "DIST_DEBUG=DETAIL fingerprint check: this rank called {op} (dtype code {}, count {}, root {}) but rank {r} called an operation with fingerprint (op hash {:#x}, dtype code {}, count {}, root {})",
+                    fp[1] as i64,
+                    fp[2],
+                    fp[3] as i64,
+                    theirs[0],
+                    theirs[1] as i64,
+                    theirs[2],
+                    theirs[3] as i64
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Runs one operation on `b`, keeping the flight recorder and logs.
+fn run_op<R>(
+    ctx: &OpCtx,
+    seq: u64,
+    op: &'static str,
+    fp: Option<Fingerprint>,
+    b: &dyn Backend,
+    f: impl FnOnce(&dyn Backend, &OpOptions) -> Result<R>,
+) -> Result<R> {
+    ctx.recorder.started(seq);
+    let t0 = Instant::now();
+    if ctx.debug >= DebugLevel::Detail {
+        tracing::info!(rank = ctx.rank, group = %ctx.name, op, seq, "operation started");
+    }
+    let opts = OpOptions::with_timeout(ctx.timeout);
+    let r = match fp {
+        Some(fp) if ctx.debug >= DebugLevel::Detail => {
+            check_fingerprint(ctx, b, op, fp).and_then(|()| f(b, &opts))
+        }
+        _ => f(b, &opts),
+    };
+    finish(ctx, seq, op, t0, r.as_ref().err());
+    r
+}
+
+fn finish(ctx: &OpCtx, seq: u64, op: &'static str, t0: Instant, err: Option<&Error>) {
+    ctx.recorder.finished(seq, err.map(ToString::to_string));
+    match err {
+        Some(e) => {
+            let dump = serde_json::to_string(&ctx.recorder.entries()).unwrap_or_default();
+            tracing::warn!(rank = ctx.rank, group = %ctx.name, op, seq, error = %e, flight_recorder = %dump, "operation failed");
+        }
+        None if ctx.debug >= DebugLevel::Detail => {
+            tracing::info!(rank = ctx.rank, group = %ctx.name, op, seq, elapsed = ?t0.elapsed(), "operation completed");
+        }
+        None if ctx.debug >= DebugLevel::Info => {
+            tracing::debug!(rank = ctx.rank, group = %ctx.name, op, seq, elapsed = ?t0.elapsed(), "operation completed");
+        }
+        None => {}
+    }
+}
+
+fn bytes<T: Element>(s: &[T]) -> BufRef<'_> {
+    BufRef::Host(bytemuck::cast_slice(s))
+}
+
+fn bytes_mut<T: Element>(s: &mut [T]) -> BufMut<'_> {
+    BufMut::Host(bytemuck::cast_slice_mut(s))
+}
+
+fn info<T: Element>(op: &'static str, counts: Vec<usize>, peer: Option<usize>) -> OpInfo {
+    OpInfo {
+        op,
+        dtype: Some(T::DTYPE.to_string()),
+        counts,
+        peer,
+    }
+}
+
+/// One operation of [`ProcessGroup::batch_isend_irecv`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum P2pOp<T> {
+    /// Send `buf` to group rank `peer` with `tag`.
+    Send {
+        /// The data.
+        buf: Vec<T>,
+        /// Destination (group rank).
+        peer: usize,
+        /// Matching tag.
+        tag: u32,
+    },
+    /// Receive into `buf` (its length is the message length) from group rank `peer` with `tag`.
+    Recv {
+        /// Where the data goes.
+        buf: Vec<T>,
+        /// Source (group rank).
+        peer: usize,
+        /// Matching tag.
+        tag: u32,
+    },
+}
+
+impl<T> P2pOp<T> {
+    /// A send of `buf` to `peer`.
+    pub fn isend(buf: Vec<T>, peer: usize, tag: u32) -> Self {
+        P2pOp::Send { buf, peer, tag }
+    }
+
+    /// A receive into `buf` from `peer`.
+    pub fn irecv(buf: Vec<T>, peer: usize, tag: u32) -> Self {
+        P2pOp::Recv { buf, peer, tag }
+    }
+}
+
+impl ProcessGroup {
+    /// Connects a new group: `rank` of `world_size`, under `prefix` in the job's store.
+    pub(crate) fn connect(
+        cfg: GroupConfig,
+        prefix: String,
+        rank: usize,
+        global_ranks: Vec<usize>,
+    ) -> Result<ProcessGroup> {
+        let world_size = global_ranks.len();
+        let coll = connect_backend(&cfg, &format!("{prefix}/coll"), rank, world_size)?;
+        let p2p_backend = connect_backend(&cfg, &format!("{prefix}/p2p"), rank, world_size)?;
+        let store: Arc<dyn Store> =
+            Arc::new(PrefixStore::new(prefix.clone(), cfg.root_store.clone()));
+        let short = prefix.rsplit('/').next().unwrap_or("g").to_owned();
+        let (exec, worker) = Exec::start(coll, format!("dist-{short}-r{rank}"));
+        let (tx, p2p_thread) = p2p::start(
+            p2p_backend,
+            store.clone(),
+            format!("dist-{short}-p2p-r{rank}"),
+        );
+        if cfg.debug >= DebugLevel::Info {
+            tracing::info!(rank, world_size, group = %prefix, backend = %cfg.backend, "process group created");
+        }
+        Ok(ProcessGroup {
+            inner: Arc::new(GroupInner {
+                ctx: Arc::new(OpCtx {
+                    rank,
+                    world_size,
+                    name: prefix.clone(),
+                    timeout: cfg.timeout,
+                    debug: cfg.debug,
+                    recorder: FlightRecorder::from_env(),
+                }),
+                cfg,
+                prefix,
+                store,
+                global_ranks,
+                created: AtomicU64::new(0),
+                monitored: AtomicU64::new(0),
+                exec,
+                p2p: Mutex::new(Some(tx)),
+                threads: Mutex::new(vec![worker, p2p_thread]),
+            }),
+        })
+    }
+
+    /// This process's rank in the group.
+    pub fn rank(&self) -> usize {
+        self.inner.ctx.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.inner.ctx.world_size
+    }
+
+    /// Same as [`world_size`](ProcessGroup::world_size) (torch's `group.size()`).
+    pub fn size(&self) -> usize {
+        self.world_size()
+    }
+
+    /// The backend's name (`"gloo"`).
+    pub fn backend(&self) -> &str {
+        &self.inner.cfg.backend
+    }
+
+    /// The group's name: its namespace in the job's store (`"default"`, `"default/g0"`, ...).
+    pub fn name(&self) -> &str {
+        &self.inner.ctx.name
+    }
+
+    /// The per-operation timeout.
+    pub fn timeout(&self) -> Duration {
+        self.inner.ctx.timeout
+    }
+
+    /// Global rank of each group rank, in group-rank order.
+    pub fn global_ranks(&self) -> &[usize] {
+        &self.inner.global_ranks
+    }
+
+    /// The group rank of global rank `global`, or `None` if it is not a member.
+    pub fn get_group_rank(&self, global: usize) -> Option<usize> {
+        self.inner.global_ranks.iter().position(|&g| g == global)
+    }
+
+    /// The global rank of group rank `group_rank`, or `None` if there is no such rank.
+    pub fn get_global_rank(&self, group_rank: usize) -> Option<usize> {
+        self.inner.global_ranks.get(group_rank).copied()
+    }
+
+    /// The last operations of this group (oldest first; `DIST_FLIGHT_RECORDER_SIZE` of them,
+    /// 64 by default).
+    pub fn flight_recorder(&self) -> Vec<FlightEntry> {
+        self.inner.ctx.recorder.entries()
+    }
+
+    /// The flight recorder as JSON: `{"group", "rank", "world_size", "entries": [...]}`.
+    pub fn dump_flight_recorder(&self) -> String {
+        serde_json::json!({
+            "group": self.name(),
+            "rank": self.rank(),
+            "world_size": self.world_size(),
+            "entries": self.flight_recorder(),
+        })
+        .to_string()
+    }
+
+    /// Destroys this handle; when it is the last one, waits for the group's queued operations
+    /// (each bounded by the timeout), closes its connections and joins its threads. Other
+    /// clones keep the group alive.
+    pub fn destroy(self) {
+        drop(self);
+    }
+
+    pub(crate) fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    fn invalid(&self, op: &'static str, reason: impl Into<String>) -> Error {
+        Error::invalid(self.rank(), op, reason)
+    }
+
+    fn check_len(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    ) -> Result<()> {
+        if expected != actual {
+            return Err(Error::size(self.rank(), op, what, expected, actual));
+        }
+        Ok(())
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.world_size() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "root {root} is not a rank of this group of {}",
+                    self.world_size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        if peer >= self.world_size() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "peer {peer} is not a rank of this group of {}",
+                    self.world_size()
+                ),
+            ));
+        }
+        if peer == self.rank() {
+            return Err(self.invalid(op, format!("rank {peer} cannot {op} itself")));
+        }
+        Ok(())
+    }
+
+    fn check_reduce<T: Element>(&self, op: &'static str, rop: ReduceOp) -> Result<()> {
+        rop.check(T::DTYPE).map_err(|source| {
+            Error::Backend(dist_backend::Error::Wire {
+                rank: self.rank(),
+                op,
+                source,
+            })
+        })
+    }
+
+    fn check_counts(&self, op: &'static str, what: &'static str, counts: &[usize]) -> Result<()> {
+        self.check_len(op, what, self.world_size(), counts.len())
+    }
+
+    /// Runs a collective on this thread in its place in the group's order.
+    fn coll<R>(
+        &self,
+        info: OpInfo,
+        fp: Option<Fingerprint>,
+        f: impl FnOnce(&dyn Backend, &OpOptions) -> Result<R>,
+    ) -> Result<R> {
+        let op = info.op;
+        let ctx = &self.inner.ctx;
+        let seq = ctx.recorder.issue(info);
+        self.inner
+            .exec
+            .run_inline(|b| run_op(ctx, seq, op, fp, b, f))
+    }
+
+    /// Runs a group-level step (no backend operation) on this thread in its place in the
+    /// group's order, recorded in the flight recorder.
+    pub(crate) fn ordered<R>(&self, info: OpInfo, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.coll(info, None, |_, _| f())
+    }
+
+    /// Queues a collective on the group's worker.
+    fn coll_async<R: Send + 'static>(
+        &self,
+        info: OpInfo,
+        fp: Option<Fingerprint>,
+        f: impl FnOnce(&dyn Backend, &OpOptions) -> Result<R> + Send + 'static,
+    ) -> Result<Work<R>> {
+        let op = info.op;
+        let ctx = self.inner.ctx.clone();
+        let seq = ctx.recorder.issue(info);
+        let (work, done): (Work<R>, Completer<R>) = Work::pending(ctx.rank, op, seq);
+        let job = Box::new(move |b: &dyn Backend| {
+            done.complete(run_op(&ctx, seq, op, fp, b, f));
+        });
+        self.inner.exec.submit(job).map_err(|_| Error::Destroyed {
+            rank: self.rank(),
+            op,
+        })?;
+        Ok(work)
+    }
+
+    /// Queues a send or receive on the point-to-point engine.
+    fn p2p<T: Element>(
+        &self,
+        dir: Dir,
+        buf: Vec<T>,
+        peer: usize,
+        tag: u32,
+    ) -> Result<Work<Vec<T>>> {
+        let op = match dir {
+            Dir::Send => "send",
+            Dir::Recv => "recv",
+        };
+        self.check_peer(op, peer)?;
+        let ctx = self.inner.ctx.clone();
+        let seq = ctx
+            .recorder
+            .issue(info::<T>(op, vec![buf.len()], Some(peer)));
+        let (work, done) = Work::pending(ctx.rank, op, seq);
+        let started = Instant::now();
+        let deadline = started
+            .checked_add(ctx.timeout)
+            .unwrap_or(started + Duration::from_secs(86_400 * 365));
+        let mut buf = buf;
+        let run = Box::new(move |b: std::result::Result<&dyn Backend, Error>| {
+            let t0 = Instant::now();
+            let r = match b {
+                Ok(b) => {
+                    ctx.recorder.started(seq);
+                    let mut opts = OpOptions::with_timeout(deadline.saturating_duration_since(t0));
+                    opts.tag = tag;
+                    match dir {
+                        Dir::Send => b.send(bytes(&buf), T::DTYPE, peer, &opts),
+                        Dir::Recv => b.recv(bytes_mut(&mut buf), T::DTYPE, peer, &opts),
+                    }
+                    .map_err(Error::from)
+                }
+                Err(e) => Err(e),
+            };
+            finish(&ctx, seq, op, t0, r.as_ref().err());
+            done.complete(r.map(|()| buf));
+        });
+        let job = P2pJob {
+            dir,
+            peer,
+            tag,
+            deadline,
+            started,
+            run,
+        };
+        let tx = self.inner.p2p.lock().unwrap_or_else(|e| e.into_inner());
+        match tx.as_ref().map(|tx| tx.send(job)) {
+            Some(Ok(())) => Ok(work),
+            _ => Err(Error::Destroyed {
+                rank: self.rank(),
+                op,
+            }),
+        }
+    }
+
+    // ---- all_reduce, broadcast, reduce -------------------------------------------------------
+
+    /// Reduces `buf` across the group in place; every rank ends with the same values.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.check_reduce::<T>("all_reduce", op)?;
+        let fp = fingerprint("all_reduce", Some(T::DTYPE), buf.len(), None);
+        self.coll(
+            info::<T>("all_reduce", vec![buf.len()], None),
+            Some(fp),
+            |b, o| Ok(b.all_reduce(bytes_mut(buf), T::DTYPE, op, o)?),
+        )
+    }
+
+    /// [`all_reduce`](ProcessGroup::all_reduce) on the worker; `wait` gives back the reduced
+    /// buffer.
+    pub fn all_reduce_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Work<Vec<T>>> {
+        self.check_reduce::<T>("all_reduce", op)?;
+        let fp = fingerprint("all_reduce", Some(T::DTYPE), buf.len(), None);
+        self.coll_async(
+            info::<T>("all_reduce", vec![buf.len()], None),
+            Some(fp),
+            move |b, o| {
+                b.all_reduce(bytes_mut(&mut buf), T::DTYPE, op, o)?;
+                Ok(buf)
+            },
+        )
+    }
+
+    /// Copies `root`'s `buf` into every other rank's `buf` (same length on every rank).
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root("broadcast", root)?;
+        let fp = fingerprint("broadcast", Some(T::DTYPE), buf.len(), Some(root));
+        self.coll(
+            info::<T>("broadcast", vec![buf.len()], Some(root)),
+            Some(fp),
+            |b, o| Ok(b.broadcast(bytes_mut(buf), T::DTYPE, root, o)?),
+        )
+    }
+
+    /// [`broadcast`](ProcessGroup::broadcast) on the worker; `wait` gives back the buffer.
+    pub fn broadcast_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        root: usize,
+    ) -> Result<Work<Vec<T>>> {
+        self.check_root("broadcast", root)?;
+        let fp = fingerprint("broadcast", Some(T::DTYPE), buf.len(), Some(root));
+        self.coll_async(
+            info::<T>("broadcast", vec![buf.len()], Some(root)),
+            Some(fp),
+            move |b, o| {
+                b.broadcast(bytes_mut(&mut buf), T::DTYPE, root, o)?;
+                Ok(buf)
+            },
+        )
+    }
+
+    /// Reduces `buf` across the group into `root`'s `buf`; other ranks' buffers are left in an
+    /// unspecified state (as in torch).
+    pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.check_root("reduce", root)?;
+        self.check_reduce::<T>("reduce", op)?;
+        let fp = fingerprint("reduce", Some(T::DTYPE), buf.len(), Some(root));
+        self.coll(
+            info::<T>("reduce", vec![buf.len()], Some(root)),
+            Some(fp),
+            |b, o| Ok(b.reduce(bytes_mut(buf), T::DTYPE, op, root, o)?),
+        )
+    }
+
+    /// [`reduce`](ProcessGroup::reduce) on the worker; `wait` gives back the buffer.
+    pub fn reduce_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<Work<Vec<T>>> {
+        self.check_root("reduce", root)?;
+        self.check_reduce::<T>("reduce", op)?;
+        let fp = fingerprint("reduce", Some(T::DTYPE), buf.len(), Some(root));
+        self.coll_async(
+            info::<T>("reduce", vec![buf.len()], Some(root)),
+            Some(fp),
+            move |b, o| {
+                b.reduce(bytes_mut(&mut buf), T::DTYPE, op, root, o)?;
+                Ok(buf)
+            },
+        )
+    }
+
+    // ---- all_gather ---------------------------------------------------------------------------
+
+    /// Gathers every rank's `input` (equal lengths) into `output`, rank by rank (torch's
+    /// `all_gather_into_tensor`). `output.len()` must be `input.len() * world_size`.
+    pub fn all_gather_into<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let w = self.world_size();
+        self.check_len("all_gather", "output", input.len() * w, output.len())?;
+        let counts = vec![input.len(); w];
+        let fp = fingerprint("all_gather", Some(T::DTYPE), output.len(), None);
+        self.coll(
+            info::<T>("all_gather", counts.clone(), None),
+            Some(fp),
+            |b, o| Ok(b.all_gather(bytes(input), bytes_mut(output), T::DTYPE, &counts, o)?),
+        )
+    }
+
+    /// Gathers every rank's `input` (equal lengths) into one vector per rank (torch's
+    /// `all_gather` list form).
+    pub fn all_gather<T: Element>(&self, input: &[T]) -> Result<Vec<Vec<T>>> {
+        let mut out = vec![T::zeroed(); input.len() * self.world_size()];
+        self.all_gather_into(input, &mut out)?;
+        Ok(split_by(&out, &vec![input.len(); self.world_size()]))
+    }
+
+    /// [`all_gather_into`](ProcessGroup::all_gather_into) on the worker; `wait` gives the
+    /// gathered vector (`input.len() * world_size` elements, rank by rank).
+    pub fn all_gather_async<T: Element>(&self, input: Vec<T>) -> Result<Work<Vec<T>>> {
+        let w = self.world_size();
+        let counts = vec![input.len(); w];
+        let fp = fingerprint("all_gather", Some(T::DTYPE), input.len() * w, None);
+        self.coll_async(
+            info::<T>("all_gather", counts.clone(), None),
+            Some(fp),
+            move |b, o| {
+                let mut out = vec![T::zeroed(); input.len() * counts.len()];
+                b.all_gather(bytes(&input), bytes_mut(&mut out), T::DTYPE, &counts, o)?;
+                Ok(out)
+            },
+        )
+    }
+
+    /// Uneven all-gather: rank r contributes `counts[r]` elements; `input.len()` must be
+    /// `counts[rank]` and `output.len()` their sum. Every rank passes the same `counts`.
+    pub fn all_gather_into_uneven<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        self.check_counts("all_gather", "counts", counts)?;
+        self.check_len("all_gather", "input", counts[self.rank()], input.len())?;
+        self.check_len("all_gather", "output", counts.iter().sum(), output.len())?;
+        let fp = fingerprint("all_gather", Some(T::DTYPE), output.len(), None);
+        self.coll(
+            info::<T>("all_gather", counts.to_vec(), None),
+            Some(fp),
+            |b, o| Ok(b.all_gather(bytes(input), bytes_mut(output), T::DTYPE, counts, o)?),
+        )
+    }
+
+    /// Uneven all-gather without known counts: exchanges the lengths first, then the data; one
+    /// vector per rank.
+    pub fn all_gather_uneven<T: Element>(&self, input: &[T]) -> Result<Vec<Vec<T>>> {
+        let lens = self.all_gather(&[input.len() as u64])?;
+        let counts: Vec<usize> = lens.iter().map(|l| l[0] as usize).collect();
+        let mut out = vec![T::zeroed(); counts.iter().sum()];
+        self.all_gather_into_uneven(input, &mut out, &counts)?;
+        Ok(split_by(&out, &counts))
+    }
+
+    // ---- reduce_scatter -----------------------------------------------------------------------
+
+    /// Reduces `input` (`output.len() * world_size` elements: rank r's share is the r-th
+    /// block) across the group and leaves this rank's reduced share in `output` (torch's
+    /// `reduce_scatter_tensor`).
+    pub fn reduce_scatter_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let w = self.world_size();
+        self.check_len("reduce_scatter", "input", output.len() * w, input.len())?;
+        let counts = vec![output.len(); w];
+        self.reduce_scatter_into_uneven(input, output, &counts, op)
+    }
+
+    /// Uneven reduce-scatter: rank r's share is `counts[r]` elements; `input.len()` must be
+    /// their sum and `output.len()` `counts[rank]`.
+    pub fn reduce_scatter_into_uneven<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.check_counts("reduce_scatter", "counts", counts)?;
+        self.check_len("reduce_scatter", "input", counts.iter().sum(), input.len())?;
+        self.check_len(
+            "reduce_scatter",
+            "output",
+            counts[self.rank()],
+            output.len(),
+        )?;
+        self.check_reduce::<T>("reduce_scatter", op)?;
+        let fp = fingerprint("reduce_scatter", Some(T::DTYPE), input.len(), None);
+        self.coll(
+            info::<T>("reduce_scatter", counts.to_vec(), None),
+            Some(fp),
+            |b, o| {
+                Ok(b.reduce_scatter(bytes(input), bytes_mut(output), T::DTYPE, op, counts, o)?)
+            },
+        )
+    }
+
+    /// [`reduce_scatter_into`](ProcessGroup::reduce_scatter_into) on the worker: `input` must
+    /// hold a multiple of `world_size` elements; `wait` gives this rank's reduced share.
+    pub fn reduce_scatter_async<T: Element>(
+        &self,
+        input: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Work<Vec<T>>> {
+        let w = self.world_size();
+        if !input.len().is_multiple_of(w) {
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!(
+                    "input has {} elements, not a multiple of the world size {w}",
+                    input.len()
+                ),
+            ));
+        }
+        self.check_reduce::<T>("reduce_scatter", op)?;
+        let counts = vec![input.len() / w; w];
+        let fp = fingerprint("reduce_scatter", Some(T::DTYPE), input.len(), None);
+        self.coll_async(
+            info::<T>("reduce_scatter", counts.clone(), None),
+            Some(fp),
+            move |b, o| {
+                let mut out = vec![T::zeroed(); counts[0]];
+                b.reduce_scatter(bytes(&input), bytes_mut(&mut out), T::DTYPE, op, &counts, o)?;
+                Ok(out)
+            },
+        )
+    }
+
+    // ---- all_to_all ---------------------------------------------------------------------------
+
+    /// Sends block r of `input` to rank r and receives rank r's block for this rank into block r
+    /// of `output` (torch's `all_to_all_single`). Without split sizes, both buffers are cut into
+    /// `world_size` equal blocks; with them, `output_split_sizes[r]`/`input_split_sizes[r]` give
+    /// block r's length, and each must sum to its buffer's length.
+    pub fn all_to_all_single<T: Element>(
+        &self,
+        output: &mut [T],
+        input: &[T],
+        output_split_sizes: Option<&[usize]>,
+        input_split_sizes: Option<&[usize]>,
+    ) -> Result<()> {
+        let op = "all_to_all";
+        let w = self.world_size();
+        let even = |len: usize, what: &'static str| -> Result<Vec<usize>> {
+            if !len.is_multiple_of(w) {
+                return Err(self.invalid(
+                    op,
+                    format!("{what} has {len} elements, not a multiple of the world size {w}"),
+                ));
+            }
+            Ok(vec![len / w; w])
+        };
+        let recv = match output_split_sizes {
+            Some(s) => {
+                self.check_counts(op, "output_split_sizes", s)?;
+                self.check_len(op, "output", s.iter().sum(), output.len())?;
+                s.to_vec()
+            }
+            None => even(output.len(), "output")?,
+        };
+        let send = match input_split_sizes {
+            Some(s) => {
+                self.check_counts(op, "input_split_sizes", s)?;
+                self.check_len(op, "input", s.iter().sum(), input.len())?;
+                s.to_vec()
+            }
+            None => even(input.len(), "input")?,
+        };
+        let r = self.rank();
+        if send[r] != recv[r] {
+            return Err(Error::size(
+                r,
+                op,
+                "output block from this rank itself",
+                send[r],
+                recv[r],
+            ));
+        }
+        self.coll(info::<T>(op, send.clone(), None), None, |b, o| {
+            Ok(b.all_to_all(bytes(input), bytes_mut(output), T::DTYPE, &send, &recv, o)?)
+        })
+    }
+
+    /// List form of all-to-all: `inputs[r]` goes to rank r; returns what each rank sent here.
+    /// Lengths may differ; they are exchanged first.
+    pub fn all_to_all<T: Element>(&self, inputs: &[Vec<T>]) -> Result<Vec<Vec<T>>> {
+        self.check_counts("all_to_all", "inputs", &vec![0; inputs.len()])?;
+        let send: Vec<usize> = inputs.iter().map(Vec::len).collect();
+        let send64: Vec<u64> = send.iter().map(|&n| n as u64).collect();
+        let mut recv64 = vec![0u64; self.world_size()];
+        self.all_to_all_single(&mut recv64, &send64, None, None)?;
+        let recv: Vec<usize> = recv64.iter().map(|&n| n as usize).collect();
+        let flat: Vec<T> = inputs.concat();
+        let mut out = vec![T::zeroed(); recv.iter().sum()];
+        self.all_to_all_single(&mut out, &flat, Some(&recv), Some(&send))?;
+        Ok(split_by(&out, &recv))
+    }
+
+    // ---- gather, scatter, barrier ------------------------------------------------------------
+
+    /// Gathers every rank's `input` (equal lengths) into `root`'s `output` (`input.len() *
+    /// world_size` elements, rank by rank). `output` is `Some` on the root and `None` elsewhere.
+    pub fn gather<T: Element>(
+        &self,
+        input: &[T],
+        output: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        let op = "gather";
+        self.check_root(op, root)?;
+        let is_root = self.rank() == root;
+        match (&output, is_root) {
+            (Some(out), true) => {
+                self.check_len(op, "output", input.len() * self.world_size(), out.len())?
+            }
+            (None, true) => return Err(self.invalid(op, "the root must pass an output buffer")),
+            (Some(_), false) => {
+                return Err(self.invalid(
+                    op,
+                    format!("only the root (rank {root}) passes an output buffer"),
+                ));
+            }
+            (None, false) => {}
+        }
+        let fp = fingerprint(op, Some(T::DTYPE), input.len(), Some(root));
+        self.coll(
+            info::<T>(op, vec![input.len()], Some(root)),
+            Some(fp),
+            |b, o| Ok(b.gather(bytes(input), output.map(bytes_mut), T::DTYPE, root, o)?),
+        )
+    }
+
+    /// Scatters `root`'s `input` (`output.len() * world_size` elements, rank r's share is block
+    /// r) into every rank's `output`. `input` is `Some` on the root and `None` elsewhere.
+    pub fn scatter<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let op = "scatter";
+        self.check_root(op, root)?;
+        let is_root = self.rank() == root;
+        match (input, is_root) {
+            (Some(inp), true) => {
+                self.check_len(op, "input", output.len() * self.world_size(), inp.len())?
+            }
+            (None, true) => return Err(self.invalid(op, "the root must pass an input buffer")),
+            (Some(_), false) => {
+                return Err(self.invalid(
+                    op,
+                    format!("only the root (rank {root}) passes an input buffer"),
+                ));
+            }
+            (None, false) => {}
+        }
+        let fp = fingerprint(op, Some(T::DTYPE), output.len(), Some(root));
+        self.coll(
+            info::<T>(op, vec![output.len()], Some(root)),
+            Some(fp),
+            |b, o| Ok(b.scatter(input.map(bytes), bytes_mut(output), T::DTYPE, root, o)?),
+        )
+    }
+
+    /// Returns once every rank of the group has entered the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        let fp = fingerprint("barrier", None, 0, None);
+        self.coll(
+            OpInfo {
+                op: "barrier",
+                dtype: None,
+                counts: vec![],
+                peer: None,
+            },
+            Some(fp),
+            |b, o| Ok(b.barrier(o)?),
+        )
+    }
+
+    /// [`barrier`](ProcessGroup::barrier) on the worker.
+    pub fn barrier_async(&self) -> Result<Work<()>> {
+        let fp = fingerprint("barrier", None, 0, None);
+        self.coll_async(
+            OpInfo {
+                op: "barrier",
+                dtype: None,
+                counts: vec![],
+                peer: None,
+            },
+            Some(fp),
+            |b, o| Ok(b.barrier(o)?),
+        )
+    }
+
+    // ---- point to point -----------------------------------------------------------------------
+
+    /// Sends `buf` to group rank `dst`, matched by `tag` with a [`recv`](ProcessGroup::recv) of
+    /// the same length. Returns when the message has been handed to the connection.
+    pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u32) -> Result<()> {
+        self.isend(buf.to_vec(), dst, tag)?.wait().map(drop)
+    }
+
+    /// Receives into `buf` from group rank `src`, matched by `tag`; the message must have
+    /// `buf.len()` elements.
+    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u32) -> Result<()> {
+        let got = self.irecv(vec![T::zeroed(); buf.len()], src, tag)?.wait()?;
+        buf.copy_from_slice(&got);
+        Ok(())
+    }
+
+    /// Sends `buf` to `dst` in the background; `wait` gives the buffer back. Sends to one peer
+    /// with one tag arrive in issue order.
+    pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize, tag: u32) -> Result<Work<Vec<T>>> {
+        self.p2p(Dir::Send, buf, dst, tag)
+    }
+
+    /// Receives `buf.len()` elements from `src` in the background; `wait` gives the filled
+    /// buffer. Posting receives before the matching sends (on both sides) does not deadlock.
+    pub fn irecv<T: Element>(&self, buf: Vec<T>, src: usize, tag: u32) -> Result<Work<Vec<T>>> {
+        self.p2p(Dir::Recv, buf, src, tag)
+    }
+
+    /// Issues every send and receive of `ops` at once (torch's `batch_isend_irecv`); one
+    /// [`Work`] per op, in order. Every op is validated before any is issued.
+    pub fn batch_isend_irecv<T: Element>(&self, ops: Vec<P2pOp<T>>) -> Result<Vec<Work<Vec<T>>>> {
+        for o in &ops {
+            match o {
+                P2pOp::Send { peer, .. } => self.check_peer("send", *peer)?,
+                P2pOp::Recv { peer, .. } => self.check_peer("recv", *peer)?,
+            }
+        }
+        ops.into_iter()
+            .map(|o| match o {
+                P2pOp::Send { buf, peer, tag } => self.isend(buf, peer, tag),
+                P2pOp::Recv { buf, peer, tag } => self.irecv(buf, peer, tag),
+            })
+            .collect()
+    }
+}
+
+/// Cuts `flat` into consecutive vectors of `counts[i]` elements.
+pub(crate) fn split_by<T: Clone>(flat: &[T], counts: &[usize]) -> Vec<Vec<T>> {
+    let mut at = 0;
+    counts
+        .iter()
+        .map(|&n| {
+            let v = flat[at..at + n].to_vec();
+            at += n;
+            v
+        })
+        .collect()
+}

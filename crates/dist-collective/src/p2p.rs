@@ -1,0 +1,236 @@
+//! The point-to-point engine of a group: its own backend (its own connections), off the
+//! collective queue, with a doorbell so that a receive never blocks a send.
+//!
+//! A backend runs one operation at a time, and a blocking `recv` holds it until the message
+//! arrives, so a naive design deadlocks on the most common pattern (both ranks `irecv`, then
+//! `send`). Here every send first rings the receiver's doorbell (a queue in the group's store
+//! naming the sender and tag), and a receive is only handed to the backend once its message has
+//! been announced. Until then, sends queued after it go ahead. Messages with the same source and
+//! tag are received in the order they were sent; a large send completes once the receiver has
+//! posted the matching receive, or while the receiver's engine is busy with other messages (it
+//! reads ahead whatever arrives).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError, channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use dist_backend::{Backend, Store};
+use dist_wire::CollectiveOp;
+
+use crate::Error;
+
+/// Send or receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dir {
+    Send,
+    Recv,
+}
+
+/// What the job's closure gets: the backend, or why it will not run.
+pub(crate) type P2pRun = Box<dyn FnOnce(Result<&dyn Backend, Error>) + Send>;
+
+/// One queued send or receive.
+pub(crate) struct P2pJob {
+    pub(crate) dir: Dir,
+    pub(crate) peer: usize,
+    pub(crate) tag: u32,
+    pub(crate) deadline: Instant,
+    pub(crate) started: Instant,
+    pub(crate) run: P2pRun,
+}
+
+fn inbox(rank: usize) -> String {
+    format!("p2p/inbox/{rank}")
+}
+
+/// Starts the engine's thread; dropping the returned sender stops it (pending receives fail
+/// with [`Error::Destroyed`]).
+pub(crate) fn start(
+    backend: Box<dyn Backend>,
+    store: Arc<dyn Store>,
+    name: String,
+) -> (Sender<P2pJob>, JoinHandle<()>) {
+    let (tx, rx) = channel();
+    let handle = std::thread::Builder::new()
+        .name(name)
+        .spawn(move || Engine::new(backend, store, rx).run())
+        .unwrap_or_else(|err| panic!("dist-collective: cannot spawn a p2p thread: {err}"));
+    (tx, handle)
+}
+
+struct Engine {
+    backend: Box<dyn Backend>,
+    store: Arc<dyn Store>,
+    rx: Receiver<P2pJob>,
+    rank: usize,
+    pending: VecDeque<P2pJob>,
+    /// Announced but not yet received messages, by (source, tag).
+    announced: HashMap<(usize, u32), u64>,
+    closed: bool,
+}
+
+impl Engine {
+    fn new(backend: Box<dyn Backend>, store: Arc<dyn Store>, rx: Receiver<P2pJob>) -> Self {
+        let rank = backend.rank();
+        Engine {
+            backend,
+            store,
+            rx,
+            rank,
+            pending: VecDeque::new(),
+            announced: HashMap::new(),
+            closed: false,
+        }
+    }
+
+    fn run(mut self) {
+        let mut backoff = Duration::from_micros(20);
+        loop {
+            if self.pending.is_empty() {
+                if self.closed {
+                    return;
+                }
+                // Idle: nothing is in flight, so waiting for work has no deadline to keep.
+                match self.rx.recv() {
+                    Ok(j) => self.pending.push_back(j),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(j) => self.pending.push_back(j),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        self.closed = true;
+                        break;
+                    }
+                }
+            }
+            let progressed = self.step();
+            if self.closed {
+                self.fail_receives();
+                continue;
+            }
+            if progressed {
+                backoff = Duration::from_micros(20);
+            } else if !self.pending.is_empty() {
+                match self.rx.recv_timeout(backoff) {
+                    Ok(j) => self.pending.push_back(j),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => self.closed = true,
+                }
+                backoff = (backoff * 2).min(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// Reads the doorbell queue; returns false (after failing the receives) on a store error.
+    fn poll_inbox(&mut self) -> bool {
+        loop {
+            match self.store.queue_pop(&inbox(self.rank), false) {
+                Ok(Some(v)) => {
+                    let s = String::from_utf8_lossy(&v);
+                    if let Some((src, tag)) = s.split_once(':')
+                        && let (Ok(src), Ok(tag)) = (src.parse(), tag.parse())
+                    {
+                        *self.announced.entry((src, tag)).or_insert(0) += 1;
+                    }
+                }
+                Ok(None) => return true,
+                Err(e) => {
+                    // The first waiting receive gets the error; the others retry next round
+                    // (and meet their own error if the store is gone).
+                    if let Some(i) = self.pending.iter().position(|j| j.dir == Dir::Recv)
+                        && let Some(j) = self.pending.remove(i)
+                    {
+                        (j.run)(Err(Error::store(
+                            self.rank,
+                            format!("recv from rank {}: reading the doorbell", j.peer),
+                            e,
+                        )));
+                    }
+                    return false;
+                }
+            }
+        }
+    }
+
+    fn take_receives(&mut self) -> Vec<P2pJob> {
+        let (recvs, rest): (Vec<_>, Vec<_>) =
+            self.pending.drain(..).partition(|j| j.dir == Dir::Recv);
+        self.pending = rest.into();
+        recvs
+    }
+
+    fn fail_receives(&mut self) {
+        for j in self.take_receives() {
+            (j.run)(Err(Error::Destroyed {
+                rank: self.rank,
+                op: "recv",
+            }));
+        }
+    }
+
+    /// Runs every job that can run now, in order; returns whether any ran.
+    fn step(&mut self) -> bool {
+        if self.pending.iter().any(|j| j.dir == Dir::Recv) {
+            self.poll_inbox();
+        }
+        let mut progressed = false;
+        let mut blocked: Vec<(usize, u32)> = Vec::new();
+        let mut i = 0;
+        while i < self.pending.len() {
+            let j = &self.pending[i];
+            let key = (j.peer, j.tag);
+            match j.dir {
+                Dir::Send => {
+                    let Some(j) = self.pending.remove(i) else {
+                        break;
+                    };
+                    progressed = true;
+                    let bell = format!("{}:{}", self.rank, j.tag);
+                    match self.store.queue_push(&inbox(j.peer), bell.as_bytes()) {
+                        Ok(()) => (j.run)(Ok(&*self.backend)),
+                        Err(e) => (j.run)(Err(Error::store(
+                            self.rank,
+                            format!("send to rank {}: ringing its doorbell", j.peer),
+                            e,
+                        ))),
+                    }
+                }
+                Dir::Recv => {
+                    let ready = !blocked.contains(&key)
+                        && self.announced.get(&key).copied().unwrap_or(0) > 0;
+                    if ready {
+                        if let Some(n) = self.announced.get_mut(&key) {
+                            *n -= 1;
+                        }
+                        let Some(j) = self.pending.remove(i) else {
+                            break;
+                        };
+                        progressed = true;
+                        (j.run)(Ok(&*self.backend));
+                    } else if Instant::now() >= j.deadline {
+                        let Some(j) = self.pending.remove(i) else {
+                            break;
+                        };
+                        progressed = true;
+                        (j.run)(Err(Error::Backend(dist_backend::Error::Timeout {
+                            rank: self.rank,
+                            op: CollectiveOp::SendRecv,
+                            seq: 0,
+                            waited: j.started.elapsed(),
+                            missing_peers: vec![j.peer],
+                        })));
+                    } else {
+                        blocked.push(key);
+                        i += 1;
+                    }
+                }
+            }
+        }
+        progressed
+    }
+}
