@@ -13,7 +13,7 @@
 //!   `TORCHELASTIC_MAX_RESTARTS`, `TORCHELASTIC_USE_AGENT_STORE=True`, and `OMP_NUM_THREADS=1`
 //!   unless it is set.
 //! * On node 0, `distrun` itself serves the rendezvous store (a
-//!   [`TcpStoreServer`](dist_backend::store::TcpStoreServer), speaking PyTorch's TCPStore
+//!   [`TcpStoreServer`], speaking PyTorch's TCPStore
 //!   protocol) for the whole job, so every rank, rank 0 included, connects to it as a client
 //!   (`dist_backend::init` honours `TORCHELASTIC_USE_AGENT_STORE`, as torch does, and puts the
 //!   keys of restart `n` under `/worker/attempt_<n>`). `--master-port 0`, the default on one node,

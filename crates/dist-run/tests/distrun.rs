@@ -339,3 +339,42 @@ fn two_nodes_rendezvous_and_share_a_failure() {
     }
     assert!(text(&outs[0].stderr).contains("rank 3 (node 1, local rank 1) failed: exit code 4"));
 }
+
+#[test]
+fn sigterm_to_distrun_stops_every_rank() {
+    use std::io::{BufRead, BufReader};
+    let mut job = distrun(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo pid $$; sleep 60",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut lines = BufReader::new(job.stdout.take().unwrap()).lines();
+    let mut pids = Vec::new();
+    while pids.len() < 2 {
+        let l = lines.next().expect("a line").unwrap();
+        pids.push(l.rsplit_once(' ').unwrap().1.to_owned());
+    }
+    let start = Instant::now();
+    let killed = Command::new("kill")
+        .args(["-TERM", &job.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = job.wait().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert_eq!(status.code(), Some(128 + 15));
+    for p in pids {
+        // Reaped by distrun: gone, not a zombie.
+        assert!(
+            !std::path::Path::new(&format!("/proc/{p}")).exists(),
+            "rank process {p} survived"
+        );
+    }
+}
