@@ -333,7 +333,6 @@ fn spawn(
 
 /// A thread copying `src` line by line to our stdout (or stderr) with a `[rank R] ` prefix,
 /// to `log` unprefixed, and into the rank's `tail`.
-#[allow(clippy::too_many_arguments)]
 fn pump(
     src: impl Read + Send + 'static,
     rank: u32,
