@@ -53,6 +53,7 @@ pub struct InitOptions {
     rank: Option<usize>,
     world_size: Option<usize>,
     timeout: Duration,
+    debug: Option<DebugLevel>,
 }
 
 impl Default for InitOptions {
@@ -71,7 +72,15 @@ impl InitOptions {
             rank: None,
             world_size: None,
             timeout: DEFAULT_TIMEOUT,
+            debug: None,
         }
+    }
+
+    /// The debug level of the groups this creates (and their sub-groups), instead of
+    /// `DIST_DEBUG`'s.
+    pub fn debug_level(mut self, level: DebugLevel) -> Self {
+        self.debug = Some(level);
+        self
     }
 
     /// The backend (`"gloo"`).
@@ -174,7 +183,7 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         backend: opts.backend,
         timeout: opts.timeout,
         root_store: store,
-        debug: DebugLevel::from_env(),
+        debug: opts.debug.unwrap_or_else(DebugLevel::from_env),
     };
     ProcessGroup::connect(cfg, prefix, rank, (0..world_size).collect())
 }

@@ -45,6 +45,17 @@ where
     R: Send,
     F: Fn(ProcessGroup) -> Result<R> + Sync,
 {
+    run_world_opts(world_size, InitOptions::new().timeout(timeout), f)
+}
+
+/// [`run_world`] with explicit options (backend, timeout, debug level); their init method,
+/// rank and world size are replaced by the test world's.
+pub fn run_world_opts<R, F>(world_size: usize, opts: InitOptions, f: F) -> Result<Vec<R>>
+where
+    R: Send,
+    F: Fn(ProcessGroup) -> Result<R> + Sync,
+{
+    let timeout = opts.get_timeout();
     if world_size == 0 {
         return Err(Error::invalid(
             0,
@@ -59,15 +70,12 @@ where
             .map(|rank| {
                 let store = store.clone();
                 let f = &f;
+                let opts = &opts;
                 let first = &first;
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(s, move || {
-                        let opts = InitOptions::new()
-                            .store(store)
-                            .rank(rank)
-                            .world_size(world_size)
-                            .timeout(timeout);
+                        let opts = opts.clone().store(store).rank(rank).world_size(world_size);
                         let r =
                             catch_unwind(AssertUnwindSafe(|| new_process_group(opts).and_then(f)))
                                 .unwrap_or_else(|p| {
