@@ -1,0 +1,39 @@
+//! Parallelism layers over `dist-collective`. Today: [`Ddp`], distributed data parallelism in
+//! the manner of torch's `DistributedDataParallel`.
+//!
+//! The core is framework-agnostic: a model is described by its parameters ([`ParamInfo`]:
+//! name and shape), and DDP reads gradients from, and writes averaged gradients back to,
+//! slices the user's framework owns. Any autograd library (candle, burn, a hand-written
+//! backward) plugs in by calling [`Ddp::mark_ready`] as each gradient becomes available and
+//! [`Ddp::finish`] at the end of the backward pass.
+//!
+//! ```
+//! use dist_collective::testing::run_world;
+//! use dist_parallel::{Ddp, DdpOptions, ParamInfo};
+//!
+//! let out = run_world(2, |pg| {
+//!     let params = vec![ParamInfo::new("w", &[2, 2]), ParamInfo::new("b", &[2])];
+//!     let mut w = vec![pg.rank() as f32; 4]; // rank 0's values win at construction
+//!     let mut b = vec![0.0f32; 2];
+//!     let mut ddp = Ddp::new(pg.clone(), params, DdpOptions::default(), &mut [&mut w, &mut b]).unwrap();
+//!     assert_eq!(w, [0.0; 4]);
+//!     // Backward produced these local gradients (last layer first):
+//!     let mut gb = vec![pg.rank() as f32; 2];
+//!     let mut gw = vec![1.0 + pg.rank() as f32; 4];
+//!     ddp.mark_ready(1, &gb).unwrap();
+//!     ddp.mark_ready(0, &gw).unwrap();
+//!     ddp.finish(&mut [&mut gw, &mut gb]).unwrap();
+//!     Ok((gw, gb))
+//! })
+//! .unwrap();
+//! assert_eq!(out[0], (vec![1.5; 4], vec![0.5; 2]));
+//! assert_eq!(out[0], out[1]);
+//! ```
+
+mod ddp;
+mod error;
+
+pub use ddp::bucket::{BucketLayout, BucketSpec};
+pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};
+pub use ddp::{Ddp, DdpOptions, ParamInfo, StepStats};
+pub use error::{Error, Result};
