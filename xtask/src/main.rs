@@ -7,6 +7,7 @@
 mod bench;
 mod check_layers;
 mod ci;
+mod test;
 mod util;
 
 use std::process::ExitCode;
@@ -22,6 +23,7 @@ COMMANDS:
                     fmt, clippy, check-layers, test, doc, cargo-deny (if installed)
     check-layers    Fail if a dist-* crate depends on a crate above it in the layer DAG
     bench           nccl-tests-style collective benchmarks (`cargo xtask bench --help`)
+    test            Multi-rank programs as real processes through distrun (`--world-size N`)
     help            Print this message
 ";
 
@@ -37,6 +39,19 @@ fn main() -> ExitCode {
     if cmd == "help" || cmd == "-h" || cmd == "--help" {
         print!("{HELP}");
         return ExitCode::SUCCESS;
+    }
+    if cmd == "test" {
+        if rest.iter().any(|a| a == "-h" || a == "--help") {
+            print!("{}", test::HELP);
+            return ExitCode::SUCCESS;
+        }
+        return match test::run_tests(rest) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(msg) => {
+                eprintln!("xtask test: {msg}");
+                ExitCode::FAILURE
+            }
+        };
     }
     if cmd == "bench" {
         if rest.iter().any(|a| a == "-h" || a == "--help") {

@@ -233,6 +233,7 @@ fn main() {
             "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
         );
     }
+    let mut wrong_total = 0u64;
     let mut bw_sum = 0.0;
     let mut bw_n = 0;
     for op in &args.ops {
@@ -289,6 +290,7 @@ fn main() {
                 )
                 .expect("collect #wrong");
             }
+            wrong_total += bad[0];
             if rank == 0 {
                 times.sort_by(f64::total_cmp);
                 let med = times[times.len() / 2];
@@ -325,7 +327,10 @@ fn main() {
         }
     }
     if rank == 0 {
-        println!("# Out of bounds values : 0 OK");
+        println!(
+            "# Out of bounds values : {wrong_total} {}",
+            if wrong_total == 0 { "OK" } else { "FAILED" }
+        );
         println!(
             "# Avg bus bandwidth    : {:.4}",
             if bw_n > 0 { bw_sum / bw_n as f64 } else { 0.0 }
@@ -338,5 +343,8 @@ fn main() {
             );
             std::fs::write(path, body).expect("write --json");
         }
+    }
+    if wrong_total > 0 {
+        std::process::exit(1);
     }
 }

@@ -348,15 +348,18 @@ impl Backend for GlooBackend {
         self.run(name, dtype, count, None, Some(root), opts, |o, _| {
             if self.world_size == 1 {
                 Ok(())
-            } else if data.len() <= self.small_bytes {
-                bcast::tree(o, data, root)
             } else {
-                bcast::chain(
-                    o,
-                    data,
-                    root,
-                    (self.transport.segment_bytes() / 4).max(64 << 10),
-                )
+                // The chain pays one chunk of latency per hop, so it wins once the buffer has
+                // more chunks than there are hops; with two ranks the two are the same.
+                let seg = self.transport.segment_bytes();
+                let chunks = data.len().div_ceil(seg);
+                if data.len() <= self.small_bytes
+                    || (self.world_size > 2 && chunks < self.world_size)
+                {
+                    bcast::tree(o, data, root)
+                } else {
+                    bcast::chain(o, data, root, seg)
+                }
             }
         })
     }

@@ -29,43 +29,47 @@ pub(crate) fn tree(o: &Op<'_>, data: &mut [u8], root: usize) -> Result<()> {
     o.step(&sends, &mut [])
 }
 
-/// Pipelined chain root → root+1 → ...: each rank forwards segment k while it receives segment
-/// k+1, so the whole buffer crosses every link once and the chain's depth costs only one
-/// segment's latency per hop.
+/// Pipelined chain root → root+1 → ...: the buffer is cut into `seg`-byte chunks; the root
+/// sends them all in one step, each middle rank forwards chunk k while it receives chunk k+1,
+/// and the last rank receives them all in one step. The whole buffer crosses every link once
+/// and the chain's depth costs one chunk's latency per hop.
 pub(crate) fn chain(o: &Op<'_>, data: &mut [u8], root: usize, seg: usize) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     let vr = (r + n - root) % n;
     let prev = (r + n - 1) % n;
-    let next = (vr + 1 < n).then_some((r + 1) % n);
-    let nseg = data.len().div_ceil(seg).max(1);
+    let next = (r + 1) % n;
     let len = data.len();
+    let nseg = len.div_ceil(seg).max(1);
     let range = |k: usize| (k * seg).min(len)..((k + 1) * seg).min(len);
+    let tag = |k: usize| tags::CHAIN | (k as u32 & 0xffff);
     if vr == 0 {
-        if let Some(next) = next {
-            for k in 0..nseg {
-                o.step(
-                    &[o.send(next, &data[range(k)], tags::CHAIN | (k as u32 & 0xffff))],
-                    &mut [],
-                )?;
-            }
+        let sends: Vec<_> = (0..nseg)
+            .map(|k| o.send(next, &data[range(k)], tag(k)))
+            .collect();
+        return o.step(&sends, &mut []);
+    }
+    if vr == n - 1 {
+        let mut recvs: Vec<_> = data
+            .chunks_mut(seg)
+            .enumerate()
+            .map(|(k, c)| o.recv(prev, c, tag(k)))
+            .collect();
+        if recvs.is_empty() {
+            recvs.push(o.recv(prev, &mut [], tag(0)));
         }
-        return Ok(());
+        return o.step(&[], &mut recvs);
     }
     for k in 0..=nseg {
-        // Segment k-1 (forwarded) lies before segment k (received): split between them.
+        // Chunk k-1 (forwarded) lies before chunk k (received): split between them.
         let at = if k < nseg { range(k).start } else { len };
         let (done, rest) = data.split_at_mut(at);
-        let sends: Vec<_> = match (k, next) {
-            (1.., Some(next)) => vec![o.send(
-                next,
-                &done[range(k - 1)],
-                tags::CHAIN | ((k - 1) as u32 & 0xffff),
-            )],
-            _ => vec![],
+        let sends: Vec<_> = if k >= 1 {
+            vec![o.send(next, &done[range(k - 1)], tag(k - 1))]
+        } else {
+            vec![]
         };
         let mut recvs: Vec<_> = if k < nseg {
-            let len = range(k).len();
-            vec![o.recv(prev, &mut rest[..len], tags::CHAIN | (k as u32 & 0xffff))]
+            vec![o.recv(prev, &mut rest[..range(k).len()], tag(k))]
         } else {
             vec![]
         };

@@ -163,8 +163,8 @@ pub trait Transport: Send + Sync {
     /// Largest payload of one frame.
     fn segment_bytes(&self) -> usize;
     /// Runs one step: every send and receive in flight at once, `on_frame` called for each
-    /// received frame, returning when all are done or on the first error. At most one
-    /// [`Incoming`] per peer.
+    /// received frame, returning when all are done or on the first error. Several messages
+    /// to (or from) one peer go out (or are received) whole, in list order.
     fn exchange(
         &self,
         ctx: &StepCtx,

@@ -70,15 +70,6 @@ impl Engine {
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
     ) -> Result<()> {
-        for (i, r) in recvs.iter().enumerate() {
-            if recvs[..i].iter().any(|o| o.peer == r.peer) {
-                return Err(Error::invalid(
-                    ctx.rank,
-                    ctx.op.name(),
-                    format!("two receives from rank {} in one step", r.peer),
-                ));
-            }
-        }
         let mut tx: Vec<SendState> = sends
             .iter()
             .map(|_| SendState {
@@ -117,11 +108,20 @@ impl Engine {
                 }
                 progress |= self.drive_send(ctx, seg, &sends[i], &mut tx[i])?;
             }
-            for (i, (r, st)) in recvs.iter_mut().zip(rx.iter_mut()).enumerate() {
-                if !st.done {
-                    progress |= self.drive_recv(ctx, i, r, st, on_frame)?;
-                    pending |= !st.done;
+            for i in 0..recvs.len() {
+                if rx[i].done {
+                    continue;
                 }
+                pending = true;
+                // Messages from one peer arrive whole and in order: receive them in turn.
+                if recvs[..i]
+                    .iter()
+                    .zip(&rx[..i])
+                    .any(|(o, st)| o.peer == recvs[i].peer && !st.done)
+                {
+                    continue;
+                }
+                progress |= self.drive_recv(ctx, i, &mut recvs[i], &mut rx[i], on_frame)?;
             }
             if !pending {
                 return Ok(());

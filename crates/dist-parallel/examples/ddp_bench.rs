@@ -1,0 +1,93 @@
+//! Gradient synchronisation through DDP versus one all-reduce of the same bytes.
+//!
+//! ```sh
+//! cargo build --release -p dist-parallel --example ddp_bench -p dist-run
+//! ./target/release/distrun --nproc-per-node 2 -- ./target/release/examples/ddp_bench
+//! ```
+//!
+//! A 100M-parameter f32 model (`DDP_BENCH_PARAMS` to change it) made of 1M-element tensors.
+//! Each iteration times, on every rank, (a) one `all_reduce(Avg)` of a flat buffer of all
+//! gradients and (b) a DDP step: every gradient marked ready in reverse order, then `finish`
+//! (bucket copies, bucketed all-reduces, copies back). The two alternate, the per-iteration
+//! maximum over ranks is taken, and rank 0 prints the medians and their ratio.
+
+#![allow(missing_docs, reason = "an example binary")]
+
+use std::time::Instant;
+
+use dist_collective::{InitOptions, ReduceOp, init_process_group};
+use dist_parallel::{Ddp, DdpOptions, ParamInfo};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let pg = init_process_group(InitOptions::new().backend("gloo").init_method("env://"))?;
+    let total: usize = std::env::var("DDP_BENCH_PARAMS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000_000);
+    let iters: usize = std::env::var("DDP_BENCH_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let per = 1 << 20;
+    let n = total.div_ceil(per);
+    let infos: Vec<ParamInfo> = (0..n)
+        .map(|i| ParamInfo::new(format!("p{i}"), &[per.min(total - i * per)]))
+        .collect();
+    let mut values: Vec<Vec<f32>> = infos.iter().map(|p| vec![0.0; p.numel()]).collect();
+    let mut ddp = Ddp::new(
+        pg.clone(),
+        infos.clone(),
+        DdpOptions::default(),
+        &mut values
+            .iter_mut()
+            .map(|v| v.as_mut_slice())
+            .collect::<Vec<_>>(),
+    )?;
+    let mut grads: Vec<Vec<f32>> = infos
+        .iter()
+        .map(|p| vec![pg.rank() as f32; p.numel()])
+        .collect();
+    let mut flat = vec![pg.rank() as f32; total];
+    let mut times = vec![0f64; 2 * iters];
+    for it in 0..=iters {
+        let t0 = Instant::now();
+        pg.all_reduce(&mut flat, ReduceOp::Avg)?;
+        let a = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        for i in (0..n).rev() {
+            ddp.mark_ready(i, &grads[i])?;
+        }
+        ddp.finish(
+            &mut grads
+                .iter_mut()
+                .map(|g| g.as_mut_slice())
+                .collect::<Vec<_>>(),
+        )?;
+        let b = t0.elapsed().as_secs_f64();
+        if it > 0 {
+            // Iteration 0 is the warm-up (and DDP's bucket rebuild).
+            times[2 * (it - 1)] = a;
+            times[2 * (it - 1) + 1] = b;
+        }
+    }
+    pg.all_reduce(&mut times, ReduceOp::Max)?;
+    if pg.rank() == 0 {
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let ar = median(times.iter().step_by(2).copied().collect());
+        let dd = median(times.iter().skip(1).step_by(2).copied().collect());
+        println!(
+            "ddp_bench: world {} | {} parameters ({:.0} MB) in {} buckets | all_reduce median {:.1} ms | DDP sync median {:.1} ms | ratio {:.3}",
+            pg.world_size(),
+            total,
+            total as f64 * 4.0 / 1e6,
+            ddp.layout().buckets.len(),
+            ar * 1e3,
+            dd * 1e3,
+            dd / ar
+        );
+    }
+    Ok(())
+}

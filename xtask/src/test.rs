@@ -1,0 +1,84 @@
+//! `cargo xtask test`: the multi-rank suites as real processes, launched through `distrun`.
+//!
+//! Builds the launcher and the rank programs once, then for each world size runs each program
+//! under `distrun --nproc-per-node N`, which fails the whole job (and this command) on the first
+//! rank that fails. The programs check their own results: the collective examples assert them,
+//! `gloo_bench -c 1` exits non-zero on any wrong element, and `ddp-train` verifies that every
+//! rank ends with identical parameters.
+
+use crate::util::{cargo, project_root, run};
+
+pub(crate) const HELP: &str = "\
+cargo xtask test [--world-size N[,N..]]
+
+Runs the multi-rank programs as real processes through distrun, default world sizes 2,3,4:
+    hello_all_reduce, subgroups (even sizes), ping_pong (size 2),
+    gloo_bench (every op at 4 B, 4 KiB + 4, 1 MiB + 4, results checked),
+    ddp-train (20 steps, parameters checked identical)
+";
+
+pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
+    let mut sizes = vec![2usize, 3, 4];
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--world-size" => {
+                let v = it.next().ok_or("--world-size needs a value")?;
+                sizes = v
+                    .split(',')
+                    .map(|s| s.parse().map_err(|_| format!("bad world size `{s}`")))
+                    .collect::<Result<_, _>>()?;
+            }
+            other => return Err(format!("unknown argument `{other}`\n\n{HELP}")),
+        }
+    }
+    run(cargo().args([
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "dist-run",
+        "-p",
+        "ddp-train",
+        "-p",
+        "dist-collective",
+        "--examples",
+        "-p",
+        "dist-gloo",
+    ]))?;
+    let bin = project_root().join("target/release");
+    let ex = bin.join("examples");
+    for &n in &sizes {
+        let mut jobs: Vec<(String, Vec<String>, Vec<(&str, &str)>)> = vec![
+            (ex.join("hello_all_reduce").display().to_string(), vec![], vec![]),
+            (
+                ex.join("gloo_bench").display().to_string(),
+                ["--ops", "barrier,allreduce_4B,all_reduce,broadcast,all_gather,reduce_scatter,all_to_all", "--sizes", "4,4100,1048580", "-n", "3", "-w", "1", "-c", "1"]
+                    .map(String::from)
+                    .to_vec(),
+                vec![],
+            ),
+            (bin.join("ddp-train").display().to_string(), vec![], vec![("DDP_TRAIN_STEPS", "20")]),
+        ];
+        if n % 2 == 0 {
+            jobs.push((ex.join("subgroups").display().to_string(), vec![], vec![]));
+        }
+        if n == 2 {
+            jobs.push((ex.join("ping_pong").display().to_string(), vec![], vec![]));
+        }
+        for (prog, args, env) in jobs {
+            let name = prog.rsplit('/').next().unwrap_or(&prog).to_string();
+            println!("==> world size {n}: {name}");
+            let mut cmd = std::process::Command::new(bin.join("distrun"));
+            cmd.args(["--nproc-per-node", &n.to_string(), "--"])
+                .arg(&prog)
+                .args(&args);
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            run(&mut cmd).map_err(|e| format!("world size {n}, {name}: {e}"))?;
+        }
+    }
+    println!("xtask test: all multi-rank programs passed for world sizes {sizes:?}");
+    Ok(())
+}
