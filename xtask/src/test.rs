@@ -17,6 +17,13 @@ Runs the multi-rank programs as real processes through distrun, default world si
     ddp-train (20 steps, parameters checked identical)
 ";
 
+/// One multi-rank program: its path, arguments and extra environment.
+struct Job {
+    prog: String,
+    args: Vec<String>,
+    env: Vec<(&'static str, &'static str)>,
+}
+
 pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
     let mut sizes = vec![2usize, 3, 4];
     let mut it = args.iter();
@@ -49,24 +56,39 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
     let bin = project_root().join("target/release");
     let ex = bin.join("examples");
     for &n in &sizes {
-        let mut jobs: Vec<(String, Vec<String>, Vec<(&str, &str)>)> = vec![
-            (ex.join("hello_all_reduce").display().to_string(), vec![], vec![]),
-            (
-                ex.join("gloo_bench").display().to_string(),
-                ["--ops", "barrier,allreduce_4B,all_reduce,broadcast,all_gather,reduce_scatter,all_to_all", "--sizes", "4,4100,1048580", "-n", "3", "-w", "1", "-c", "1"]
-                    .map(String::from)
-                    .to_vec(),
+        let job =
+            |prog: std::path::PathBuf, args: &[&str], env: Vec<(&'static str, &'static str)>| Job {
+                prog: prog.display().to_string(),
+                args: args.iter().map(|a| a.to_string()).collect(),
+                env,
+            };
+        let mut jobs = vec![
+            job(ex.join("hello_all_reduce"), &[], vec![]),
+            job(
+                ex.join("gloo_bench"),
+                &[
+                    "--ops",
+                    "barrier,allreduce_4B,all_reduce,broadcast,all_gather,reduce_scatter,all_to_all",
+                    "--sizes",
+                    "4,4100,1048580",
+                    "-n",
+                    "3",
+                    "-w",
+                    "1",
+                    "-c",
+                    "1",
+                ],
                 vec![],
             ),
-            (bin.join("ddp-train").display().to_string(), vec![], vec![("DDP_TRAIN_STEPS", "20")]),
+            job(bin.join("ddp-train"), &[], vec![("DDP_TRAIN_STEPS", "20")]),
         ];
         if n % 2 == 0 {
-            jobs.push((ex.join("subgroups").display().to_string(), vec![], vec![]));
+            jobs.push(job(ex.join("subgroups"), &[], vec![]));
         }
         if n == 2 {
-            jobs.push((ex.join("ping_pong").display().to_string(), vec![], vec![]));
+            jobs.push(job(ex.join("ping_pong"), &[], vec![]));
         }
-        for (prog, args, env) in jobs {
+        for Job { prog, args, env } in jobs {
             let name = prog.rsplit('/').next().unwrap_or(&prog).to_string();
             println!("==> world size {n}: {name}");
             let mut cmd = std::process::Command::new(bin.join("distrun"));
