@@ -327,7 +327,7 @@ impl Ddp {
                     .iter()
                     .map(|&i| self.params[i].name.clone())
                     .collect();
-                self.drain()?;
+                self.drain(|_, _| {})?;
                 self.reset_step();
                 return Err(Error::UnusedParameters { rank, names });
             }
@@ -338,18 +338,12 @@ impl Ddp {
                 self.arrival.pop();
             }
         }
-        let t0 = Instant::now();
-        let results = self.drain()?;
-        let exposed = t0.elapsed();
-        let mut comm = Duration::ZERO;
-        for (index, data, took) in results {
-            comm += took;
-            let spec = &self.layout.buckets[index];
+        let numels: Vec<usize> = self.params.iter().map(ParamInfo::numel).collect();
+        let (comm, exposed) = self.drain(|spec, data| {
             for (&p, &off) in spec.params.iter().zip(&spec.offsets) {
-                grads[p].copy_from_slice(&data[off..off + self.params[p].numel()]);
+                grads[p].copy_from_slice(&data[off..off + numels[p]]);
             }
-            self.bufs[index] = Some(data);
-        }
+        })?;
         self.stats = StepStats {
             buckets: self.layout.buckets.len(),
             comm,
@@ -418,29 +412,37 @@ impl Ddp {
     }
 
     /// Collects every launched bucket, in order.
-    fn drain(&mut self) -> Result<Vec<(usize, Vec<f32>, Duration)>> {
+    /// Collects every launched bucket in order, handing each to `on_done` as soon as it
+    /// arrives (so copying bucket i back overlaps the reduction of bucket i + 1). Returns the
+    /// hooks' total time and the time spent blocked waiting for them.
+    fn drain(
+        &mut self,
+        mut on_done: impl FnMut(&BucketSpec, &[f32]),
+    ) -> Result<(Duration, Duration)> {
         let rank = self.pg.rank();
-        let mut out = Vec::with_capacity(self.next_launch);
         let mut first_err = None;
+        let (mut comm, mut blocked) = (Duration::ZERO, Duration::ZERO);
         for _ in 0..self.next_launch {
+            let t0 = Instant::now();
             let d = self.rx.recv().map_err(|_| Error::CommThread {
                 rank,
                 reason: "it exited".into(),
             })?;
-            if let Err(e) = d.result {
-                first_err.get_or_insert(e);
+            blocked += t0.elapsed();
+            comm += d.took;
+            match d.result {
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+                Ok(()) if first_err.is_none() => on_done(&self.layout.buckets[d.index], &d.data),
+                Ok(()) => {}
             }
-            out.push((d.index, d.data, d.took));
+            self.bufs[d.index] = Some(d.data);
         }
         self.next_launch = 0;
         match first_err {
-            Some(e) => {
-                for (i, data, _) in out {
-                    self.bufs[i] = Some(data);
-                }
-                Err(e.into())
-            }
-            None => Ok(out),
+            Some(e) => Err(e.into()),
+            None => Ok((comm, blocked)),
         }
     }
 
