@@ -23,6 +23,7 @@
 
 mod dtype;
 mod error;
+mod halfconv;
 mod header;
 mod op;
 mod reduce;

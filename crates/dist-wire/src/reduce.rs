@@ -15,9 +15,9 @@
 //! Byte buffers that are not aligned for their dtype are handled through an aligned scratch
 //! block, so callers never need to care about alignment; aligned buffers take the fast path.
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::halfconv::HalfConv;
 use crate::{DType, Element, ReduceOp, WireError};
 
 /// Elements widened at a time when reducing `f16`/`bf16`.
@@ -101,16 +101,13 @@ macro_rules! float_kernel {
 float_kernel!(f32, f64);
 
 /// Runs `f` over `f32` widenings of `buf` block by block, writing the results back.
-fn widen_in_place<H>(buf: &mut [H], mut f: impl FnMut(&mut [f32]))
-where
-    [H]: HalfFloatSliceExt,
-{
+fn widen_in_place<H: HalfConv>(buf: &mut [H], mut f: impl FnMut(&mut [f32])) {
     let mut wide = [0f32; HALF_BLOCK];
     for block in buf.chunks_mut(HALF_BLOCK) {
         let w = &mut wide[..block.len()];
-        block.convert_to_f32_slice(w);
+        H::widen(block, w);
         f(w);
-        block.convert_from_f32_slice(w);
+        H::narrow(w, block);
     }
 }
 
@@ -121,7 +118,7 @@ macro_rules! half_kernel {
                 let mut wide_src = [0f32; HALF_BLOCK];
                 for (d, s) in dst.chunks_mut(HALF_BLOCK).zip(src.chunks(HALF_BLOCK)) {
                     let ws = &mut wide_src[..s.len()];
-                    s.convert_to_f32_slice(ws);
+                    <$t>::widen(s, ws);
                     widen_in_place(d, |wd| f32::combine(op, wd, ws));
                 }
             }
