@@ -75,6 +75,13 @@ pub use dist_gloo as gloo;
 /// Re-export of the `dist-collective` crate.
 pub use dist_collective as collective;
 
+/// Parallelism layers: DDP (bucketed, overlapped gradient all-reduce and its hooks).
+///
+/// Re-export of the `dist-parallel` crate.
+pub use dist_parallel as parallel;
+
+pub use dist_parallel::{Ddp, DdpOptions, ParamInfo};
+
 pub use dist_collective::testing::run_world;
 pub use dist_collective::{
     DeviceMesh, InitOptions, P2pOp, ProcessGroup, Work, destroy_process_group, get_rank,
