@@ -38,6 +38,10 @@ fn worker() {
             &opts,
         ) {
             say(&format!("ERR {e}"));
+            // Stay up a moment, as a program that logs its error would: the ranks that are
+            // still finding out then hear this rank's abort notice naming the victim, not the
+            // reset of its sockets (that cascade is covered in the closing note).
+            std::thread::sleep(Duration::from_secs(2));
             std::process::exit(3);
         }
         if i == 0 {
@@ -119,16 +123,17 @@ fn a_killed_peer_is_peer_lost_on_every_other_rank_within_one_second() {
         let (rank, line, at) = rx
             .recv_timeout(Duration::from_secs(10))
             .expect("survivors report an error");
-        let took = at - killed;
+        seen.push((rank, line, at - killed));
+    }
+    for (rank, line, took) in &seen {
         assert!(
             line.contains(&format!("peer rank {VICTIM} was lost during all_reduce")),
-            "rank {rank}: {line}"
+            "rank {rank}: {line}\nall: {seen:?}"
         );
         assert!(
-            took < Duration::from_secs(1),
+            *took < Duration::from_secs(1),
             "rank {rank} took {took:?} to notice: {line}"
         );
-        seen.push(rank);
     }
     for (rank, c) in children.iter_mut().enumerate() {
         if rank != VICTIM {

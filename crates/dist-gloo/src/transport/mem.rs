@@ -115,7 +115,7 @@ impl Transport for MemTransport {
                 };
                 match judge(ctx, &h, inc.peer, inc.count, inc.tag, got, inc.buf.len())? {
                     Verdict::Stash => stash[inc.peer].push_back((h, payload)),
-                    Verdict::Closed => return Err(ctx.peer_lost(inc.peer, "it left the group")),
+                    Verdict::Closed(_) => return Err(ctx.peer_lost(inc.peer, "it left the group")),
                     Verdict::Expected => {
                         let r = got..got + payload.len();
                         inc.buf[r.clone()].copy_from_slice(&payload);

@@ -183,8 +183,8 @@ pub(crate) enum Verdict {
     /// A frame for another point-to-point tag, or a collective frame during point-to-point (or
     /// the reverse): keep it for a later step.
     Stash,
-    /// The peer left the group cleanly.
-    Closed,
+    /// The peer left the group: cleanly (tag 0), or aborting after it lost rank `tag - 1`.
+    Closed(u32),
 }
 
 /// Checks a received header against the step's expectation for `recv` after `got` bytes.
@@ -198,7 +198,7 @@ pub(crate) fn judge(
     len: usize,
 ) -> Result<Verdict> {
     if h.op == CollectiveOp::Close {
-        return Ok(Verdict::Closed);
+        return Ok(Verdict::Closed(h.tag));
     }
     let p2p = ctx.op == CollectiveOp::SendRecv;
     if (h.op == CollectiveOp::SendRecv) != p2p || (p2p && h.tag != want_tag) {

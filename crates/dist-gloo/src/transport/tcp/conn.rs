@@ -20,6 +20,11 @@ pub(super) enum PeerState {
     Left,
     /// The connection ended without `Close`, or broke.
     Lost(String),
+    /// The peer aborted after losing rank `culprit` (it said so in its `Close`).
+    Aborted {
+        /// The rank the peer lost.
+        culprit: usize,
+    },
 }
 
 /// Outcome of a non-blocking attempt.
@@ -38,6 +43,18 @@ pub(super) struct Conn {
     partial: Option<(FrameHeader, Vec<u8>)>,
     pub(super) stash: VecDeque<(FrameHeader, Vec<u8>)>,
     pub(super) state: PeerState,
+}
+
+impl PeerState {
+    /// The state a `Close` frame with `tag` announces.
+    pub(super) fn closed(tag: u32) -> Self {
+        match tag {
+            0 => PeerState::Left,
+            t => PeerState::Aborted {
+                culprit: (t - 1) as usize,
+            },
+        }
+    }
 }
 
 impl Conn {

@@ -43,6 +43,10 @@ pub(super) struct Engine {
 fn lost_or_left(ctx: &StepCtx, peer: usize, state: &PeerState) -> Error {
     match state {
         PeerState::Lost(why) => ctx.peer_lost(peer, why.clone()),
+        PeerState::Aborted { culprit } if *culprit != ctx.rank => ctx.peer_lost(
+            *culprit,
+            format!("rank {peer} reported it lost and aborted the group"),
+        ),
         _ => ctx.peer_lost(
             peer,
             "it left the group (destroyed its process group) before this operation",
@@ -62,6 +66,9 @@ impl Engine {
         }
     }
 
+    /// Runs one step (see [`Engine::run_step`]); when it fails because a peer was lost, tells
+    /// every other peer which rank was lost before returning, so that they report the rank
+    /// that actually died rather than this one, whose sockets close when it exits.
     pub(super) fn run(
         &mut self,
         ctx: &StepCtx,
@@ -69,6 +76,23 @@ impl Engine {
         sends: &[Outgoing<'_>],
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
+    ) -> Result<()> {
+        let mut mid_frame = vec![false; self.conns.len()];
+        let r = self.run_step(ctx, seg, sends, recvs, on_frame, &mut mid_frame);
+        if let Err(Error::PeerLost { peer, .. }) = &r {
+            self.notify_abort(ctx.rank, *peer, &mid_frame);
+        }
+        r
+    }
+
+    fn run_step(
+        &mut self,
+        ctx: &StepCtx,
+        seg: usize,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+        mid_frame: &mut [bool],
     ) -> Result<()> {
         let mut tx: Vec<SendState> = sends
             .iter()
@@ -106,7 +130,10 @@ impl Engine {
                 {
                     continue;
                 }
-                progress |= self.drive_send(ctx, seg, &sends[i], &mut tx[i])?;
+                let moved = self.drive_send(ctx, seg, &sends[i], &mut tx[i]);
+                let st = &tx[i];
+                mid_frame[sends[i].peer] = !st.done && (st.hdr_done > 0 || st.payload_done > 0);
+                progress |= moved?;
             }
             for i in 0..recvs.len() {
                 if rx[i].done {
@@ -184,8 +211,8 @@ impl Engine {
             }
             if let Some(Some(c)) = self.conns.get_mut(peer) {
                 c.drain();
-                if let PeerState::Lost(why) = &c.state {
-                    return Err(ctx.peer_lost(peer, why.clone()));
+                if matches!(c.state, PeerState::Lost(_) | PeerState::Aborted { .. }) {
+                    return Err(lost_or_left(ctx, peer, &c.state));
                 }
             }
         }
@@ -234,6 +261,9 @@ impl Engine {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(moved),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
+                    // The peer may have said why it left before its socket died (a clean
+                    // `Close` or an abort naming the rank it lost): read that first.
+                    c.drain();
                     c.broken(&e);
                     return Err(lost_or_left(ctx, s.peer, &c.state));
                 }
@@ -324,7 +354,11 @@ impl Engine {
                                 return Err(lost_or_left(ctx, peer, &c.state));
                             }
                         }
-                        Verdict::Closed => {
+                        Verdict::Closed(tag) if tag != 0 => {
+                            c.state = PeerState::closed(tag);
+                            return Err(lost_or_left(ctx, peer, &c.state));
+                        }
+                        Verdict::Closed(_) => {
                             c.state = PeerState::Left;
                             return Err(ctx.peer_lost(peer, "it left the group (destroyed its process group) during this operation"));
                         }
@@ -359,22 +393,24 @@ impl Engine {
         }
     }
 
+    /// Best-effort notice to every open peer not in the middle of a frame from us: this rank is
+    /// aborting because it lost `culprit`.
+    fn notify_abort(&mut self, rank: usize, culprit: usize, mid_frame: &[bool]) {
+        let h = close_frame(rank, culprit as u32 + 1);
+        for (p, c) in self.conns.iter_mut().enumerate() {
+            if let Some(c) = c
+                && p != culprit
+                && c.state == PeerState::Open
+                && !mid_frame.get(p).copied().unwrap_or(true)
+            {
+                let _ = c.stream.write(&h);
+            }
+        }
+    }
+
     /// Best-effort goodbye to every open peer.
     pub(super) fn close(&mut self, rank: usize) {
-        let h = FrameHeader {
-            op: dist_wire::CollectiveOp::Close,
-            dtype: dist_wire::DType::U8,
-            reduce: 0,
-            group: 0,
-            sender: rank as u32,
-            seq: 0,
-            count: 0,
-            root: dist_wire::NO_ROOT,
-            tag: 0,
-            offset: 0,
-            payload_len: 0,
-        }
-        .encode();
+        let h = close_frame(rank, 0);
         for c in self.conns.iter_mut().flatten() {
             if c.state == PeerState::Open {
                 let _ = c.stream.write_all(&h);
@@ -382,4 +418,22 @@ impl Engine {
             }
         }
     }
+}
+
+/// A `Close` frame: tag 0 for a clean exit, `q + 1` for an abort after losing rank q.
+fn close_frame(rank: usize, tag: u32) -> [u8; HEADER_LEN] {
+    FrameHeader {
+        op: dist_wire::CollectiveOp::Close,
+        dtype: dist_wire::DType::U8,
+        reduce: 0,
+        group: 0,
+        sender: rank as u32,
+        seq: 0,
+        count: 0,
+        root: dist_wire::NO_ROOT,
+        tag,
+        offset: 0,
+        payload_len: 0,
+    }
+    .encode()
 }
