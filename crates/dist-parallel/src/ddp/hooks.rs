@@ -47,8 +47,22 @@ impl CommHook for AllReduceMean {
     }
 }
 
-/// Halves the bytes on the wire: divides by the world size, casts to `f16`, all-reduces the
-/// sum, casts back (torch's `fp16_compress_hook`). Dividing first keeps the sum in range.
+/// Divides by the world size, narrows to `H`, all-reduces the sum, widens back: dividing first
+/// keeps the sum in range.
+fn compressed_mean<H: dist_wire::Element>(
+    pg: &ProcessGroup,
+    data: &mut [f32],
+    narrow: impl Fn(f32) -> H,
+    widen: impl Fn(H) -> f32,
+) -> Result<()> {
+    let n = pg.world_size() as f32;
+    let mut c: Vec<H> = data.iter().map(|x| narrow(x / n)).collect();
+    pg.all_reduce(&mut c, ReduceOp::Sum)?;
+    data.iter_mut().zip(c).for_each(|(d, s)| *d = widen(s));
+    Ok(())
+}
+
+/// Halves the bytes on the wire: the mean is computed in `f16` (torch's `fp16_compress_hook`).
 #[derive(Debug, Default)]
 pub struct Fp16Compress;
 
@@ -58,15 +72,7 @@ impl CommHook for Fp16Compress {
     }
 
     fn reduce(&mut self, pg: &ProcessGroup, bucket: &mut Bucket<'_>) -> Result<()> {
-        let n = pg.world_size() as f32;
-        let mut c: Vec<f16> = bucket.data.iter().map(|x| f16::from_f32(x / n)).collect();
-        pg.all_reduce(&mut c, ReduceOp::Sum)?;
-        bucket
-            .data
-            .iter_mut()
-            .zip(&c)
-            .for_each(|(d, s)| *d = s.to_f32());
-        Ok(())
+        compressed_mean(pg, bucket.data, f16::from_f32, f16::to_f32)
     }
 }
 
@@ -80,15 +86,7 @@ impl CommHook for Bf16Compress {
     }
 
     fn reduce(&mut self, pg: &ProcessGroup, bucket: &mut Bucket<'_>) -> Result<()> {
-        let n = pg.world_size() as f32;
-        let mut c: Vec<bf16> = bucket.data.iter().map(|x| bf16::from_f32(x / n)).collect();
-        pg.all_reduce(&mut c, ReduceOp::Sum)?;
-        bucket
-            .data
-            .iter_mut()
-            .zip(&c)
-            .for_each(|(d, s)| *d = s.to_f32());
-        Ok(())
+        compressed_mean(pg, bucket.data, bf16::from_f32, bf16::to_f32)
     }
 }
 
