@@ -379,3 +379,58 @@ fn powersgd_recovers_a_low_rank_mean_and_its_error_stays_bounded() {
     let den: f32 = mean.iter().map(|b| b * b).sum::<f32>().sqrt();
     assert!(num / den < 0.05, "relative Frobenius error {}", num / den);
 }
+
+#[test]
+fn gradients_as_bucket_views_average_in_place_across_a_rebuild() {
+    let out = run_world(3, |pg| {
+        let ps: Vec<ParamInfo> = (0..4)
+            .map(|i| ParamInfo::new(format!("p{i}"), &[100 * (i + 1)]))
+            .collect();
+        let mut vals: Vec<Vec<f32>> = ps.iter().map(|p| vec![0.0; p.numel()]).collect();
+        let opts = DdpOptions {
+            first_bucket_mb: 1000.0 / (1 << 20) as f64,
+            bucket_cap_mb: 1600.0 / (1 << 20) as f64,
+            ..DdpOptions::default()
+        };
+        let mut ddp = Ddp::new(
+            pg.clone(),
+            ps.clone(),
+            opts,
+            &mut vals
+                .iter_mut()
+                .map(|v| v.as_mut_slice())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        let mut seen = Vec::new();
+        for step in 0..3 {
+            // Registration order: the first step's arrival differs from the reverse layout.
+            for i in 0..4 {
+                let g = ddp.grad_buffer_mut(i).unwrap();
+                g.iter_mut()
+                    .enumerate()
+                    .for_each(|(k, x)| *x = (pg.rank() * 10 + i + k % 3 + step) as f32);
+                ddp.mark_ready_in_place(i).unwrap();
+            }
+            ddp.finish_in_place().unwrap();
+            seen.push(
+                (0..4)
+                    .map(|i| ddp.grad(i).unwrap().to_vec())
+                    .collect::<Vec<_>>(),
+            );
+        }
+        Ok(seen)
+    })
+    .unwrap();
+    for (step, grads) in out[0].iter().enumerate() {
+        for (i, g) in grads.iter().enumerate() {
+            // mean over ranks r = 0, 1, 2 of (10 r + i + k % 3 + step) = 10 + i + k % 3 + step
+            let want: Vec<f32> = (0..g.len())
+                .map(|k| (10 + i + k % 3 + step) as f32)
+                .collect();
+            assert_eq!(g, &want, "step {step} p{i}");
+        }
+    }
+    assert_eq!(out[0], out[1]);
+    assert_eq!(out[0], out[2]);
+}

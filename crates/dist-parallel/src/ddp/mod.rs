@@ -115,6 +115,9 @@ pub struct Ddp {
     params: Vec<ParamInfo>,
     opts: DdpOptions,
     layout: BucketLayout,
+    /// The layout rebuilt after the first step, applied when the next step starts (so the
+    /// current step's reduced gradients stay readable in place until then).
+    next_layout: Option<BucketLayout>,
     bufs: Vec<Option<Vec<f32>>>,
     pending: Vec<usize>,
     next_launch: usize,
@@ -194,6 +197,7 @@ impl Ddp {
             params,
             opts,
             layout,
+            next_layout: None,
             bufs: Vec::new(),
             pending: Vec::new(),
             next_launch: 0,
@@ -214,9 +218,9 @@ impl Ddp {
         self.send(Job::SetHook(hook))
     }
 
-    /// The bucket layout in use.
+    /// The bucket layout the next step uses.
     pub fn layout(&self) -> &BucketLayout {
-        &self.layout
+        self.next_layout.as_ref().unwrap_or(&self.layout)
     }
 
     /// Statistics of the last synchronised step.
@@ -269,25 +273,84 @@ impl Ddp {
     /// Records that parameter `index`'s gradient is ready and copies it into its bucket; when
     /// the bucket is full (and every earlier bucket has been launched) its reduction starts.
     pub fn mark_ready(&mut self, index: usize, grad: &[f32]) -> Result<()> {
+        self.ready("mark_ready", index, Some(grad))
+    }
+
+    /// The memory of parameter `index`'s gradient inside its bucket (torch's
+    /// `gradient_as_bucket_view`): a framework that writes gradients here and then calls
+    /// [`Ddp::mark_ready_in_place`] and [`Ddp::finish_in_place`] saves the copy into the bucket
+    /// and the copy back. Its content is whatever was there last (the previous step's averaged
+    /// gradient): write the whole gradient.
+    pub fn grad_buffer_mut(&mut self, index: usize) -> Result<&mut [f32]> {
+        self.begin_step();
+        let rank = self.pg.rank();
+        let numel = self.param(index, "grad_buffer_mut")?.numel();
+        let (b, off) = self.layout.location[index];
+        match self.bufs[b].as_mut() {
+            Some(buf) if !self.marked[index] => Ok(&mut buf[off..off + numel]),
+            _ => Err(Error::InvalidArgument {
+                rank,
+                op: "grad_buffer_mut",
+                reason: format!(
+                    "{} is already marked ready in this step",
+                    self.params[index].name
+                ),
+            }),
+        }
+    }
+
+    /// Like [`Ddp::mark_ready`] for a gradient already written through
+    /// [`Ddp::grad_buffer_mut`].
+    pub fn mark_ready_in_place(&mut self, index: usize) -> Result<()> {
+        self.ready("mark_ready_in_place", index, None)
+    }
+
+    /// The averaged gradient of parameter `index` after [`Ddp::finish_in_place`] (until the next
+    /// step starts writing).
+    pub fn grad(&self, index: usize) -> Option<&[f32]> {
+        let (b, off) = *self.layout.location.get(index)?;
+        let buf = self.bufs.get(b)?.as_ref()?;
+        Some(&buf[off..off + self.params[index].numel()])
+    }
+
+    fn param(&self, index: usize, op: &'static str) -> Result<&ParamInfo> {
+        self.params
+            .get(index)
+            .ok_or_else(|| Error::InvalidArgument {
+                rank: self.pg.rank(),
+                op,
+                reason: format!("no parameter {index} (the model has {})", self.params.len()),
+            })
+    }
+
+    /// Applies a rebuilt layout when a step starts.
+    fn begin_step(&mut self) {
+        if self.arrival.is_empty()
+            && let Some(layout) = self.next_layout.take()
+        {
+            self.layout = layout;
+            self.bufs.clear();
+            self.reset_step();
+        }
+    }
+
+    fn ready(&mut self, op: &'static str, index: usize, grad: Option<&[f32]>) -> Result<()> {
         if !self.sync {
             return Ok(());
         }
+        self.begin_step();
         let rank = self.pg.rank();
-        let Some(p) = self.params.get(index) else {
+        let p = self.param(index, op)?;
+        if let Some(g) = grad
+            && g.len() != p.numel()
+        {
             return Err(Error::InvalidArgument {
                 rank,
-                op: "mark_ready",
-                reason: format!("no parameter {index} (the model has {})", self.params.len()),
-            });
-        };
-        if grad.len() != p.numel() {
-            return Err(Error::InvalidArgument {
-                rank,
-                op: "mark_ready",
+                op,
                 reason: format!(
                     "gradient of {} has {} elements, the parameter has {}",
                     p.name,
-                    grad.len(),
+                    g.len(),
                     p.numel()
                 ),
             });
@@ -295,17 +358,19 @@ impl Ddp {
         if self.marked[index] {
             return Err(Error::InvalidArgument {
                 rank,
-                op: "mark_ready",
+                op,
                 reason: format!("{} was marked ready twice in one step", p.name),
             });
         }
         self.marked[index] = true;
         self.arrival.push(index);
         let (b, off) = self.layout.location[index];
-        let buf = self.bufs[b]
-            .as_mut()
-            .expect("a bucket is only launched once all its gradients are in");
-        buf[off..off + grad.len()].copy_from_slice(grad);
+        if let Some(g) = grad {
+            let buf = self.bufs[b]
+                .as_mut()
+                .expect("a bucket is only launched once all its gradients are in");
+            buf[off..off + g.len()].copy_from_slice(g);
+        }
         self.pending[b] -= 1;
         self.launch_ready()
     }
@@ -316,8 +381,27 @@ impl Ddp {
         if !self.sync {
             return Ok(());
         }
+        check_slices(
+            self.pg.rank(),
+            "finish",
+            &self.params,
+            grads.iter().map(|g| g.len()),
+        )?;
+        self.finish_step(Some(grads))
+    }
+
+    /// Like [`Ddp::finish`], leaving the averaged gradients in the buckets, readable through
+    /// [`Ddp::grad`] (or the slices of [`Ddp::grad_buffer_mut`]).
+    pub fn finish_in_place(&mut self) -> Result<()> {
+        if !self.sync {
+            return Ok(());
+        }
+        self.finish_step(None)
+    }
+
+    fn finish_step(&mut self, mut grads: Option<&mut [&mut [f32]]>) -> Result<()> {
+        self.begin_step();
         let rank = self.pg.rank();
-        check_slices(rank, "finish", &self.params, grads.iter().map(|g| g.len()))?;
         let unused: Vec<usize> = (0..self.params.len())
             .filter(|&i| !self.marked[i])
             .collect();
@@ -333,15 +417,17 @@ impl Ddp {
             }
             // An unused parameter contributes a zero gradient on this rank.
             for i in unused {
-                let zeros = vec![0.0; self.params[i].numel()];
-                self.mark_ready(i, &zeros)?;
+                self.grad_buffer_mut(i)?.fill(0.0);
+                self.mark_ready_in_place(i)?;
                 self.arrival.pop();
             }
         }
         let numels: Vec<usize> = self.params.iter().map(ParamInfo::numel).collect();
         let (comm, exposed) = self.drain(|spec, data| {
-            for (&p, &off) in spec.params.iter().zip(&spec.offsets) {
-                grads[p].copy_from_slice(&data[off..off + numels[p]]);
+            if let Some(grads) = grads.as_deref_mut() {
+                for (&p, &off) in spec.params.iter().zip(&spec.offsets) {
+                    grads[p].copy_from_slice(&data[off..off + numels[p]]);
+                }
             }
         })?;
         self.stats = StepStats {
@@ -378,8 +464,7 @@ impl Ddp {
                 buckets = layout.buckets.len(),
                 "DDP rebuilt buckets in gradient arrival order"
             );
-            self.layout = layout;
-            self.bufs.clear();
+            self.next_layout = Some(layout);
         }
         Ok(())
     }
