@@ -132,7 +132,9 @@ impl Engine {
                 }
                 let moved = self.drive_send(ctx, seg, &sends[i], &mut tx[i]);
                 let st = &tx[i];
-                mid_frame[sends[i].peer] = !st.done && (st.hdr_done > 0 || st.payload_done > 0);
+                if let Some(m) = mid_frame.get_mut(sends[i].peer) {
+                    *m = !st.done && (st.hdr_done > 0 || st.payload_done > 0);
+                }
                 progress |= moved?;
             }
             for i in 0..recvs.len() {
