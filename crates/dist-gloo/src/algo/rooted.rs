@@ -51,14 +51,7 @@ pub(crate) fn reduce_ring(
             &mut [],
         );
     }
-    let mut parts = split_blocks(data, &blocks);
-    let mut recvs: Vec<_> = parts
-        .iter_mut()
-        .enumerate()
-        .filter(|(p, _)| *p != root)
-        .map(|(p, b)| o.recv(p, b, tags::GATHER))
-        .collect();
-    o.step(&[], &mut recvs)
+    recv_blocks_from_all(o, &mut split_blocks(data, &blocks))
 }
 
 /// Every rank's `input` into `root`'s `output`, rank by rank, with all receives in flight at
@@ -76,10 +69,16 @@ pub(crate) fn gather(
     let blocks = blocks_of(&vec![input.len(); n], 1);
     let mut parts = split_blocks(output, &blocks);
     parts[r].copy_from_slice(input);
+    recv_blocks_from_all(o, &mut parts)
+}
+
+/// One step receiving block p from every rank p other than this one, all in flight at once.
+fn recv_blocks_from_all(o: &Op<'_>, parts: &mut [&mut [u8]]) -> Result<()> {
+    let me = o.rank();
     let mut recvs: Vec<_> = parts
         .iter_mut()
         .enumerate()
-        .filter(|(p, _)| *p != r)
+        .filter(|(p, _)| *p != me)
         .map(|(p, b)| o.recv(p, b, tags::GATHER))
         .collect();
     o.step(&[], &mut recvs)

@@ -40,6 +40,11 @@ pub(super) struct Engine {
     pub(super) spin: Duration,
 }
 
+/// Whether message `i` must wait for an earlier, unfinished message with the same peer.
+fn queued_behind(i: usize, peer: impl Fn(usize) -> usize, done: impl Fn(usize) -> bool) -> bool {
+    (0..i).any(|j| peer(j) == peer(i) && !done(j))
+}
+
 fn lost_or_left(ctx: &StepCtx, peer: usize, state: &PeerState) -> Error {
     match state {
         PeerState::Lost(why) => ctx.peer_lost(peer, why.clone()),
@@ -123,11 +128,7 @@ impl Engine {
                 }
                 pending = true;
                 // Messages to one peer go out whole and in order: never interleave their bytes.
-                if sends[..i]
-                    .iter()
-                    .zip(&tx[..i])
-                    .any(|(o, st)| o.peer == sends[i].peer && !st.done)
-                {
+                if queued_behind(i, |j| sends[j].peer, |j| tx[j].done) {
                     continue;
                 }
                 let moved = self.drive_send(ctx, seg, &sends[i], &mut tx[i]);
@@ -143,11 +144,7 @@ impl Engine {
                 }
                 pending = true;
                 // Messages from one peer arrive whole and in order: receive them in turn.
-                if recvs[..i]
-                    .iter()
-                    .zip(&rx[..i])
-                    .any(|(o, st)| o.peer == recvs[i].peer && !st.done)
-                {
+                if queued_behind(i, |j| recvs[j].peer, |j| rx[j].done) {
                     continue;
                 }
                 progress |= self.drive_recv(ctx, i, &mut recvs[i], &mut rx[i], on_frame)?;
