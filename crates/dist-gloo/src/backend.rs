@@ -35,7 +35,8 @@ impl GlooOptions {
 
     /// Defaults, overridden by `DIST_GLOO_SMALL_BYTES` ([`GlooOptions::small_bytes`]),
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
-    /// and `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning).
+    /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning), `DIST_GLOO_CMA`
+    /// (`0` turns single-copy transfers between local ranks off) and `DIST_GLOO_CMA_MIN_BYTES`.
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -51,6 +52,12 @@ impl GlooOptions {
             o.mesh.segment_bytes = v;
         }
         o.mesh.socket_buffer = var("DIST_GLOO_SOCKET_BUFFER");
+        if let Some(v) = var("DIST_GLOO_CMA") {
+            o.mesh.cross_memory = v != 0;
+        }
+        if let Some(v) = var("DIST_GLOO_CMA_MIN_BYTES") {
+            o.mesh.cross_memory_min_bytes = v;
+        }
         o
     }
 }

@@ -1,6 +1,6 @@
 //! The frame header every data message between ranks carries.
 //!
-//! Layout (all integers little-endian, [`HEADER_LEN`] = 56 bytes):
+//! Layout (all integers little-endian, [`HEADER_LEN`] = 64 bytes):
 //!
 //! | bytes | field |
 //! | --- | --- |
@@ -16,7 +16,15 @@
 //! | 32..36 | root or peer rank (`u32::MAX` when none) |
 //! | 36..40 | tag |
 //! | 40..48 | offset in bytes of this chunk within the op's buffer |
-//! | 48..56 | payload length in bytes following the header |
+//! | 48..56 | payload length in bytes (of the data, wherever it lies) |
+//! | 56 | flags: [`FrameHeader::REMOTE`], [`FrameHeader::ACK`] |
+//! | 57..64 | reserved, zero |
+//!
+//! A frame's payload normally follows its header. A [`FrameHeader::REMOTE`] frame carries a
+//! [`PayloadRef`] (16 bytes) instead: the receiver copies the data straight out of the
+//! sender's memory (one copy instead of two through the kernel's socket buffers) and answers
+//! with an [`FrameHeader::ACK`] frame once it has the whole message, after which the sender may
+//! reuse its buffer.
 //!
 //! The receiver compares op, dtype, count and sequence number with what it expects, so two ranks
 //! that disagree fail fast with both sides named instead of exchanging garbage.
@@ -28,9 +36,11 @@ use crate::{DType, WireError};
 /// Frame magic: `b"DST1"` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DST1");
 /// The protocol version this build speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Encoded size of a [`FrameHeader`].
-pub const HEADER_LEN: usize = 56;
+pub const HEADER_LEN: usize = 64;
+/// Encoded size of a [`PayloadRef`].
+pub const PAYLOAD_REF_LEN: usize = 16;
 /// Root/peer value meaning "no root".
 pub const NO_ROOT: u32 = u32::MAX;
 
@@ -135,11 +145,32 @@ pub struct FrameHeader {
     pub tag: u32,
     /// Offset in bytes of this chunk within the op's buffer.
     pub offset: u64,
-    /// Payload bytes that follow the header.
+    /// Payload bytes of this frame: following the header, or in the sender's memory when
+    /// the frame is [`FrameHeader::REMOTE`].
     pub payload_len: u64,
+    /// [`FrameHeader::REMOTE`] and [`FrameHeader::ACK`] bits; 0 for an ordinary frame.
+    pub flags: u8,
 }
 
 impl FrameHeader {
+    /// Flag: a [`PayloadRef`] follows the header instead of the payload.
+    pub const REMOTE: u8 = 1;
+    /// Flag: not data but the receiver's acknowledgement that it copied a whole message sent
+    /// as [`FrameHeader::REMOTE`] frames (the header names that message); no payload follows.
+    pub const ACK: u8 = 2;
+    const KNOWN_FLAGS: u8 = Self::REMOTE | Self::ACK;
+
+    /// Bytes that follow this header on the wire.
+    pub fn wire_payload_len(&self) -> u64 {
+        if self.flags & Self::ACK != 0 {
+            0
+        } else if self.flags & Self::REMOTE != 0 {
+            PAYLOAD_REF_LEN as u64
+        } else {
+            self.payload_len
+        }
+    }
+
     /// Writes the header's [`HEADER_LEN`] bytes.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
@@ -156,6 +187,7 @@ impl FrameHeader {
         b[36..40].copy_from_slice(&self.tag.to_le_bytes());
         b[40..48].copy_from_slice(&self.offset.to_le_bytes());
         b[48..56].copy_from_slice(&self.payload_len.to_le_bytes());
+        b[56] = self.flags;
         b
     }
 
@@ -202,6 +234,19 @@ impl FrameHeader {
                 value: u64::from(b[7]),
             });
         }
+        let flags = b[56];
+        if flags & !Self::KNOWN_FLAGS != 0 || flags == Self::KNOWN_FLAGS {
+            return Err(WireError::UnknownCode {
+                field: "frame flags",
+                value: u64::from(flags),
+            });
+        }
+        if let Some(i) = (57..HEADER_LEN).find(|&i| b[i] != 0) {
+            return Err(WireError::UnknownCode {
+                field: "reserved header byte",
+                value: u64::from(b[i]),
+            });
+        }
         Ok(FrameHeader {
             op,
             dtype,
@@ -214,7 +259,54 @@ impl FrameHeader {
             tag: u32_at(36),
             offset: u64_at(40),
             payload_len: u64_at(48),
+            flags,
         })
+    }
+}
+
+/// Where the payload of a [`FrameHeader::REMOTE`] frame lies in the sender's memory.
+///
+/// `offer` names the sender's offer: the receiver checks, after copying, that the sender still
+/// publishes that offer, so a copy that raced with the sender giving up (after a timeout) is
+/// detected rather than used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PayloadRef {
+    /// Address of the first payload byte in the sender's address space.
+    pub addr: u64,
+    /// The sender's offer id (never 0).
+    pub offer: u64,
+}
+
+impl PayloadRef {
+    /// Writes the [`PAYLOAD_REF_LEN`] bytes.
+    pub fn encode(&self) -> [u8; PAYLOAD_REF_LEN] {
+        let mut b = [0u8; PAYLOAD_REF_LEN];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..].copy_from_slice(&self.offer.to_le_bytes());
+        b
+    }
+
+    /// Decodes from the start of `bytes`. Never panics.
+    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
+        let Some(b) = bytes.get(..PAYLOAD_REF_LEN) else {
+            return Err(WireError::Truncated {
+                what: "payload reference",
+                needed: PAYLOAD_REF_LEN,
+                have: bytes.len(),
+            });
+        };
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[..8]);
+        let addr = u64::from_le_bytes(a);
+        a.copy_from_slice(&b[8..]);
+        let offer = u64::from_le_bytes(a);
+        if offer == 0 {
+            return Err(WireError::UnknownCode {
+                field: "payload offer",
+                value: 0,
+            });
+        }
+        Ok(PayloadRef { addr, offer })
     }
 }
 

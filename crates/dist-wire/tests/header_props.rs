@@ -1,6 +1,6 @@
 //! Property tests: the frame header round-trips and its decoder never panics.
 
-use dist_wire::{CollectiveOp, DType, FrameHeader, HEADER_LEN};
+use dist_wire::{CollectiveOp, DType, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef};
 use proptest::prelude::*;
 
 fn header() -> impl Strategy<Value = FrameHeader> {
@@ -10,8 +10,9 @@ fn header() -> impl Strategy<Value = FrameHeader> {
         0u8..9,
         any::<[u32; 4]>(),
         any::<[u64; 4]>(),
+        0u8..3,
     )
-        .prop_map(|(op, dt, r, w, d)| FrameHeader {
+        .prop_map(|(op, dt, r, w, d, flags)| FrameHeader {
             op: CollectiveOp::from_code(op).unwrap(),
             dtype: DType::from_code(dt).unwrap(),
             reduce: r,
@@ -23,6 +24,7 @@ fn header() -> impl Strategy<Value = FrameHeader> {
             count: d[1],
             offset: d[2],
             payload_len: d[3],
+            flags,
         })
 }
 
@@ -47,4 +49,46 @@ proptest! {
         }
         prop_assert!(FrameHeader::decode(&b[..cut]).is_err() || cut == HEADER_LEN);
     }
+
+    #[test]
+    fn payload_refs_round_trip(addr in any::<u64>(), offer in 1u64..) {
+        let r = PayloadRef { addr, offer };
+        prop_assert_eq!(PayloadRef::decode(&r.encode()), Ok(r));
+    }
+
+    #[test]
+    fn payload_ref_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2 * PAYLOAD_REF_LEN)) {
+        let _ = PayloadRef::decode(&bytes);
+    }
+}
+
+#[test]
+fn unknown_flags_and_reserved_bytes_are_rejected() {
+    let h = FrameHeader {
+        op: CollectiveOp::AllReduce,
+        dtype: DType::F32,
+        reduce: 0,
+        group: 1,
+        sender: 2,
+        seq: 3,
+        count: 4,
+        root: 5,
+        tag: 6,
+        offset: 0,
+        payload_len: 16,
+        flags: FrameHeader::REMOTE,
+    };
+    assert_eq!(h.wire_payload_len(), PAYLOAD_REF_LEN as u64);
+    let mut b = h.encode();
+    b[56] = 4;
+    assert!(FrameHeader::decode(&b).is_err());
+    b[56] = FrameHeader::REMOTE | FrameHeader::ACK;
+    assert!(FrameHeader::decode(&b).is_err());
+    b[56] = 0;
+    b[63] = 1;
+    assert!(FrameHeader::decode(&b).is_err());
+    assert!(
+        PayloadRef::decode(&[0u8; PAYLOAD_REF_LEN]).is_err(),
+        "offer 0 is never valid"
+    );
 }

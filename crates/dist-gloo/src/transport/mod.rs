@@ -85,6 +85,7 @@ impl StepCtx {
             tag,
             offset: offset as u64,
             payload_len: payload_len as u64,
+            flags: 0,
         }
     }
 

@@ -2,9 +2,9 @@
 //! arrived before the step that wants them.
 
 use std::collections::VecDeque;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 
-use dist_wire::{CollectiveOp, FrameHeader, HEADER_LEN};
+use dist_wire::{CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef, WireError};
 
 /// Staging buffer size: small frames and headers are read through it, many per syscall.
 const STAGING: usize = 64 << 10;
@@ -27,6 +27,19 @@ pub(super) enum PeerState {
     },
 }
 
+/// The payload of a stashed frame.
+#[derive(Debug)]
+pub(super) enum Payload {
+    /// The bytes, read off the socket.
+    Inline(Vec<u8>),
+    /// Where the bytes lie in the sender's memory (a [`FrameHeader::REMOTE`] frame).
+    Remote(PayloadRef),
+}
+
+/// A frame's start as read off the socket: its header, and for a [`FrameHeader::REMOTE`]
+/// frame where its payload lies.
+pub(super) type FrameStart = (FrameHeader, Option<PayloadRef>);
+
 /// Outcome of a non-blocking attempt.
 pub(super) enum Io<T> {
     Ready(T),
@@ -41,8 +54,15 @@ pub(super) struct Conn {
     end: usize,
     /// A stashed frame still being read: header and the payload so far.
     partial: Option<(FrameHeader, Vec<u8>)>,
-    pub(super) stash: VecDeque<(FrameHeader, Vec<u8>)>,
+    pub(super) stash: VecDeque<(FrameHeader, Payload)>,
     pub(super) state: PeerState,
+    /// Messages this rank has sent by reference on this connection, and how many of them the
+    /// peer has acknowledged (acknowledgements arrive in order).
+    pub(super) offered: u64,
+    pub(super) acked: u64,
+    /// Acknowledgements waiting to be written, and how much of them is written.
+    out: Vec<u8>,
+    out_done: usize,
 }
 
 impl PeerState {
@@ -67,6 +87,10 @@ impl Conn {
             partial: None,
             stash: VecDeque::new(),
             state: PeerState::Open,
+            offered: 0,
+            acked: 0,
+            out: Vec::new(),
+            out_done: 0,
         }
     }
 
@@ -97,18 +121,39 @@ impl Conn {
         Ok(Io::Ready(true))
     }
 
-    /// Reads the next frame header. `Ok(Ready(None))` on EOF.
-    pub(super) fn read_header(
-        &mut self,
-    ) -> io::Result<Io<Option<Result<FrameHeader, dist_wire::WireError>>>> {
-        match self.fill(HEADER_LEN)? {
-            Io::WouldBlock => Ok(Io::WouldBlock),
-            Io::Ready(false) => Ok(Io::Ready(None)),
-            Io::Ready(true) => {
-                let h = FrameHeader::decode(&self.staging[self.start..self.end]);
-                self.start += HEADER_LEN;
-                Ok(Io::Ready(Some(h)))
+    /// Reads the start of the next data frame: its header and, for a frame sent by
+    /// reference, the [`PayloadRef`] that follows it. Acknowledgements met on the way are
+    /// counted in [`Conn::acked`], never returned. `Ok(Ready(None))` on EOF.
+    pub(super) fn read_header(&mut self) -> io::Result<Io<Option<Result<FrameStart, WireError>>>> {
+        loop {
+            match self.fill(HEADER_LEN)? {
+                Io::WouldBlock => return Ok(Io::WouldBlock),
+                Io::Ready(false) => return Ok(Io::Ready(None)),
+                Io::Ready(true) => {}
             }
+            let h = match FrameHeader::decode(&self.staging[self.start..self.end]) {
+                Ok(h) => h,
+                Err(e) => return Ok(Io::Ready(Some(Err(e)))),
+            };
+            if h.flags & FrameHeader::ACK != 0 {
+                self.start += HEADER_LEN;
+                self.acked += 1;
+                continue;
+            }
+            if h.flags & FrameHeader::REMOTE == 0 {
+                self.start += HEADER_LEN;
+                return Ok(Io::Ready(Some(Ok((h, None)))));
+            }
+            // Consume the header only together with its reference, so a partial read leaves
+            // the frame whole for the next attempt.
+            match self.fill(HEADER_LEN + PAYLOAD_REF_LEN)? {
+                Io::WouldBlock => return Ok(Io::WouldBlock),
+                Io::Ready(false) => return Ok(Io::Ready(None)),
+                Io::Ready(true) => {}
+            }
+            let at = PayloadRef::decode(&self.staging[self.start + HEADER_LEN..self.end]);
+            self.start += HEADER_LEN + PAYLOAD_REF_LEN;
+            return Ok(Io::Ready(Some(at.map(|r| (h, Some(r))))));
         }
     }
 
@@ -143,8 +188,12 @@ impl Conn {
         Ok(Io::Ready(k))
     }
 
-    /// Starts stashing a frame whose header has been read.
-    pub(super) fn begin_stash(&mut self, h: FrameHeader) -> Result<(), String> {
+    /// Starts stashing a frame whose header (and reference) has been read.
+    pub(super) fn begin_stash(&mut self, (h, at): FrameStart) -> Result<(), String> {
+        if let Some(at) = at {
+            self.stash.push_back((h, Payload::Remote(at)));
+            return Ok(());
+        }
         if h.payload_len > MAX_STASHED_FRAME {
             return Err(format!(
                 "frame of {} bytes exceeds the {MAX_STASHED_FRAME}-byte limit (corrupt stream?)",
@@ -161,7 +210,7 @@ impl Conn {
         while let Some((h, mut v)) = self.partial.take() {
             let want = h.payload_len as usize;
             if v.len() == want {
-                self.stash.push_back((h, v));
+                self.stash.push_back((h, Payload::Inline(v)));
                 break;
             }
             let at = v.len();
@@ -205,11 +254,11 @@ impl Conn {
             match self.read_header() {
                 Ok(Io::WouldBlock) => return,
                 Ok(Io::Ready(None)) => return self.eof(),
-                Ok(Io::Ready(Some(Ok(h)))) if h.op == CollectiveOp::Close => {
-                    self.state = PeerState::Left
+                Ok(Io::Ready(Some(Ok((h, _))))) if h.op == CollectiveOp::Close => {
+                    self.state = PeerState::closed(h.tag)
                 }
-                Ok(Io::Ready(Some(Ok(h)))) => {
-                    if let Err(why) = self.begin_stash(h) {
+                Ok(Io::Ready(Some(Ok(frame)))) => {
+                    if let Err(why) = self.begin_stash(frame) {
                         self.state = PeerState::Lost(why);
                         return;
                     }
@@ -240,5 +289,41 @@ impl Conn {
 
     pub(super) fn has_partial(&self) -> bool {
         self.partial.is_some()
+    }
+
+    /// Queues the acknowledgement of a message received by reference (`h` is its last frame).
+    pub(super) fn queue_ack(&mut self, h: &FrameHeader) {
+        let ack = FrameHeader {
+            flags: FrameHeader::ACK,
+            payload_len: 0,
+            ..*h
+        };
+        self.out.extend_from_slice(&ack.encode());
+    }
+
+    /// Whether acknowledgements wait to be written.
+    pub(super) fn has_out(&self) -> bool {
+        self.out_done < self.out.len()
+    }
+
+    /// Whether an acknowledgement is half written (no other frame may start on the stream).
+    pub(super) fn out_mid_frame(&self) -> bool {
+        !self.out_done.is_multiple_of(HEADER_LEN)
+    }
+
+    /// Writes queued acknowledgements. `Ok(true)` when none is left.
+    pub(super) fn flush_out(&mut self) -> io::Result<bool> {
+        while self.has_out() {
+            match self.stream.write(&self.out[self.out_done..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(k) => self.out_done += k,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.out.clear();
+        self.out_done = 0;
+        Ok(true)
     }
 }

@@ -5,10 +5,11 @@ use std::io::{self, IoSlice, Write};
 use std::time::{Duration, Instant};
 
 use dist_backend::{Error, Result};
-use dist_wire::{FrameHeader, HEADER_LEN};
+use dist_wire::{CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef};
 use mio::{Events, Poll};
 
-use super::conn::{Conn, Io, PeerState};
+use super::cma::Cma;
+use super::conn::{Conn, Io, Payload, PeerState};
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Verdict, frames, judge};
 
 /// Progress state of one outgoing message.
@@ -17,6 +18,15 @@ struct SendState {
     hdr: [u8; HEADER_LEN],
     hdr_done: usize,
     payload_done: usize,
+    /// Sent by reference: each frame's body is a [`PayloadRef`] to the data, not the data.
+    by_ref: bool,
+    /// The reference of the frame being written.
+    at: [u8; PAYLOAD_REF_LEN],
+    /// Every frame is written.
+    written: bool,
+    /// For a message sent by reference: the peer's acknowledgement count that covers it.
+    ack_at: Option<u64>,
+    /// Written and, when sent by reference, acknowledged.
     done: bool,
 }
 
@@ -26,6 +36,8 @@ struct RecvState {
     /// Payload length and bytes read of the frame being received.
     cur: Option<(usize, usize)>,
     first: bool,
+    /// Some frame came by reference: the message must be acknowledged once whole.
+    by_ref: bool,
     done: bool,
 }
 
@@ -38,6 +50,8 @@ pub(super) struct Engine {
     /// How long to keep retrying before sleeping in the poller: waking a sleeping process costs
     /// more than the whole of a small message's round trip.
     pub(super) spin: Duration,
+    /// Single-copy transfers with the peers on this host, when they are possible.
+    pub(super) cma: Option<Cma>,
 }
 
 /// Whether message `i` must wait for an earlier, unfinished message with the same peer.
@@ -84,6 +98,11 @@ impl Engine {
     ) -> Result<()> {
         let mut mid_frame = vec![false; self.conns.len()];
         let r = self.run_step(ctx, seg, sends, recvs, on_frame, &mut mid_frame);
+        // Whatever happened, the caller gets its buffers back now: no peer may copy them
+        // after this.
+        if let Some(cma) = &self.cma {
+            cma.withdraw_all();
+        }
         if let Err(Error::PeerLost { peer, .. }) = &r {
             self.notify_abort(ctx.rank, *peer, &mid_frame);
         }
@@ -99,22 +118,46 @@ impl Engine {
         on_frame: &mut OnFrame<'_>,
         mid_frame: &mut [bool],
     ) -> Result<()> {
+        // Point-to-point stays eager: a user's `send` must not wait for the matching `recv`
+        // (send-then-receive on both sides is a common, valid pattern). Collectives post every
+        // matching send and receive in the same step, so they may rendezvous.
+        let offer = match &mut self.cma {
+            Some(cma) if ctx.op != CollectiveOp::SendRecv => Some(cma.next_step_offer()),
+            _ => None,
+        };
         let mut tx: Vec<SendState> = sends
             .iter()
-            .map(|_| SendState {
+            .map(|s| SendState {
                 frame: 0,
                 hdr: [0; HEADER_LEN],
                 hdr_done: 0,
                 payload_done: 0,
+                by_ref: offer.is_some()
+                    && self
+                        .cma
+                        .as_ref()
+                        .is_some_and(|c| c.by_reference(s.peer, s.data.len())),
+                at: [0; PAYLOAD_REF_LEN],
+                written: false,
+                ack_at: None,
                 done: false,
             })
             .collect();
+        if let (Some(offer), Some(cma)) = (offer, &self.cma) {
+            for (s, st) in sends.iter().zip(&tx) {
+                if st.by_ref {
+                    cma.publish(s.peer, offer);
+                }
+            }
+        }
+        let offer = offer.unwrap_or(0);
         let mut rx: Vec<RecvState> = recvs
             .iter()
             .map(|_| RecvState {
                 got: 0,
                 cur: None,
                 first: true,
+                by_ref: false,
                 done: false,
             })
             .collect();
@@ -127,14 +170,18 @@ impl Engine {
                     continue;
                 }
                 pending = true;
-                // Messages to one peer go out whole and in order: never interleave their bytes.
-                if queued_behind(i, |j| sends[j].peer, |j| tx[j].done) {
+                if tx[i].written {
+                    progress |= self.await_ack(ctx, &sends[i], &mut tx[i], recvs, &rx)?;
                     continue;
                 }
-                let moved = self.drive_send(ctx, seg, &sends[i], &mut tx[i]);
+                // Messages to one peer go out whole and in order: never interleave their bytes.
+                if queued_behind(i, |j| sends[j].peer, |j| tx[j].written) {
+                    continue;
+                }
+                let moved = self.drive_send(ctx, seg, &sends[i], &mut tx[i], offer);
                 let st = &tx[i];
                 if let Some(m) = mid_frame.get_mut(sends[i].peer) {
-                    *m = !st.done && (st.hdr_done > 0 || st.payload_done > 0);
+                    *m = !st.written && (st.hdr_done > 0 || st.payload_done > 0);
                 }
                 progress |= moved?;
             }
@@ -148,6 +195,23 @@ impl Engine {
                     continue;
                 }
                 progress |= self.drive_recv(ctx, i, &mut recvs[i], &mut rx[i], on_frame)?;
+            }
+            // Acknowledgements go out between our own frames to the peer, never inside one.
+            for (peer, c) in self.conns.iter_mut().enumerate() {
+                if let Some(c) = c
+                    && c.has_out()
+                {
+                    pending = true;
+                    if !mid_frame.get(peer).copied().unwrap_or(false) {
+                        match c.flush_out() {
+                            Ok(done) => progress |= done,
+                            Err(e) => {
+                                c.broken(&e);
+                                return Err(lost_or_left(ctx, peer, &c.state));
+                            }
+                        }
+                    }
+                }
             }
             if !pending {
                 return Ok(());
@@ -218,6 +282,37 @@ impl Engine {
         Ok(())
     }
 
+    /// For a message sent by reference and fully written: checks for the peer's
+    /// acknowledgement, reading the connection when no receive of this step does.
+    fn await_ack(
+        &mut self,
+        ctx: &StepCtx,
+        s: &Outgoing<'_>,
+        st: &mut SendState,
+        recvs: &[Incoming<'_>],
+        rx: &[RecvState],
+    ) -> Result<bool> {
+        let want = st.ack_at.unwrap_or(0);
+        let c = self.conn(ctx, s.peer)?;
+        if c.acked < want {
+            let receiving = recvs
+                .iter()
+                .zip(rx)
+                .any(|(r, st)| r.peer == s.peer && !st.done);
+            if !receiving {
+                c.drain();
+            }
+        }
+        if c.acked >= want {
+            st.done = true;
+            return Ok(true);
+        }
+        if c.state != PeerState::Open {
+            return Err(lost_or_left(ctx, s.peer, &c.state));
+        }
+        Ok(false)
+    }
+
     /// Writes as much of one message as the socket takes. Returns whether any byte moved.
     fn drive_send(
         &mut self,
@@ -225,6 +320,7 @@ impl Engine {
         seg: usize,
         s: &Outgoing<'_>,
         st: &mut SendState,
+        offer: u64,
     ) -> Result<bool> {
         let c = self.conn(ctx, s.peer)?;
         if c.state != PeerState::Open {
@@ -236,9 +332,29 @@ impl Engine {
         while st.frame < nframes {
             let r = (st.frame * seg).min(len)..((st.frame + 1) * seg).min(len);
             if st.hdr_done == 0 && st.payload_done == 0 {
-                st.hdr = ctx.header(s.count, s.tag, r.start, r.len()).encode();
+                // A frame boundary: the only place queued acknowledgements may go out.
+                match c.flush_out() {
+                    Ok(true) => {}
+                    Ok(false) => return Ok(moved),
+                    Err(e) => {
+                        c.broken(&e);
+                        return Err(lost_or_left(ctx, s.peer, &c.state));
+                    }
+                }
+                let mut h = ctx.header(s.count, s.tag, r.start, r.len());
+                if st.by_ref {
+                    h.flags = FrameHeader::REMOTE;
+                    let addr = s.data[r.start..].as_ptr() as u64;
+                    st.at = PayloadRef { addr, offer }.encode();
+                }
+                st.hdr = h.encode();
             }
-            let body = &s.data[r.start + st.payload_done..r.end];
+            let body = if st.by_ref {
+                &st.at[st.payload_done..]
+            } else {
+                &s.data[r.start + st.payload_done..r.end]
+            };
+            let body_len = if st.by_ref { PAYLOAD_REF_LEN } else { r.len() };
             let bufs = [IoSlice::new(&st.hdr[st.hdr_done..]), IoSlice::new(body)];
             match c.stream.write_vectored(&bufs) {
                 Ok(0) => {
@@ -251,7 +367,7 @@ impl Engine {
                     st.hdr_done += h;
                     n -= h;
                     st.payload_done += n;
-                    if st.hdr_done == HEADER_LEN && st.payload_done == r.len() {
+                    if st.hdr_done == HEADER_LEN && st.payload_done == body_len {
                         st.frame += 1;
                         st.hdr_done = 0;
                         st.payload_done = 0;
@@ -268,7 +384,13 @@ impl Engine {
                 }
             }
         }
-        st.done = true;
+        st.written = true;
+        if st.by_ref {
+            c.offered += 1;
+            st.ack_at = Some(c.offered);
+        } else {
+            st.done = true;
+        }
         Ok(true)
     }
 
@@ -284,7 +406,14 @@ impl Engine {
     ) -> Result<bool> {
         let peer = inc.peer;
         let len = inc.buf.len();
-        let c = self.conn(ctx, peer)?;
+        let cma = self.cma.as_ref();
+        let Some(Some(c)) = self.conns.get_mut(peer) else {
+            return Err(Error::invalid(
+                ctx.rank,
+                ctx.op.name(),
+                format!("no connection to rank {peer}"),
+            ));
+        };
         let mut moved = false;
         loop {
             if !st.first && st.got == len && st.cur.is_none() {
@@ -316,24 +445,28 @@ impl Engine {
                     if let Some(p) = stashed {
                         let (h, payload) = c.stash.remove(p).expect("position is in range");
                         judge(ctx, &h, peer, inc.count, inc.tag, st.got, len)?;
-                        let r = st.got..st.got + payload.len();
-                        inc.buf[r.clone()].copy_from_slice(&payload);
-                        on_frame(idx, r.clone(), &inc.buf[r])?;
-                        st.got += payload.len();
-                        st.first = false;
+                        let r = st.got..st.got + h.payload_len as usize;
+                        match payload {
+                            Payload::Inline(bytes) => inc.buf[r.clone()].copy_from_slice(&bytes),
+                            Payload::Remote(at) => {
+                                copy_by_ref(ctx, cma, c, peer, at, &mut inc.buf[r.clone()])?;
+                                st.by_ref = true;
+                            }
+                        }
+                        deliver(idx, inc, st, c, &h, r, on_frame)?;
                         moved = true;
                         continue;
                     }
                     if c.state != PeerState::Open && c.staged() == 0 {
                         return Err(lost_or_left(ctx, peer, &c.state));
                     }
-                    let h = match c.read_header() {
+                    let (h, at) = match c.read_header() {
                         Ok(Io::WouldBlock) => return Ok(moved),
                         Ok(Io::Ready(None)) => {
                             c.eof();
                             return Err(lost_or_left(ctx, peer, &c.state));
                         }
-                        Ok(Io::Ready(Some(Ok(h)))) => h,
+                        Ok(Io::Ready(Some(Ok(frame)))) => frame,
                         Ok(Io::Ready(Some(Err(e)))) => {
                             c.state =
                                 PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
@@ -346,9 +479,17 @@ impl Engine {
                     };
                     moved = true;
                     match judge(ctx, &h, peer, inc.count, inc.tag, st.got, len)? {
-                        Verdict::Expected => st.cur = Some((h.payload_len as usize, 0)),
+                        Verdict::Expected => match at {
+                            None => st.cur = Some((h.payload_len as usize, 0)),
+                            Some(at) => {
+                                let r = st.got..st.got + h.payload_len as usize;
+                                copy_by_ref(ctx, cma, c, peer, at, &mut inc.buf[r.clone()])?;
+                                st.by_ref = true;
+                                deliver(idx, inc, st, c, &h, r, on_frame)?;
+                            }
+                        },
                         Verdict::Stash => {
-                            if let Err(why) = c.begin_stash(h) {
+                            if let Err(why) = c.begin_stash((h, at)) {
                                 c.state = PeerState::Lost(why);
                                 return Err(lost_or_left(ctx, peer, &c.state));
                             }
@@ -401,6 +542,7 @@ impl Engine {
                 && p != culprit
                 && c.state == PeerState::Open
                 && !mid_frame.get(p).copied().unwrap_or(true)
+                && !c.out_mid_frame()
             {
                 let _ = c.stream.write(&h);
             }
@@ -411,7 +553,7 @@ impl Engine {
     pub(super) fn close(&mut self, rank: usize) {
         let h = close_frame(rank, 0);
         for c in self.conns.iter_mut().flatten() {
-            if c.state == PeerState::Open {
+            if c.state == PeerState::Open && !c.out_mid_frame() {
                 let _ = c.stream.write_all(&h);
                 let _ = c.stream.shutdown(std::net::Shutdown::Write);
             }
@@ -419,10 +561,48 @@ impl Engine {
     }
 }
 
+/// Hands a frame that is whole in `inc.buf[r]` to `on_frame`; once a message that came by
+/// reference is whole, queues its acknowledgement so the sender can reuse its buffer.
+fn deliver(
+    idx: usize,
+    inc: &mut Incoming<'_>,
+    st: &mut RecvState,
+    c: &mut Conn,
+    h: &FrameHeader,
+    r: std::ops::Range<usize>,
+    on_frame: &mut OnFrame<'_>,
+) -> Result<()> {
+    st.got = r.end;
+    st.first = false;
+    if st.by_ref && st.got == inc.buf.len() {
+        c.queue_ack(h);
+    }
+    on_frame(idx, r.clone(), &inc.buf[r])
+}
+
+/// Copies a frame `peer` sent by reference; a failure means the peer is gone or gave up.
+fn copy_by_ref(
+    ctx: &StepCtx,
+    cma: Option<&Cma>,
+    c: &mut Conn,
+    peer: usize,
+    at: PayloadRef,
+    dst: &mut [u8],
+) -> Result<()> {
+    let r = match cma {
+        Some(cma) => cma.copy_in(peer, at, dst),
+        None => Err("it sent a frame by reference, which this rank never agreed to".into()),
+    };
+    r.map_err(|why| {
+        c.state = PeerState::Lost(why);
+        lost_or_left(ctx, peer, &c.state)
+    })
+}
+
 /// A `Close` frame: tag 0 for a clean exit, `q + 1` for an abort after losing rank q.
 fn close_frame(rank: usize, tag: u32) -> [u8; HEADER_LEN] {
     FrameHeader {
-        op: dist_wire::CollectiveOp::Close,
+        op: CollectiveOp::Close,
         dtype: dist_wire::DType::U8,
         reduce: 0,
         group: 0,
@@ -433,6 +613,7 @@ fn close_frame(rank: usize, tag: u32) -> [u8; HEADER_LEN] {
         tag,
         offset: 0,
         payload_len: 0,
+        flags: 0,
     }
     .encode()
 }

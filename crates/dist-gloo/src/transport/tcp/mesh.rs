@@ -26,6 +26,12 @@ pub struct MeshOptions {
     pub spin: Duration,
     /// Kernel socket buffer sizes; `None` keeps Linux's autotuning.
     pub socket_buffer: Option<usize>,
+    /// Copy large collective messages between ranks on one host straight out of the sender's
+    /// memory (Linux cross-memory attach) instead of through TCP, where the ranks can read
+    /// each other (probed when the mesh is built).
+    pub cross_memory: bool,
+    /// Smallest message sent that way.
+    pub cross_memory_min_bytes: usize,
 }
 
 impl Default for MeshOptions {
@@ -36,6 +42,8 @@ impl Default for MeshOptions {
             segment_bytes: crate::transport::DEFAULT_SEGMENT_BYTES,
             spin: Duration::from_micros(50),
             socket_buffer: None,
+            cross_memory: true,
+            cross_memory_min_bytes: 256 << 10,
         }
     }
 }

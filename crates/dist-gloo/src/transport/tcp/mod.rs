@@ -1,5 +1,6 @@
 //! The TCP transport: one connection per pair of ranks, set up through the store.
 
+mod cma;
 mod conn;
 mod engine;
 mod mesh;
@@ -35,6 +36,14 @@ impl TcpTransport {
         opts: &MeshOptions,
     ) -> Result<Self> {
         let (poll, conns) = mesh::build(store, prefix, rank, world_size, opts)?;
+        let cma = cma::Cma::negotiate(
+            store,
+            prefix,
+            rank,
+            world_size,
+            opts.cross_memory,
+            opts.cross_memory_min_bytes,
+        )?;
         Ok(TcpTransport {
             rank,
             world_size,
@@ -44,6 +53,7 @@ impl TcpTransport {
                 events: mio::Events::with_capacity(64),
                 conns,
                 spin: opts.spin,
+                cma,
             }),
         })
     }

@@ -1,0 +1,253 @@
+//! Single-copy transfers between ranks on one host, through Linux cross-memory attach
+//! (`process_vm_readv`).
+//!
+//! Over loopback TCP every byte is copied twice (into the sender's socket buffer, out of the
+//! receiver's) and the kernel's networking path runs for each segment; with several ranks on
+//! few cores those copies are most of a collective's time. For large messages between ranks
+//! that can read each other's memory, the TCP connection carries only headers and
+//! [`PayloadRef`]s and the receiver copies the data straight out of the sender's buffer, the
+//! one copy Open MPI's shared-memory transport makes with CMA.
+//!
+//! Safety of the protocol, which the sender's buffer depends on:
+//! * the sender keeps the buffer borrowed until the receiver acknowledges the whole message
+//!   (an `ACK` frame), so a successful step never leaves a reader behind;
+//! * while a step offers buffers to a peer, the sender publishes the step's offer id in a
+//!   word the peer reads *after* copying; the sender withdraws it (stores 0) before the step
+//!   returns, on success and on error, so a copy that raced with a sender that gave up (a
+//!   timeout) sees the withdrawal and fails instead of using stale bytes.
+//!
+//! Which peers can be read is decided by experiment when the mesh is built: each rank
+//! publishes its pid and the address of a random token, every rank tries to read every
+//! peer's token and publishes what it managed. Ranks on other hosts, in other pid namespaces,
+//! or under a ptrace policy that forbids it simply fail the probe and keep plain TCP.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use dist_backend::{Result, Store};
+use dist_wire::PayloadRef;
+
+/// Where to read one peer's memory.
+#[derive(Clone, Copy, Debug)]
+struct Source {
+    pid: i32,
+    /// Address, in the peer's memory, of the offer word the peer publishes for this rank.
+    offer_word: u64,
+}
+
+/// Cross-memory-attach state of one rank's mesh.
+#[derive(Debug)]
+pub(super) struct Cma {
+    /// Per peer: how to read its memory, when this rank can.
+    sources: Vec<Option<Source>>,
+    /// Per peer: whether it can read this rank's memory (so large messages to it go by
+    /// reference).
+    readers: Vec<bool>,
+    /// Per peer: the offer this rank currently publishes to it, 0 for none. Peers read these
+    /// words from their own processes, so they never move (boxed) and are only written
+    /// atomically.
+    offers: Box<[AtomicU64]>,
+    /// The probe token peers read when the mesh is built; kept alive with the mesh.
+    _probe: Box<u64>,
+    next_offer: u64,
+    /// Messages shorter than this go inline: below it the acknowledgement's round trip costs
+    /// more than the copy it saves.
+    pub(super) min_bytes: usize,
+}
+
+impl Cma {
+    /// Finds out which peers can read each other's memory. Every rank must call it (with
+    /// `enabled` false it still publishes that it takes no part).
+    pub(super) fn negotiate(
+        store: &dyn Store,
+        prefix: &str,
+        rank: usize,
+        world: usize,
+        enabled: bool,
+        min_bytes: usize,
+    ) -> Result<Option<Cma>> {
+        let enabled = enabled && cfg!(target_os = "linux") && world > 1;
+        let offers: Box<[AtomicU64]> = (0..world).map(|_| AtomicU64::new(0)).collect();
+        let probe = Box::new(random_token());
+        let me = if enabled {
+            format!(
+                "{} {} {} {}",
+                std::process::id(),
+                offers.as_ptr() as u64,
+                std::ptr::from_ref::<u64>(&probe) as u64,
+                *probe
+            )
+        } else {
+            "off".to_string()
+        };
+        store.set(&format!("{prefix}/cma/{rank}"), me.as_bytes())?;
+        let mut sources = vec![None; world];
+        for (peer, source) in sources.iter_mut().enumerate() {
+            if peer == rank {
+                continue;
+            }
+            let theirs = store.get(&format!("{prefix}/cma/{peer}"))?;
+            if enabled && let Some((src, probe_addr, token)) = parse(&theirs, rank) {
+                let mut got = [0u8; 8];
+                if read_remote(src.pid, probe_addr, &mut got).is_ok()
+                    && u64::from_le_bytes(got) == token
+                {
+                    *source = Some(src);
+                }
+            }
+        }
+        let can: String = sources
+            .iter()
+            .map(|s| if s.is_some() { '1' } else { '0' })
+            .collect();
+        store.set(&format!("{prefix}/cma-ok/{rank}"), can.as_bytes())?;
+        let mut readers = vec![false; world];
+        for (peer, reader) in readers.iter_mut().enumerate() {
+            if peer != rank {
+                let theirs = store.get(&format!("{prefix}/cma-ok/{peer}"))?;
+                *reader = theirs.get(rank) == Some(&b'1');
+            }
+        }
+        if !enabled || (sources.iter().all(Option::is_none) && !readers.contains(&true)) {
+            return Ok(None);
+        }
+        tracing::debug!(rank, readable = %can, "cross-memory attach negotiated");
+        Ok(Some(Cma {
+            sources,
+            readers,
+            offers,
+            _probe: probe,
+            next_offer: 1,
+            min_bytes: min_bytes.max(1),
+        }))
+    }
+
+    /// Whether a message of `len` bytes to `peer` goes by reference.
+    pub(super) fn by_reference(&self, peer: usize, len: usize) -> bool {
+        len >= self.min_bytes && self.readers.get(peer).copied().unwrap_or(false)
+    }
+
+    /// The offer id of a new step.
+    pub(super) fn next_step_offer(&mut self) -> u64 {
+        let id = self.next_offer;
+        self.next_offer += 1;
+        id
+    }
+
+    /// Publishes `offer` to `peer`: its reads of this rank's buffers are valid until
+    /// [`Cma::withdraw_all`].
+    pub(super) fn publish(&self, peer: usize, offer: u64) {
+        if let Some(w) = self.offers.get(peer) {
+            w.store(offer, Ordering::SeqCst);
+        }
+    }
+
+    /// Withdraws every offer: called before a step returns, so no peer can use bytes this
+    /// rank's caller may overwrite next.
+    pub(super) fn withdraw_all(&self) {
+        for w in &*self.offers {
+            if w.load(Ordering::Relaxed) != 0 {
+                w.store(0, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Copies a frame `peer` offered by reference into `dst`, then checks the offer still
+    /// stands. The error says why, for a `PeerLost`.
+    pub(super) fn copy_in(
+        &self,
+        peer: usize,
+        at: PayloadRef,
+        dst: &mut [u8],
+    ) -> std::result::Result<(), String> {
+        let Some(Some(src)) = self.sources.get(peer) else {
+            return Err("it offered a buffer by reference, which this rank cannot read".into());
+        };
+        read_remote(src.pid, at.addr, dst)
+            .map_err(|e| format!("copying {} bytes out of its memory: {e}", dst.len()))?;
+        let mut word = [0u8; 8];
+        read_remote(src.pid, src.offer_word, &mut word)
+            .map_err(|e| format!("reading its offer word: {e}"))?;
+        let now = u64::from_le_bytes(word);
+        if now != at.offer {
+            return Err(format!(
+                "it withdrew its offer {} (now {now}) while this rank copied it: it gave up on the operation",
+                at.offer
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Parses a peer's `pid offers probe token` record; `None` when it takes no part.
+fn parse(bytes: &[u8], rank: usize) -> Option<(Source, u64, u64)> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    let mut it = text.split(' ');
+    let pid: i32 = it.next()?.parse().ok()?;
+    let offers: u64 = it.next()?.parse().ok()?;
+    let probe: u64 = it.next()?.parse().ok()?;
+    let token: u64 = it.next()?.parse().ok()?;
+    let offer_word = offers.checked_add(8 * rank as u64)?;
+    Some((Source { pid, offer_word }, probe, token))
+}
+
+/// A token a peer cannot guess, so that reading it proves the right process was read.
+fn random_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(t.as_nanos());
+    }
+    h.finish() | 1
+}
+
+/// Reads `dst.len()` bytes at `addr` in process `pid`.
+#[cfg(target_os = "linux")]
+fn read_remote(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+    use nix::sys::uio::{RemoteIoVec, process_vm_readv};
+    use nix::unistd::Pid;
+    let mut done = 0;
+    while done < dst.len() {
+        let remote = [RemoteIoVec {
+            base: (addr as usize).wrapping_add(done),
+            len: dst.len() - done,
+        }];
+        let mut local = [std::io::IoSliceMut::new(&mut dst[done..])];
+        match process_vm_readv(Pid::from_raw(pid), &mut local, &remote) {
+            // A partial read stops at an unreadable page; zero means nothing more is readable.
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the remote range ended early",
+                ));
+            }
+            Ok(k) => done += k,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn read_remote(_pid: i32, _addr: u64, _dst: &mut [u8]) -> std::io::Result<()> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "cross-memory attach is Linux-only",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn reads_own_memory_and_rejects_a_bad_address() {
+        let src: Vec<u8> = (0..=255u8).cycle().take(3 << 20).collect();
+        let mut dst = vec![0u8; src.len()];
+        read_remote(std::process::id() as i32, src.as_ptr() as u64, &mut dst).unwrap();
+        assert_eq!(src, dst);
+        assert!(read_remote(std::process::id() as i32, 8, &mut dst[..8]).is_err());
+    }
+}
