@@ -249,6 +249,25 @@ fn over_tcp(n: usize) {
     check_all_reduce(&ranks);
     check_movement(&ranks);
     check_p2p(&ranks);
+    // Threads of one process can always read each other: the big counts went single-copy.
+    let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
+    assert_eq!(
+        by_ref > 0,
+        n > 1,
+        "ws {n}: {by_ref} messages sent by reference"
+    );
+}
+
+#[test]
+fn world_size_3_over_tcp_without_cross_memory() {
+    let mut o = gloo_opts();
+    o.mesh.cross_memory = false;
+    let ranks = tcp_world(3, &o);
+    check_all_reduce(&ranks);
+    check_movement(&ranks);
+    check_p2p(&ranks);
+    let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
+    assert_eq!(by_ref, 0, "every byte must have gone through the sockets");
 }
 
 #[test]

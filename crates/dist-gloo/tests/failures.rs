@@ -123,6 +123,45 @@ fn a_stalled_peer_is_a_timeout_naming_op_seq_and_peer_within_timeout_plus_one_se
     }
 }
 
+/// A rank that gives up (times out) on a collective whose large messages it offered by
+/// reference withdraws the offer: the stalled peer that later copies them gets an error, never
+/// the stale bytes of a buffer its owner has taken back.
+#[test]
+fn a_late_peer_cannot_copy_a_buffer_whose_sender_gave_up() {
+    let ranks = tcp_world(2, &GlooOptions::default());
+    let timeout = Duration::from_millis(400);
+    let out = on_all(&ranks, |b| {
+        let mut v = vec![1u8; 4 << 20];
+        if b.rank() == 1 {
+            std::thread::sleep(timeout * 3);
+        }
+        let r = b.all_reduce(
+            BufMut::Host(&mut v),
+            DType::U8,
+            ReduceOp::Sum,
+            &OpOptions::with_timeout(timeout),
+        );
+        // The sender's caller owns its buffer again: scribble on it, and keep it mapped so
+        // that only the withdrawn offer can tell the late reader.
+        v.fill(0xee);
+        (r, v)
+    });
+    assert!(
+        matches!(out[0].0, Err(Error::Timeout { .. })),
+        "rank 0: {:?}",
+        out[0].0
+    );
+    let late = out[1]
+        .0
+        .as_ref()
+        .expect_err("the late rank must not succeed");
+    assert!(
+        late.to_string().contains("withdrew its offer"),
+        "rank 1: {late}"
+    );
+    assert!(ranks[0].messages_by_reference() > 0);
+}
+
 #[test]
 fn after_an_error_the_group_refuses_work_with_the_cause() {
     let ranks = tcp_world(2, &GlooOptions::default());

@@ -175,6 +175,11 @@ pub trait Transport: Send + Sync {
     ) -> Result<()>;
     /// Tells every peer this rank is leaving cleanly. Best effort.
     fn close(&self);
+    /// Messages this rank has sent by reference, copied by the receiver straight out of this
+    /// process's memory (0 for transports that never do).
+    fn messages_by_reference(&self) -> u64 {
+        0
+    }
 }
 
 /// How a received header relates to what a step expects.
