@@ -10,8 +10,10 @@
 //! gradients and (b) a DDP step: every gradient marked ready in reverse order, then `finish`
 //! (bucket copies, bucketed all-reduces, copies back). The two alternate, the per-iteration
 //! maximum over ranks is taken, and rank 0 prints the medians and their ratio. (c) is the same
-//! DDP step with gradients written straight into the buckets (`grad_buffer_mut`, torch's
-//! `gradient_as_bucket_view`), which saves the two copies.
+//! DDP step with the gradients already in the buckets (`grad_buffer_mut`, torch's
+//! `gradient_as_bucket_view`, which saves the two copies): DDP's sync cost proper. (d) writes
+//! each gradient into its bucket and marks it ready at once, as a backward pass does, and (e)
+//! only writes the gradients: (d) − (e) is the communication left exposed after overlap.
 
 #![allow(missing_docs, reason = "an example binary")]
 
@@ -50,7 +52,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|p| vec![pg.rank() as f32; p.numel()])
         .collect();
     let mut flat = vec![pg.rank() as f32; total];
-    let mut times = vec![0f64; 3 * iters];
+    const K: usize = 5;
+    let mut times = vec![0f64; K * iters];
     for it in 0..=iters {
         let t0 = Instant::now();
         pg.all_reduce(&mut flat, ReduceOp::Avg)?;
@@ -66,6 +69,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect::<Vec<_>>(),
         )?;
         let b = t0.elapsed().as_secs_f64();
+        for i in 0..n {
+            ddp.grad_buffer_mut(i)?.fill(pg.rank() as f32);
+        }
+        pg.barrier()?;
+        let t0 = Instant::now();
+        for i in (0..n).rev() {
+            ddp.mark_ready_in_place(i)?;
+        }
+        ddp.finish_in_place()?;
+        let c = t0.elapsed().as_secs_f64();
+        pg.barrier()?;
         let t0 = Instant::now();
         for i in (0..n).rev() {
             // A framework with bucket views computes the gradient into this memory.
@@ -73,10 +87,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ddp.mark_ready_in_place(i)?;
         }
         ddp.finish_in_place()?;
-        let c = t0.elapsed().as_secs_f64();
+        let d = t0.elapsed().as_secs_f64();
+        pg.barrier()?;
+        let t0 = Instant::now();
+        for g in grads.iter_mut().rev() {
+            g.fill(pg.rank() as f32);
+        }
+        let e = t0.elapsed().as_secs_f64();
+        pg.barrier()?;
         if it > 0 {
             // Iteration 0 is the warm-up (and DDP's bucket rebuild).
-            times[3 * (it - 1)..3 * it].copy_from_slice(&[a, b, c]);
+            times[K * (it - 1)..K * it].copy_from_slice(&[a, b, c, d, e]);
         }
     }
     pg.all_reduce(&mut times, ReduceOp::Max)?;
@@ -85,11 +106,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        let ar = median(times.iter().step_by(3).copied().collect());
-        let dd = median(times.iter().skip(1).step_by(3).copied().collect());
-        let dv = median(times.iter().skip(2).step_by(3).copied().collect());
+        let col = |k: usize| median(times.iter().skip(k).step_by(K).copied().collect());
+        let (ar, dd, dv, bw, fill) = (col(0), col(1), col(2), col(3), col(4));
         println!(
-            "ddp_bench: world {} | {} parameters ({:.0} MB) in {} buckets | all_reduce median {:.1} ms | DDP sync {:.1} ms (ratio {:.3}) | DDP with bucket views {:.1} ms (ratio {:.3})",
+            "ddp_bench: world {} | {} parameters ({:.0} MB) in {} buckets | all_reduce median {:.1} ms | DDP sync, copy in/out {:.1} ms (ratio {:.3}) | DDP sync, bucket views {:.1} ms (ratio {:.3}) | backward-like write+sync {:.1} ms, write alone {:.1} ms, exposed {:.1} ms (ratio {:.3})",
             pg.world_size(),
             total,
             total as f64 * 4.0 / 1e6,
@@ -98,7 +118,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             dd * 1e3,
             dd / ar,
             dv * 1e3,
-            dv / ar
+            dv / ar,
+            bw * 1e3,
+            fill * 1e3,
+            (bw - fill) * 1e3,
+            (bw - fill) / ar
         );
     }
     Ok(())
