@@ -45,7 +45,8 @@ fn worker() {
             std::process::exit(3);
         }
         if i == 0 {
-            say("READY");
+            // Whether the large messages went single-copy between these processes.
+            say(&format!("READY by_ref={}", b.messages_by_reference() > 0));
         }
     }
 }
@@ -107,13 +108,21 @@ fn a_killed_peer_is_peer_lost_on_every_other_rank_within_one_second() {
     let children = &mut workers.0;
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut ready = 0;
+    let mut lines = Vec::new();
     while ready < WORLD {
         let (rank, line, _) = rx
             .recv_timeout(deadline - Instant::now())
             .expect("every worker reports READY");
-        assert_eq!(line, "READY", "rank {rank} failed before the kill");
+        assert!(
+            line.starts_with("READY"),
+            "rank {rank} failed before the kill: {line}"
+        );
+        lines.push(line);
         ready += 1;
     }
+    // Where processes may read each other's memory (the probe decides, the same for every
+    // pair here) the kill lands while ranks copy out of each other, not only on sockets.
+    assert!(lines.iter().all(|l| l == &lines[0]), "{lines:?}");
     std::thread::sleep(Duration::from_millis(200));
     children[VICTIM].kill().expect("kill the victim");
     let killed = Instant::now();

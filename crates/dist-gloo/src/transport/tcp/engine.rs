@@ -98,13 +98,14 @@ impl Engine {
     ) -> Result<()> {
         let mut mid_frame = vec![false; self.conns.len()];
         let r = self.run_step(ctx, seg, sends, recvs, on_frame, &mut mid_frame);
-        // Whatever happened, the caller gets its buffers back now: no peer may copy them
-        // after this.
-        if let Some(cma) = &self.cma {
-            cma.withdraw_all();
-        }
         if let Err(Error::PeerLost { peer, .. }) = &r {
             self.notify_abort(ctx.rank, *peer, &mid_frame);
+        }
+        // Whatever happened, the caller gets its buffers back now: no peer may copy them
+        // after this. (After the abort notice, so that a peer whose copy fails on the
+        // withdrawal finds the notice naming the rank that was really lost.)
+        if let Some(cma) = &self.cma {
+            cma.withdraw_all();
         }
         r
     }
@@ -594,7 +595,12 @@ fn copy_by_ref(
         None => Err("it sent a frame by reference, which this rank never agreed to".into()),
     };
     r.map_err(|why| {
-        c.state = PeerState::Lost(why);
+        // A sender that gives up after losing another rank says so on the socket before it
+        // withdraws its offer: read that notice, if any, so the error names the lost rank.
+        c.drain();
+        if c.state == PeerState::Open {
+            c.state = PeerState::Lost(why);
+        }
         lost_or_left(ctx, peer, &c.state)
     })
 }
