@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{assert_close, decode, encode, on_all, reference, tcp_world, value};
+use common::{assert_close, decode, encode, on_all, reference, tcp_world, tcp_world_with, value};
 use dist_backend::{Backend, BufMut, BufRef, OpOptions};
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
@@ -256,6 +256,42 @@ fn over_tcp(n: usize) {
         n > 1,
         "ws {n}: {by_ref} messages sent by reference"
     );
+}
+
+/// A rank that opts out of single-copy transfers neither sends nor is sent anything by
+/// reference, while the others still use it between themselves.
+#[test]
+fn a_rank_without_cross_memory_mixes_with_ranks_that_have_it() {
+    let ranks = tcp_world_with(3, |r| {
+        let mut o = gloo_opts();
+        o.mesh.cross_memory = r != 1;
+        o
+    });
+    let n = ranks.len();
+    let count = (1 << 20) + 3;
+    let outs = on_all(&ranks, |b| {
+        let mut buf = encode(
+            DType::F32,
+            (0..count).map(|i| value(DType::F32, ReduceOp::Sum, b.rank(), i)),
+        );
+        b.all_reduce(BufMut::Host(&mut buf), DType::F32, ReduceOp::Sum, &opts())
+            .unwrap();
+        buf
+    });
+    for out in &outs {
+        for (i, got) in decode(DType::F32, out).into_iter().enumerate() {
+            assert_close(
+                DType::F32,
+                "mixed all_reduce",
+                i,
+                got,
+                reference(DType::F32, ReduceOp::Sum, n, i),
+            );
+        }
+    }
+    assert_eq!(ranks[1].messages_by_reference(), 0);
+    // Ring: rank 0 sends to rank 1 (inline), rank 2 sends to rank 0 (by reference).
+    assert!(ranks[2].messages_by_reference() > 0);
 }
 
 #[test]

@@ -15,6 +15,11 @@ use dist_wire::{DType, ReduceOp, bf16, f16};
 
 /// `n` ranks connected over real loopback TCP through an in-process store.
 pub fn tcp_world(n: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
+    tcp_world_with(n, |_| opts.clone())
+}
+
+/// [`tcp_world`] with options chosen per rank.
+pub fn tcp_world_with(n: usize, opts: impl Fn(usize) -> GlooOptions + Sync) -> Vec<GlooBackend> {
     let store = Arc::new(HashStore::new(Duration::from_secs(30)));
     let prefix = format!("test-{}", std::process::id());
     std::thread::scope(|s| {
@@ -22,8 +27,9 @@ pub fn tcp_world(n: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
             .map(|r| {
                 let store = store.clone();
                 let prefix = prefix.clone();
+                let opts = &opts;
                 s.spawn(move || {
-                    GlooBackend::connect(&*store, &prefix, r, n, opts).expect("mesh builds")
+                    GlooBackend::connect(&*store, &prefix, r, n, &opts(r)).expect("mesh builds")
                 })
             })
             .collect();
