@@ -11,9 +11,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// Caller mistakes found locally ([`Error::SizeMismatch`], [`Error::InvalidArgument`]) are
 /// reported before anything goes on the wire and leave the group usable. Errors from the
-/// backend ([`Error::Backend`]) keep their own variant (`PeerLost`, `Timeout`, `Mismatch`, ...):
-/// after a peer failure the group's connections are in an unknown state and the group must be
-/// destroyed and re-created, as in Gloo.
+/// backend ([`Error::Backend`]) keep their own variant (`PeerLost`, `Mismatch`, ...), except
+/// that a collective's `Timeout` comes wrapped in [`Error::CollectiveTimeout`] with every
+/// rank's progress: after a peer failure the group's connections are in an unknown state and
+/// the group must be destroyed and re-created, as in Gloo.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
