@@ -225,14 +225,23 @@ impl FailureDump {
         format!("{}.rank{rank}.json", group.replace('/', "."))
     }
 
-    /// Records a failure: the first one dumps `json()` and returns true; later ones return false.
+    /// Records a failure: the first one that `aborts` the group dumps `json()` and returns
+    /// true, later ones return false. A failure that leaves the group usable (a monitored
+    /// barrier's) dumps too, as long as none has aborted it, without using up the dump that
+    /// the failure which does abort it will want.
     pub(crate) fn on_failure(
         &self,
         group: &str,
         rank: usize,
+        aborts: bool,
         json: impl FnOnce() -> serde_json::Value,
     ) -> bool {
-        if self.done.swap(true, Ordering::AcqRel) {
+        let already = if aborts {
+            self.done.swap(true, Ordering::AcqRel)
+        } else {
+            self.done.load(Ordering::Acquire)
+        };
+        if already {
             return false;
         }
         let text = json().to_string();

@@ -260,7 +260,9 @@ fn finish(ctx: &OpCtx, seq: u64, op: &'static str, t0: Instant, err: Option<&Err
     ctx.recorder.finished(seq, err.map(ToString::to_string));
     match err {
         Some(e) => {
-            let dumped = ctx.dump.on_failure(&ctx.name, ctx.rank, || {
+            // A monitored barrier fails through the store and leaves the group usable.
+            let aborts = !matches!(e, Error::MonitoredBarrier { .. });
+            let dumped = ctx.dump.on_failure(&ctx.name, ctx.rank, aborts, || {
                 let error = e.to_string();
                 dump_json(
                     &ctx.name,

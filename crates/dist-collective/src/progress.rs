@@ -96,8 +96,8 @@ pub struct RankProgress {
 }
 
 /// Every rank's progress through a group's collectives, as seen by a rank whose collective
-/// timed out. Its `Display` has one line per other rank, e.g. `rank 1 finished all_reduce #4
-/// but did not join #5` or `rank 2 is in all_reduce #5 too`.
+/// timed out. Its `Display` has one line per state the other ranks are in, e.g. `rank 1
+/// finished all_reduce #4 but did not join #5` or `ranks 0, 2-7 are in all_reduce #5 too`.
 ///
 /// Other ranks' states are what they last published, which is at most a fraction of the
 /// timeout old for a rank that is stuck.
@@ -124,12 +124,13 @@ impl ProgressReport {
             .collect()
     }
 
-    fn line(&self, p: &RankProgress) -> String {
-        let (r, s, op) = (p.rank, self.seq, self.op);
-        let Some(st) = &p.state else {
-            return format!(
-                "rank {r} published no progress (it is gone, never created this group, or cannot reach the store)"
-            );
+    /// What a rank in `state` is doing relative to the timed-out collective, after its name;
+    /// `be` is "is" or "are", so ranks in the same state share one line.
+    fn tail(&self, state: Option<&RankState>, be: &str) -> String {
+        let (s, op) = (self.seq, self.op);
+        let Some(st) = state else {
+            return "published no progress (gone, never created this group, or cannot reach the store)"
+                .to_owned();
         };
         let here = [&st.running, &st.failed]
             .into_iter()
@@ -142,38 +143,71 @@ impl ProgressReport {
                 ""
             };
             return if c.op == op {
-                format!("rank {r} is in {op} #{s} too{failed}")
+                format!("{be} in {op} #{s} too{failed}")
             } else {
-                format!(
-                    "rank {r} is in {c}, not {op}: the ranks issued different collectives{failed}"
-                )
+                format!("{be} in {c}, not {op}: the ranks issued different collectives{failed}")
             };
         }
         if let Some(c) = &st.running {
             return if c.seq < s {
-                format!("rank {r} is still in {c} and did not join #{s}")
+                format!("{be} still in {c} and did not join #{s}")
             } else {
-                format!("rank {r} is past #{s}, in {c}")
+                format!("{be} past #{s}, in {c}")
             };
         }
         if let Some(c) = &st.failed
             && c.seq < s
         {
-            return format!("rank {r} failed in {c} and did not join #{s}");
+            return format!("failed in {c} and did not join #{s}");
         }
         match &st.finished {
-            Some(c) if c.seq < s => format!("rank {r} finished {c} but did not join #{s}"),
-            Some(c) => format!("rank {r} already finished #{s} (its last finished is {c})"),
-            None => format!("rank {r} finished no collective of this group and did not join #{s}"),
+            Some(c) if c.seq < s => format!("finished {c} but did not join #{s}"),
+            Some(c) => format!("already finished #{s} (last finished: {c})"),
+            None => format!("finished no collective of this group and did not join #{s}"),
         }
     }
 }
 
+/// `1`, `2-5`, `1, 3-4, 9`: ranks in increasing order, runs collapsed.
+fn rank_list(ranks: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        out.push(if j > i {
+            format!("{}-{}", ranks[i], ranks[j])
+        } else {
+            ranks[i].to_string()
+        });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
 impl fmt::Display for ProgressReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "progress of the other ranks (as last published):")?;
+        // One line per distinct state, so a thousand ranks waiting in the same collective are
+        // one line and the few that lag stand out.
+        let mut lines: Vec<(String, Vec<usize>)> = Vec::new();
         for p in self.ranks.iter().filter(|p| p.rank != self.rank) {
-            write!(f, "\n  {}", self.line(p))?;
+            let key = self.tail(p.state.as_ref(), "is");
+            match lines.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, ranks)) => ranks.push(p.rank),
+                None => lines.push((key, vec![p.rank])),
+            }
+        }
+        write!(f, "progress of the other ranks (as last published):")?;
+        for (key, ranks) in &lines {
+            if let [r] = ranks[..] {
+                write!(f, "\n  rank {r} {key}")?;
+            } else {
+                let state = self.ranks.iter().find(|p| p.rank == ranks[0]);
+                let tail = self.tail(state.and_then(|p| p.state.as_ref()), "are");
+                write!(f, "\n  ranks {} {tail}", rank_list(ranks))?;
+            }
         }
         Ok(())
     }
@@ -448,6 +482,10 @@ mod tests {
                 None,
                 st(c("all_reduce", 4), c("broadcast", 5), None),
                 st(None, None, None),
+                st(c("all_reduce", 4), None, None),
+                st(c("all_reduce", 3), c("all_reduce", 4), None),
+                st(c("all_reduce", 3), c("all_reduce", 4), None),
+                st(c("all_reduce", 3), c("all_reduce", 4), None),
             ],
             5,
         );
@@ -456,14 +494,14 @@ mod tests {
         assert_eq!(
             lines,
             [
-                "rank 1 finished all_reduce #4 but did not join #5",
+                "ranks 1, 7 finished all_reduce #4 but did not join #5",
                 "rank 2 is in all_reduce #5 too (and failed there)",
-                "rank 3 is still in all_reduce #4 and did not join #5",
-                "rank 4 published no progress (it is gone, never created this group, or cannot reach the store)",
+                "ranks 3, 8-10 are still in all_reduce #4 and did not join #5",
+                "rank 4 published no progress (gone, never created this group, or cannot reach the store)",
                 "rank 5 is in broadcast #5, not all_reduce: the ranks issued different collectives",
                 "rank 6 finished no collective of this group and did not join #5",
             ]
         );
-        assert_eq!(r.lagging(), [1, 3, 4, 6]);
+        assert_eq!(r.lagging(), [1, 3, 4, 6, 7, 8, 9, 10]);
     }
 }

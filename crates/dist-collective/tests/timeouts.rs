@@ -109,6 +109,12 @@ fn the_first_failure_dumps_the_flight_recorder_once() {
             failed.wait();
             return Ok(None);
         }
+        // A monitored barrier's failure leaves the group usable: it may dump, but must not use
+        // up the dump of the failure that aborts the group.
+        let probe = pg
+            .monitored_barrier(Duration::from_millis(100), true)
+            .expect_err("rank 1 never arrives");
+        assert!(matches!(probe, Error::MonitoredBarrier { .. }), "{probe}");
         let first = pg
             .all_reduce(&mut [1i64; 7], ReduceOp::Sum)
             .expect_err("rank 1 never joins");
@@ -142,7 +148,7 @@ fn the_first_failure_dumps_the_flight_recorder_once() {
     );
     assert_ne!(first, second);
     let e = j["entries"].as_array().expect("entries");
-    assert_eq!(e.len(), 3, "{text}");
+    assert_eq!(e.len(), 4, "{text}");
     let fields = |i: usize| {
         (
             e[i]["op"].as_str().unwrap_or_default(),
@@ -174,20 +180,24 @@ fn the_first_failure_dumps_the_flight_recorder_once() {
     );
     assert_eq!(e[1]["peer"], 0);
     assert_eq!(
-        fields(2),
+        (fields(2).0, fields(2).3, fields(2).4),
+        ("monitored_barrier", Some(2), "failed")
+    );
+    assert_eq!(
+        fields(3),
         (
             "all_reduce",
             "i64",
             serde_json::json!([7]),
-            Some(2),
+            Some(3),
             "failed"
         )
     );
-    let err = e[2]["error"]
+    let err = e[3]["error"]
         .as_str()
         .expect("the failed entry has its error");
     assert!(err.contains("timed out"), "{err}");
-    assert!(e[2]["finished_ms"].as_f64() >= e[2]["started_ms"].as_f64());
+    assert!(e[3]["finished_ms"].as_f64() >= e[3]["started_ms"].as_f64());
 }
 
 /// A store that counts the writes of progress keys.
