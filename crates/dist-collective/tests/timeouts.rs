@@ -291,3 +291,37 @@ fn collectives_that_keep_completing_publish_no_progress() {
     let sets = store.progress_sets.load(Ordering::Relaxed);
     assert!(sets <= 8, "{sets} progress writes for {OPS} collectives");
 }
+
+#[test]
+fn a_receive_that_times_out_names_its_seq_and_peer() {
+    let done = Barrier::new(2);
+    let out = run_world_with(2, Duration::from_millis(300), |pg| {
+        let r = if pg.rank() == 0 {
+            pg.all_reduce(&mut [1u8], ReduceOp::Sum)?;
+            let work = pg.irecv(vec![0u8; 4], 1, 5)?;
+            let seq = work.seq();
+            Some((seq, work.wait().expect_err("rank 1 never sends")))
+        } else {
+            pg.all_reduce(&mut [1u8], ReduceOp::Sum)?;
+            None
+        };
+        done.wait();
+        Ok(r)
+    })
+    .expect("every rank returns");
+    let (seq, err) = out[0].as_ref().expect("rank 0 received");
+    let msg = err.to_string();
+    assert_eq!(*seq, 1, "the receive is the group's second operation");
+    assert!(
+        matches!(
+            err,
+            Error::Backend(dist_backend::Error::Timeout { rank: 0, seq: s, missing_peers, .. })
+                if s == seq && missing_peers == &[1]
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("rank 0") && msg.contains("#1") && msg.contains("[1]"),
+        "{msg}"
+    );
+}
