@@ -306,17 +306,29 @@ impl Progress {
             .filter(|&(r, _)| r != self.rank)
             .map(|(_, k)| k.as_str())
             .collect();
-        // A live rank publishes within publish_after of its state settling, and every state
-        // but a rank's first has settled by the time a peer times out; so waiting two periods
-        // only costs time when a rank is gone, and then bounds it.
-        let _ = self.store.wait(&others, self.publish_after * 2);
+        // A live rank publishes once its state has been unchanged for publish_after, and a rank
+        // that makes a peer time out has been unchanged for far longer; so this wait costs time
+        // only when a rank is gone (or never reached the group), and is bounded then.
+        let everyone = self.store.wait(&others, self.publish_after * 2).is_ok();
+        // One round trip in the usual case; one per rank when some never published.
+        let fetched: Vec<Option<RankState>> = match everyone
+            .then(|| self.store.multi_get(&others).ok())
+            .flatten()
+        {
+            Some(values) => values
+                .iter()
+                .map(|v| serde_json::from_slice(v).ok())
+                .collect(),
+            None => others.iter().map(|k| self.read(k)).collect(),
+        };
+        let mut fetched = fetched.into_iter();
         let ranks = (0..self.world_size)
             .map(|r| RankProgress {
                 rank: r,
                 state: if r == self.rank {
                     Some(own.clone())
                 } else {
-                    self.read(&keys[r])
+                    fetched.next().flatten()
                 },
             })
             .collect();
