@@ -1,7 +1,10 @@
-//! Debugging aids: the `DIST_DEBUG` level and the per-group flight recorder.
+//! Debugging aids: the `DIST_DEBUG` level, the per-group flight recorder and its dump on a
+//! group's first failure.
 
 use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -60,6 +63,10 @@ pub enum OpState {
 pub struct FlightEntry {
     /// Issue number in the group (0, 1, ...): collectives, point-to-point and group steps.
     pub seq: u64,
+    /// Sequence number among the group's collectives and group steps (the same on every rank;
+    /// the `#n` of timeout messages), once the operation has started; `None` for
+    /// point-to-point operations.
+    pub collective_seq: Option<u64>,
     /// The operation (`"all_reduce"`, `"isend"`, ...).
     pub op: &'static str,
     /// Element type name, when the operation has one.
@@ -125,6 +132,7 @@ impl FlightRecorder {
             }
             g.1.push_back(FlightEntry {
                 seq,
+                collective_seq: None,
                 op: info.op,
                 dtype: info.dtype,
                 counts: info.counts,
@@ -139,9 +147,10 @@ impl FlightRecorder {
         seq
     }
 
-    pub(crate) fn started(&self, seq: u64) {
+    pub(crate) fn started(&self, seq: u64, collective_seq: Option<u64>) {
         self.update(seq, |e| {
             e.state = OpState::Started;
+            e.collective_seq = collective_seq;
             e.started_ms = Some(now_ms());
         });
     }
@@ -169,4 +178,94 @@ impl FlightRecorder {
         let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         g.1.iter().cloned().collect()
     }
+}
+
+/// The flight recorder as a JSON object: `{"group", "rank", "world_size", "entries"}`, plus
+/// `"error"` when a failure triggered the dump.
+pub(crate) fn dump_json(
+    group: &str,
+    rank: usize,
+    world_size: usize,
+    entries: &[FlightEntry],
+    error: Option<&str>,
+) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "group": group,
+        "rank": rank,
+        "world_size": world_size,
+        "entries": entries,
+    });
+    if let Some(e) = error {
+        v["error"] = e.into();
+    }
+    v
+}
+
+/// Dumps a group's flight recorder on its first failure, and only then: after a failure every
+/// later operation fails too (the group is aborted), and one dump per failure is what a person
+/// reading 64 rank logs can use.
+#[derive(Debug)]
+pub(crate) struct FailureDump {
+    dir: Option<PathBuf>,
+    done: AtomicBool,
+}
+
+impl FailureDump {
+    /// Dumps into `dir` when given (one file per group and rank), else into a `warn` event.
+    pub(crate) fn new(dir: Option<PathBuf>) -> Self {
+        FailureDump {
+            dir,
+            done: AtomicBool::new(false),
+        }
+    }
+
+    /// The file a group's rank dumps to under `dir`: the group name with `/` turned into `.`,
+    /// so every group of a job gets its own file in one flat directory.
+    pub(crate) fn file_name(group: &str, rank: usize) -> String {
+        format!("{}.rank{rank}.json", group.replace('/', "."))
+    }
+
+    /// Records a failure: the first one that `aborts` the group dumps `json()` and returns
+    /// true, later ones return false. A failure that leaves the group usable (a monitored
+    /// barrier's) dumps too, as long as none has aborted it, without using up the dump that
+    /// the failure which does abort it will want.
+    pub(crate) fn on_failure(
+        &self,
+        group: &str,
+        rank: usize,
+        aborts: bool,
+        json: impl FnOnce() -> serde_json::Value,
+    ) -> bool {
+        let already = if aborts {
+            self.done.swap(true, Ordering::AcqRel)
+        } else {
+            self.done.load(Ordering::Acquire)
+        };
+        if already {
+            return false;
+        }
+        let text = json().to_string();
+        match &self.dir {
+            Some(dir) => match write_dump(dir, &Self::file_name(group, rank), &text) {
+                Ok(path) => {
+                    tracing::warn!(rank, group, path = %path.display(), "flight recorder dumped");
+                }
+                Err(e) => {
+                    tracing::warn!(rank, group, dir = %dir.display(), error = %e, flight_recorder = %text, "cannot write the flight recorder dump; here it is");
+                }
+            },
+            None => tracing::warn!(rank, group, flight_recorder = %text, "flight recorder dump"),
+        }
+        true
+    }
+}
+
+/// Writes `text` to `dir/name` through a temporary file, so a reader never sees half a dump.
+fn write_dump(dir: &Path, name: &str, text: &str) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(name);
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
 }

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::progress::ProgressReport;
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -9,15 +11,36 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// Caller mistakes found locally ([`Error::SizeMismatch`], [`Error::InvalidArgument`]) are
 /// reported before anything goes on the wire and leave the group usable. Errors from the
-/// backend ([`Error::Backend`]) keep their own variant (`PeerLost`, `Timeout`, `Mismatch`, ...):
-/// after a peer failure the group's connections are in an unknown state and the group must be
-/// destroyed and re-created, as in Gloo.
+/// backend ([`Error::Backend`]) keep their own variant (`PeerLost`, `Mismatch`, ...), except
+/// that a collective's `Timeout` comes wrapped in [`Error::CollectiveTimeout`] with every
+/// rank's progress: after a peer failure the group's connections are in an unknown state and
+/// the group must be destroyed and re-created, as in Gloo.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The backend, store or init failed; the inner error names the rank and operation.
     #[error(transparent)]
     Backend(#[from] dist_backend::Error),
+    /// A collective did not complete within the group's timeout. `source` is the backend's
+    /// error (naming the peers that did not deliver); `progress` says where every rank of the
+    /// group last reported being, so the message names who finished what, e.g. `rank 1
+    /// finished all_reduce #4 but did not join #5`.
+    #[error("rank {rank}: {op} #{seq} in group {group} timed out ({source})\n{progress}")]
+    CollectiveTimeout {
+        /// This rank (in the group).
+        rank: usize,
+        /// The group's name.
+        group: String,
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number among the group's collectives (the same on every rank).
+        seq: u64,
+        /// The backend's timeout.
+        #[source]
+        source: dist_backend::Error,
+        /// Every rank's progress, as last published.
+        progress: ProgressReport,
+    },
     /// A buffer's length does not match what the operation needs on this rank.
     #[error("rank {rank}: {op}: {what} has {actual} elements but {expected} are needed")]
     SizeMismatch {

@@ -1,6 +1,10 @@
 //! The per-group executor: one worker thread that runs queued (async) operations, and a ticket
 //! order that blocking operations on the caller's thread join, so that every operation of a
 //! group runs in issue order.
+//!
+//! The ticket doubles as the group's collective sequence number: every rank issues the group's
+//! collectives in the same order, so ticket `n` names the same collective on every rank, which
+//! is what progress reports compare.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -9,8 +13,8 @@ use std::thread::JoinHandle;
 
 use dist_backend::Backend;
 
-/// A queued operation: runs on the worker with the group's backend.
-pub(crate) type Job = Box<dyn FnOnce(&dyn Backend) + Send>;
+/// A queued operation: runs on the worker with the group's backend and its ticket.
+pub(crate) type Job = Box<dyn FnOnce(&dyn Backend, u64) + Send>;
 
 struct Queue {
     next_ticket: u64,
@@ -58,9 +62,9 @@ impl Exec {
         (exec, handle)
     }
 
-    /// Runs `f` on this thread once every operation issued before it has finished; operations
-    /// issued after it wait for it.
-    pub(crate) fn run_inline<R>(&self, f: impl FnOnce(&dyn Backend) -> R) -> R {
+    /// Runs `f` (given the backend and this operation's ticket) on this thread once every
+    /// operation issued before it has finished; operations issued after it wait for it.
+    pub(crate) fn run_inline<R>(&self, f: impl FnOnce(&dyn Backend, u64) -> R) -> R {
         let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
         let t = q.next_ticket;
         q.next_ticket += 1;
@@ -70,7 +74,7 @@ impl Exec {
         }
         drop(q);
         let _advance = Advance(self);
-        f(&*self.backend)
+        f(&*self.backend, t)
     }
 
     /// Queues `job` after every operation issued so far. Returns it back if the group is closed.
@@ -99,7 +103,7 @@ impl Exec {
                 let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
                     if q.jobs.front().is_some_and(|(t, _)| *t == q.now_serving) {
-                        break q.jobs.pop_front().map(|(_, j)| j);
+                        break q.jobs.pop_front();
                     }
                     if q.closed && q.jobs.is_empty() {
                         break None;
@@ -107,10 +111,10 @@ impl Exec {
                     q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let Some(job) = job else { return };
+            let Some((ticket, job)) = job else { return };
             let _advance = Advance(self);
             // A panicking job drops its completer, which completes its Work with an error.
-            if catch_unwind(AssertUnwindSafe(|| job(&*self.backend))).is_err() {
+            if catch_unwind(AssertUnwindSafe(|| job(&*self.backend, ticket))).is_err() {
                 tracing::error!(
                     rank = self.backend.rank(),
                     "a queued operation panicked; its Work reports the group as destroyed"

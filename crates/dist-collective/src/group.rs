@@ -1,6 +1,7 @@
 //! [`ProcessGroup`]: a set of ranks with its own connections, worker thread and flight recorder,
 //! and the typed collectives over it.
 
+use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -11,9 +12,10 @@ use dist_backend::store::PrefixStore;
 use dist_backend::{Backend, BufMut, BufRef, OpOptions, Store};
 use dist_wire::{Element, ReduceOp};
 
-use crate::debug::{DebugLevel, FlightEntry, FlightRecorder, OpInfo};
+use crate::debug::{DebugLevel, FailureDump, FlightEntry, FlightRecorder, OpInfo, dump_json};
 use crate::exec::Exec;
 use crate::p2p::{self, Dir, P2pJob};
+use crate::progress::{self, Progress};
 use crate::work::{Completer, Work};
 use crate::{Error, Result};
 
@@ -30,6 +32,8 @@ pub(crate) struct GroupConfig {
     pub(crate) timeout: Duration,
     pub(crate) root_store: Arc<dyn Store>,
     pub(crate) debug: DebugLevel,
+    /// Where a group's first failure dumps its flight recorder (`None`: a `warn` event).
+    pub(crate) flight_dir: Option<PathBuf>,
 }
 
 /// What an operation needs from its group while it runs (on the caller's thread or a worker).
@@ -40,6 +44,8 @@ pub(crate) struct OpCtx {
     pub(crate) timeout: Duration,
     pub(crate) debug: DebugLevel,
     pub(crate) recorder: FlightRecorder,
+    pub(crate) progress: Arc<Progress>,
+    pub(crate) dump: FailureDump,
 }
 
 pub(crate) struct GroupInner {
@@ -57,6 +63,7 @@ pub(crate) struct GroupInner {
     pub(crate) monitored: AtomicU64,
     exec: Arc<Exec>,
     p2p: Mutex<Option<Sender<P2pJob>>>,
+    watchdog: Mutex<Option<Sender<()>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -64,6 +71,10 @@ impl Drop for GroupInner {
     fn drop(&mut self) {
         self.exec.close();
         self.p2p.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.watchdog
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for t in threads {
             // Queued operations finish first (each bounded by its timeout).
@@ -192,16 +203,23 @@ fn check_fingerprint(
     Ok(())
 }
 
-/// Runs one operation on `b`, keeping the flight recorder and logs.
+/// Runs one operation on `b` as the group's collective `cseq`, keeping the flight recorder,
+/// the progress others read on a timeout, and the logs.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one internal helper that every collective calls; a struct would only rename them"
+)]
 fn run_op<R>(
     ctx: &OpCtx,
     seq: u64,
+    cseq: u64,
     op: &'static str,
     fp: Option<Fingerprint>,
     b: &dyn Backend,
     f: impl FnOnce(&dyn Backend, &OpOptions) -> Result<R>,
 ) -> Result<R> {
-    ctx.recorder.started(seq);
+    ctx.recorder.started(seq, Some(cseq));
+    ctx.progress.started(cseq, op);
     let t0 = Instant::now();
     if ctx.debug >= DebugLevel::Detail {
         tracing::info!(rank = ctx.rank, group = %ctx.name, op, seq, "operation started");
@@ -213,16 +231,48 @@ fn run_op<R>(
         }
         _ => f(b, &opts),
     };
+    let r = r.map_err(|e| with_progress(ctx, op, cseq, e));
+    match &r {
+        Ok(_) => ctx.progress.finished(cseq, op),
+        Err(_) => ctx.progress.failed(cseq, op),
+    }
     finish(ctx, seq, op, t0, r.as_ref().err());
     r
+}
+
+/// Turns a backend timeout into [`Error::CollectiveTimeout`], which says where every rank of
+/// the group is; other errors pass through.
+fn with_progress(ctx: &OpCtx, op: &'static str, cseq: u64, e: Error) -> Error {
+    match e {
+        Error::Backend(source @ dist_backend::Error::Timeout { .. }) => Error::CollectiveTimeout {
+            rank: ctx.rank,
+            group: ctx.name.clone(),
+            op,
+            seq: cseq,
+            progress: ctx.progress.report(op, cseq),
+            source,
+        },
+        other => other,
+    }
 }
 
 fn finish(ctx: &OpCtx, seq: u64, op: &'static str, t0: Instant, err: Option<&Error>) {
     ctx.recorder.finished(seq, err.map(ToString::to_string));
     match err {
         Some(e) => {
-            let dump = serde_json::to_string(&ctx.recorder.entries()).unwrap_or_default();
-            tracing::warn!(rank = ctx.rank, group = %ctx.name, op, seq, error = %e, flight_recorder = %dump, "operation failed");
+            // A monitored barrier fails through the store and leaves the group usable.
+            let aborts = !matches!(e, Error::MonitoredBarrier { .. });
+            let dumped = ctx.dump.on_failure(&ctx.name, ctx.rank, aborts, || {
+                let error = e.to_string();
+                dump_json(
+                    &ctx.name,
+                    ctx.rank,
+                    ctx.world_size,
+                    &ctx.recorder.entries(),
+                    Some(&error),
+                )
+            });
+            tracing::warn!(rank = ctx.rank, group = %ctx.name, op, seq, error = %e, first_failure = dumped, "operation failed");
         }
         None if ctx.debug >= DebugLevel::Detail => {
             tracing::info!(rank = ctx.rank, group = %ctx.name, op, seq, elapsed = ?t0.elapsed(), "operation completed");
@@ -307,6 +357,9 @@ impl ProcessGroup {
             store.clone(),
             format!("dist-{short}-p2p-r{rank}"),
         );
+        let progress = Arc::new(Progress::new(rank, world_size, store.clone(), cfg.timeout));
+        let (stop_watchdog, watchdog) =
+            progress::start_watchdog(progress.clone(), format!("dist-{short}-wd-r{rank}"));
         if cfg.debug >= DebugLevel::Info {
             tracing::info!(rank, world_size, group = %prefix, backend = %cfg.backend, "process group created");
         }
@@ -319,6 +372,8 @@ impl ProcessGroup {
                     timeout: cfg.timeout,
                     debug: cfg.debug,
                     recorder: FlightRecorder::from_env(),
+                    progress,
+                    dump: FailureDump::new(cfg.flight_dir.clone()),
                 }),
                 cfg,
                 prefix,
@@ -328,7 +383,8 @@ impl ProcessGroup {
                 monitored: AtomicU64::new(0),
                 exec,
                 p2p: Mutex::new(Some(tx)),
-                threads: Mutex::new(vec![worker, p2p_thread]),
+                watchdog: Mutex::new(Some(stop_watchdog)),
+                threads: Mutex::new(vec![worker, p2p_thread, watchdog]),
             }),
         })
     }
@@ -384,14 +440,19 @@ impl ProcessGroup {
         self.inner.ctx.recorder.entries()
     }
 
-    /// The flight recorder as JSON: `{"group", "rank", "world_size", "entries": [...]}`.
+    /// The flight recorder as JSON: `{"group", "rank", "world_size", "entries": [...]}`. A
+    /// group's first failed operation dumps the same object, with an `"error"` field, to
+    /// `<dir>/<group>.rank<rank>.json` (`/` in the group name becomes `.`) when
+    /// [`InitOptions::flight_recorder_dir`](crate::InitOptions::flight_recorder_dir) or
+    /// `DIST_FLIGHT_RECORDER_DIR` names a directory, and into a `warn` event otherwise.
     pub fn dump_flight_recorder(&self) -> String {
-        serde_json::json!({
-            "group": self.name(),
-            "rank": self.rank(),
-            "world_size": self.world_size(),
-            "entries": self.flight_recorder(),
-        })
+        dump_json(
+            self.name(),
+            self.rank(),
+            self.world_size(),
+            &self.flight_recorder(),
+            None,
+        )
         .to_string()
     }
 
@@ -478,7 +539,7 @@ impl ProcessGroup {
         let seq = ctx.recorder.issue(info);
         self.inner
             .exec
-            .run_inline(|b| run_op(ctx, seq, op, fp, b, f))
+            .run_inline(|b, cseq| run_op(ctx, seq, cseq, op, fp, b, f))
     }
 
     /// Runs a group-level step (no backend operation) on this thread in its place in the
@@ -498,8 +559,8 @@ impl ProcessGroup {
         let ctx = self.inner.ctx.clone();
         let seq = ctx.recorder.issue(info);
         let (work, done): (Work<R>, Completer<R>) = Work::pending(ctx.rank, op, seq);
-        let job = Box::new(move |b: &dyn Backend| {
-            done.complete(run_op(&ctx, seq, op, fp, b, f));
+        let job = Box::new(move |b: &dyn Backend, cseq| {
+            done.complete(run_op(&ctx, seq, cseq, op, fp, b, f));
         });
         self.inner.exec.submit(job).map_err(|_| Error::Destroyed {
             rank: self.rank(),
@@ -535,7 +596,7 @@ impl ProcessGroup {
             let t0 = Instant::now();
             let r = match b {
                 Ok(b) => {
-                    ctx.recorder.started(seq);
+                    ctx.recorder.started(seq, None);
                     let mut opts = OpOptions::with_timeout(deadline.saturating_duration_since(t0));
                     opts.tag = tag;
                     match dir {
@@ -553,6 +614,7 @@ impl ProcessGroup {
             dir,
             peer,
             tag,
+            seq,
             deadline,
             started,
             run,

@@ -1,5 +1,6 @@
 //! `init_process_group`, the default group, and the torch-style free functions over it.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -54,6 +55,7 @@ pub struct InitOptions {
     world_size: Option<usize>,
     timeout: Duration,
     debug: Option<DebugLevel>,
+    flight_dir: Option<PathBuf>,
 }
 
 impl Default for InitOptions {
@@ -73,6 +75,7 @@ impl InitOptions {
             world_size: None,
             timeout: DEFAULT_TIMEOUT,
             debug: None,
+            flight_dir: None,
         }
     }
 
@@ -80,6 +83,14 @@ impl InitOptions {
     /// `DIST_DEBUG`'s.
     pub fn debug_level(mut self, level: DebugLevel) -> Self {
         self.debug = Some(level);
+        self
+    }
+
+    /// The directory a group's first failure dumps its flight recorder into (one JSON file
+    /// per group and rank, see [`ProcessGroup::dump_flight_recorder`]), instead of
+    /// `DIST_FLIGHT_RECORDER_DIR`'s. Without either, the dump goes into a `warn` event.
+    pub fn flight_recorder_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.flight_dir = Some(dir.into());
         self
     }
 
@@ -184,6 +195,11 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         timeout: opts.timeout,
         root_store: store,
         debug: opts.debug.unwrap_or_else(DebugLevel::from_env),
+        flight_dir: opts.flight_dir.or_else(|| {
+            std::env::var_os("DIST_FLIGHT_RECORDER_DIR")
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+        }),
     };
     ProcessGroup::connect(cfg, prefix, rank, (0..world_size).collect())
 }

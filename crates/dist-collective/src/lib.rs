@@ -58,8 +58,12 @@
 //!
 //! `DIST_DEBUG=INFO|DETAIL` turns on `tracing` events (and, at `DETAIL`, a cross-rank check of
 //! every collective's op, dtype and count). Each group keeps a flight recorder of its last
-//! operations ([`ProcessGroup::dump_flight_recorder`]), logged on error.
-//! [`ProcessGroup::monitored_barrier`] names the ranks that did not arrive.
+//! operations ([`ProcessGroup::dump_flight_recorder`]); a group's first failure dumps it once,
+//! as JSON, into `DIST_FLIGHT_RECORDER_DIR` (or [`InitOptions::flight_recorder_dir`]) or a
+//! `warn` event. A collective that times out fails with [`Error::CollectiveTimeout`], whose
+//! [`ProgressReport`] says which ranks finished which collective (`rank 1 finished all_reduce
+//! #4 but did not join #5`). [`ProcessGroup::monitored_barrier`] names the ranks that did not
+//! arrive.
 //!
 //! # Features
 //!
@@ -75,6 +79,7 @@ mod mesh;
 mod monitor;
 mod object;
 mod p2p;
+mod progress;
 mod subgroup;
 pub mod testing;
 mod work;
@@ -89,4 +94,5 @@ pub use init::{
     is_initialized, new_group, new_process_group, recv, reduce_scatter_into, send,
 };
 pub use mesh::DeviceMesh;
+pub use progress::{CollectiveRef, ProgressReport, RankProgress, RankState};
 pub use work::Work;

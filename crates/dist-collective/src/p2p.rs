@@ -36,6 +36,8 @@ pub(crate) struct P2pJob {
     pub(crate) dir: Dir,
     pub(crate) peer: usize,
     pub(crate) tag: u32,
+    /// Issue number in the group's flight recorder, named by a timeout.
+    pub(crate) seq: u64,
     pub(crate) deadline: Instant,
     pub(crate) started: Instant,
     pub(crate) run: P2pRun,
@@ -220,7 +222,7 @@ impl Engine {
                         (j.run)(Err(Error::Backend(dist_backend::Error::Timeout {
                             rank: self.rank,
                             op: CollectiveOp::SendRecv,
-                            seq: 0,
+                            seq: j.seq,
                             waited: j.started.elapsed(),
                             missing_peers: vec![j.peer],
                         })));
