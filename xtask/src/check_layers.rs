@@ -25,8 +25,13 @@ const BACKENDS: &[&str] = &["dist-gloo", "dist-nccl"];
 /// The allowed DAG, bottom to top. A crate not yet written is simply absent from the metadata.
 const LAYERS: &[Layer] = &[
     Layer {
-        name: "dist-wire",
+        name: "dist-simd",
         allowed: &[],
+        optional_only: &[],
+    },
+    Layer {
+        name: "dist-wire",
+        allowed: &["dist-simd"],
         optional_only: &[],
     },
     Layer {
@@ -245,7 +250,11 @@ mod tests {
     #[test]
     fn an_allowed_graph_passes() {
         let m = metadata(&[
-            ("dist-wire", &[("thiserror", None, false)]),
+            ("dist-simd", &[("bytemuck", None, false)]),
+            (
+                "dist-wire",
+                &[("thiserror", None, false), ("dist-simd", None, false)],
+            ),
             ("dist-backend", &[("dist-wire", None, false)]),
             (
                 "dist-gloo",
@@ -278,7 +287,15 @@ mod tests {
         ]);
         assert_eq!(
             check(&m).unwrap(),
-            ["dist-wire -> dist-backend is not allowed: dist-wire may depend on no internal crate"]
+            ["dist-wire -> dist-backend is not allowed: dist-wire may depend on dist-simd"]
+        );
+        let m = metadata(&[
+            ("dist-simd", &[("dist-wire", None, false)]),
+            ("dist-wire", &[("dist-simd", None, false)]),
+        ]);
+        assert_eq!(
+            check(&m).unwrap(),
+            ["dist-simd -> dist-wire is not allowed: dist-simd may depend on no internal crate"]
         );
         let m = metadata(&[
             ("dist-backend", &[("dist-gloo", None, false)]),

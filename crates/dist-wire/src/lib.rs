@@ -23,7 +23,6 @@
 
 mod dtype;
 mod error;
-mod halfconv;
 mod header;
 mod op;
 mod reduce;

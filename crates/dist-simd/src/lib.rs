@@ -1,0 +1,109 @@
+//! Element-wise kernels over 16-bit floats (`f16`, `bf16`) stored as `u16` bits, computed in
+//! `f32`, and dispatched at run time to the widest instructions the CPU has.
+//!
+//! `dist-wire` reduces half-precision buffers by widening each element to `f32`, combining, and
+//! rounding back once. Written portably, that costs more than the memory traffic it rides on:
+//! a baseline x86-64 build cannot assume F16C (the instructions that convert 8 halves at once)
+//! or AVX2, and `dist-wire` forbids the `unsafe` that calling them through runtime detection
+//! needs. This crate is where that `unsafe` lives, kept to one kind (calling a
+//! `#[target_feature]` function after checking the CPU has the feature), so that the crates
+//! above it stay `#![forbid(unsafe_code)]`.
+//!
+//! Paths, chosen per call:
+//!
+//! * `f16` on x86 with F16C: `vcvtph2ps`/`vcvtps2ph`, 8 lanes;
+//! * `bf16` on x86 with AVX2: the portable bit algorithms at 8 lanes;
+//! * everywhere else: the portable bit algorithms at whatever width the target guarantees.
+//!
+//! Every path gives the same bits: widening is exact, narrowing rounds to nearest even (overflow
+//! to infinity, subnormals kept), and a NaN stays a NaN with the top of its payload, quieted,
+//! exactly as `half`'s scalar conversions do. The tests hold the conversions to `half` on every
+//! `f16` and `bf16` value and around every rounding boundary, and each kernel path to `half` on
+//! special values, random bits and lengths around the vector width.
+//!
+//! The crate is sans-IO like `dist-wire`: no threads, sockets or clocks.
+//!
+//! ```
+//! // 1.5 + 2.25 in f16, combined in f32 and rounded once.
+//! let mut acc = [0x3e00u16];
+//! dist_simd::f16::zip_map(&mut acc, &[0x4080], |a, b| a + b);
+//! assert_eq!(acc, [0x4380]); // 3.75
+//! ```
+
+mod portable;
+#[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+mod x86;
+
+macro_rules! format_module {
+    ($name:ident, $what:literal, $widen:path, $narrow:path, $x86_zip:ident, $x86_map:ident) => {
+        #[doc = concat!("Kernels over ", $what, " bits.")]
+        pub mod $name {
+            use crate::portable;
+
+            /// Widens one value to `f32`, exactly (a signalling NaN may stay signalling).
+            #[inline]
+            pub fn widen(bits: u16) -> f32 {
+                $widen(bits)
+            }
+
+            /// Narrows one `f32`, rounding to nearest even; overflow goes to infinity and a NaN
+            /// stays a NaN (quieted, with the top of its payload).
+            #[inline]
+            pub fn narrow(x: f32) -> u16 {
+                $narrow(x)
+            }
+
+            /// `dst[i] = narrow(f(widen(dst[i]), widen(src[i])))` for every `i`.
+            ///
+            /// `f` runs on vectors of lanes: keep it a branch-free expression (selects are
+            /// fine) so that it vectorises with the conversions around it.
+            ///
+            /// # Panics
+            ///
+            /// If the slices differ in length.
+            #[inline]
+            pub fn zip_map(dst: &mut [u16], src: &[u16], f: impl Fn(f32, f32) -> f32 + Copy) {
+                assert_eq!(
+                    dst.len(),
+                    src.len(),
+                    "zip_map over slices of different lengths"
+                );
+                #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+                if crate::x86::$x86_zip(dst, src, f) {
+                    return;
+                }
+                portable::zip_map(dst, src, |a, b| $narrow(f($widen(a), $widen(b))));
+            }
+
+            /// `buf[i] = narrow(f(widen(buf[i])))` for every `i`.
+            #[inline]
+            pub fn map(buf: &mut [u16], f: impl Fn(f32) -> f32 + Copy) {
+                #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+                if crate::x86::$x86_map(buf, f) {
+                    return;
+                }
+                portable::map(buf, |a| $narrow(f($widen(a))));
+            }
+        }
+    };
+}
+
+format_module!(
+    f16,
+    "IEEE binary16 (`f16`)",
+    portable::h2f,
+    portable::f2h,
+    f16_zip_map,
+    f16_map
+);
+format_module!(
+    bf16,
+    "bfloat16 (`bf16`)",
+    portable::b2f,
+    portable::f2b,
+    bf16_zip_map,
+    bf16_map
+);
+
+#[cfg(test)]
+mod tests;
