@@ -41,7 +41,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut ddp = Ddp::new(
         pg.clone(),
         infos.clone(),
-        DdpOptions::default(),
+        DdpOptions {
+            bucket_cap_mb: std::env::var("DDP_BENCH_BUCKET_MB")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(25.0),
+            ..DdpOptions::default()
+        },
         &mut values
             .iter_mut()
             .map(|v| v.as_mut_slice())
