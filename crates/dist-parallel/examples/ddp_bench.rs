@@ -13,7 +13,8 @@
 //! DDP step with the gradients already in the buckets (`grad_buffer_mut`, torch's
 //! `gradient_as_bucket_view`, which saves the two copies): DDP's sync cost proper. (d) writes
 //! each gradient into its bucket and marks it ready at once, as a backward pass does, and (e)
-//! only writes the gradients: (d) − (e) is the communication left exposed after overlap.
+//! only writes the gradients: (d) − (e) is the communication left exposed after overlap. (f) runs
+//! the same bucket-sized all-reduces without DDP, to separate bucketing from DDP's machinery.
 
 #![allow(missing_docs, reason = "an example binary")]
 
@@ -58,7 +59,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|p| vec![pg.rank() as f32; p.numel()])
         .collect();
     let mut flat = vec![pg.rank() as f32; total];
-    const K: usize = 5;
+    const K: usize = 6;
+    let mut loose: Vec<Vec<f32>> = Vec::new();
     let mut times = vec![0f64; K * iters];
     for it in 0..=iters {
         let t0 = Instant::now();
@@ -101,9 +103,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let e = t0.elapsed().as_secs_f64();
         pg.barrier()?;
+        // The same all-reduces DDP issues, straight from this thread on bucket-sized buffers:
+        // what the bucketing itself costs, DDP's machinery aside.
+        if loose.len() != ddp.layout().buckets.len() {
+            loose = ddp
+                .layout()
+                .buckets
+                .iter()
+                .map(|b| vec![pg.rank() as f32; b.len])
+                .collect();
+        }
+        let t0 = Instant::now();
+        for l in &mut loose {
+            pg.all_reduce(l, ReduceOp::Avg)?;
+        }
+        let f = t0.elapsed().as_secs_f64();
         if it > 0 {
             // Iteration 0 is the warm-up (and DDP's bucket rebuild).
-            times[K * (it - 1)..K * it].copy_from_slice(&[a, b, c, d, e]);
+            times[K * (it - 1)..K * it].copy_from_slice(&[a, b, c, d, e, f]);
         }
     }
     pg.all_reduce(&mut times, ReduceOp::Max)?;
@@ -113,7 +130,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             v[v.len() / 2]
         };
         let col = |k: usize| median(times.iter().skip(k).step_by(K).copied().collect());
-        let (ar, dd, dv, bw, fill) = (col(0), col(1), col(2), col(3), col(4));
+        let (ar, dd, dv, bw, fill, lo) = (col(0), col(1), col(2), col(3), col(4), col(5));
         println!(
             "ddp_bench: world {} | {} parameters ({:.0} MB) in {} buckets | all_reduce median {:.1} ms | DDP sync, copy in/out {:.1} ms (ratio {:.3}) | DDP sync, bucket views {:.1} ms (ratio {:.3}) | backward-like write+sync {:.1} ms, write alone {:.1} ms, exposed {:.1} ms (ratio {:.3})",
             pg.world_size(),
@@ -129,6 +146,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             fill * 1e3,
             (bw - fill) * 1e3,
             (bw - fill) / ar
+        );
+        println!(
+            "ddp_bench: the bucket-sized all_reduces without DDP {:.1} ms (ratio {:.3})",
+            lo * 1e3,
+            lo / ar
         );
     }
     Ok(())
