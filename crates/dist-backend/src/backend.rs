@@ -49,6 +49,8 @@ pub struct Capabilities {
     pub premul_sum: bool,
     /// Supports `send`/`recv`.
     pub point_to_point: bool,
+    /// Answers [`Backend::probe`].
+    pub probe: bool,
 }
 
 impl Capabilities {
@@ -59,6 +61,7 @@ impl Capabilities {
         bitwise_ops: true,
         premul_sum: true,
         point_to_point: true,
+        probe: true,
     };
 }
 
@@ -165,4 +168,18 @@ pub trait Backend: Send + Sync {
 
     /// Receives into `buf` from rank `src`, matched by `opts.tag`.
     fn recv(&self, buf: BufMut<'_>, dtype: DType, src: usize, opts: &OpOptions) -> Result<()>;
+
+    /// Whether a `recv` from `src` with `tag` would start without waiting for the sender: a
+    /// message with that tag has begun to arrive, or the connection to `src` is gone (so the
+    /// `recv` fails at once). Never blocks; reads ahead whatever has arrived (MPI's `Iprobe`).
+    /// Backends that cannot tell report [`Capabilities::probe`] `false` and return
+    /// [`crate::Error::Unsupported`].
+    fn probe(&self, src: usize, tag: u32) -> Result<bool> {
+        let _ = (src, tag);
+        Err(crate::Error::Unsupported {
+            rank: self.rank(),
+            backend: self.name(),
+            what: "probe".into(),
+        })
+    }
 }

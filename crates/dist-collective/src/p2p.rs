@@ -3,9 +3,11 @@
 //!
 //! A backend runs one operation at a time, and a blocking `recv` holds it until the message
 //! arrives, so a naive design deadlocks on the most common pattern (both ranks `irecv`, then
-//! `send`). Here every send first rings the receiver's doorbell (a queue in the group's store
-//! naming the sender and tag), and a receive is only handed to the backend once its message has
-//! been announced. Until then, sends queued after it go ahead. Messages with the same source and
+//! `send`). Here a receive is only handed to the backend once its message has begun to arrive;
+//! until then, sends queued after it go ahead. A backend that can tell
+//! ([`Backend::probe`], e.g. gloo) is asked directly, which costs a non-blocking read of the
+//! peer's connection; for any other backend every send first rings the receiver's doorbell (a
+//! queue in the group's store naming the sender and tag). Messages with the same source and
 //! tag are received in the order they were sent; a large send completes once the receiver has
 //! posted the matching receive, or while the receiver's engine is busy with other messages (it
 //! reads ahead whatever arrives).
@@ -43,6 +45,10 @@ pub(crate) struct P2pJob {
     pub(crate) run: P2pRun,
 }
 
+/// How long the engine keeps polling without sleeping once nothing can progress (probing
+/// backends only): the same budget the gloo transport spins before sleeping.
+const SPIN: Duration = Duration::from_micros(100);
+
 fn inbox(rank: usize) -> String {
     format!("p2p/inbox/{rank}")
 }
@@ -68,14 +74,20 @@ struct Engine {
     rx: Receiver<P2pJob>,
     rank: usize,
     pending: VecDeque<P2pJob>,
-    /// Announced but not yet received messages, by (source, tag).
+    /// Announced but not yet received messages, by (source, tag) (doorbell mode).
     announced: HashMap<(usize, u32), u64>,
+    /// Ask the backend whether a message has arrived instead of ringing doorbells.
+    probing: bool,
     closed: bool,
 }
 
 impl Engine {
     fn new(backend: Box<dyn Backend>, store: Arc<dyn Store>, rx: Receiver<P2pJob>) -> Self {
         let rank = backend.rank();
+        // `DIST_P2P_DOORBELL=1` forces the store doorbells (to rule the probe out when
+        // debugging, and so tests cover the path backends without a probe take).
+        let probing = backend.capabilities().probe
+            && std::env::var("DIST_P2P_DOORBELL").map_or(true, |v| v != "1");
         Engine {
             backend,
             store,
@@ -83,12 +95,21 @@ impl Engine {
             rank,
             pending: VecDeque::new(),
             announced: HashMap::new(),
+            probing,
             closed: false,
         }
     }
 
     fn run(mut self) {
-        let mut backoff = Duration::from_micros(20);
+        // Between polls for a message that has not arrived. A probe is a non-blocking read, a
+        // doorbell poll a store round trip: the first can afford to look far more often.
+        let (first, most) = if self.probing {
+            (Duration::from_micros(2), Duration::from_millis(1))
+        } else {
+            (Duration::from_micros(20), Duration::from_millis(2))
+        };
+        let mut backoff = first;
+        let mut idle_since: Option<Instant> = None;
         loop {
             if self.pending.is_empty() {
                 if self.closed {
@@ -116,14 +137,27 @@ impl Engine {
                 continue;
             }
             if progressed {
-                backoff = Duration::from_micros(20);
+                backoff = first;
+                idle_since = None;
+            } else if self.probing
+                && !self.pending.is_empty()
+                && idle_since.get_or_insert_with(Instant::now).elapsed() < SPIN
+            {
+                // A message usually lands within a round trip: sleeping through it would
+                // cost more than looking again.
+                std::thread::yield_now();
+                match self.rx.try_recv() {
+                    Ok(j) => self.pending.push_back(j),
+                    Err(TryRecvError::Empty) => {}
+                    Err(TryRecvError::Disconnected) => self.closed = true,
+                }
             } else if !self.pending.is_empty() {
                 match self.rx.recv_timeout(backoff) {
                     Ok(j) => self.pending.push_back(j),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => self.closed = true,
                 }
-                backoff = (backoff * 2).min(Duration::from_millis(2));
+                backoff = (backoff * 2).min(most);
             }
         }
     }
@@ -177,7 +211,7 @@ impl Engine {
 
     /// Runs every job that can run now, in order; returns whether any ran.
     fn step(&mut self) -> bool {
-        if self.pending.iter().any(|j| j.dir == Dir::Recv) {
+        if !self.probing && self.pending.iter().any(|j| j.dir == Dir::Recv) {
             self.poll_inbox();
         }
         let mut progressed = false;
@@ -192,6 +226,10 @@ impl Engine {
                         break;
                     };
                     progressed = true;
+                    if self.probing {
+                        (j.run)(Ok(&*self.backend));
+                        continue;
+                    }
                     let bell = format!("{}:{}", self.rank, j.tag);
                     match self.store.queue_push(&inbox(j.peer), bell.as_bytes()) {
                         Ok(()) => (j.run)(Ok(&*self.backend)),
@@ -204,7 +242,12 @@ impl Engine {
                 }
                 Dir::Recv => {
                     let ready = !blocked.contains(&key)
-                        && self.announced.get(&key).copied().unwrap_or(0) > 0;
+                        && if self.probing {
+                            // An error (a bad peer, say) is the receive's to report.
+                            self.backend.probe(key.0, key.1).unwrap_or(true)
+                        } else {
+                            self.announced.get(&key).copied().unwrap_or(0) > 0
+                        };
                     if ready {
                         if let Some(n) = self.announced.get_mut(&key) {
                             *n -= 1;

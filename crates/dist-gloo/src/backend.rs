@@ -616,4 +616,22 @@ impl Backend for GlooBackend {
             o.step(&[], &mut [o.recv(src, data, opts.tag)])
         })
     }
+
+    fn probe(&self, src: usize, tag: u32) -> Result<bool> {
+        let name = CollectiveOp::SendRecv;
+        self.check_rank(name, "source", src)?;
+        if src == self.rank {
+            return Err(self.invalid(name, "a rank cannot receive from itself".into()));
+        }
+        // A poisoned group fails the `recv` at once: it would not wait.
+        if self
+            .poisoned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return Ok(true);
+        }
+        Ok(self.transport.probe(src, tag))
+    }
 }

@@ -339,3 +339,43 @@ fn algorithms_agree_over_the_in_memory_transport() {
         check_p2p(&ranks);
     }
 }
+
+/// `probe` answers without blocking: false until the tagged message starts to arrive, true once
+/// it has (before the `recv`), and true for a peer that is gone (its `recv` would fail at once).
+#[test]
+fn probe_sees_a_tagged_message_before_its_recv_and_a_departed_peer() {
+    for ranks in [
+        tcp_world(2, &gloo_opts()),
+        GlooBackend::in_memory(2, &gloo_opts()),
+    ] {
+        let tagged = |tag| OpOptions { tag, ..opts() };
+        let (a, b) = (&ranks[0], &ranks[1]);
+        assert!(!b.probe(0, 7).unwrap(), "nothing sent yet");
+        a.send(BufRef::Host(&[1, 2, 3, 4]), DType::U8, 1, &tagged(7))
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        while !b.probe(0, 7).unwrap() {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "never seen"
+            );
+            std::thread::yield_now();
+        }
+        assert!(!b.probe(0, 8).unwrap(), "another tag has not arrived");
+        let mut got = [0u8; 4];
+        b.recv(BufMut::Host(&mut got), DType::U8, 0, &tagged(7))
+            .unwrap();
+        assert_eq!(got, [1, 2, 3, 4]);
+        assert!(b.probe(1, 7).is_err(), "probing oneself is an error");
+        let mut ranks = ranks;
+        drop(ranks.remove(0));
+        let t0 = std::time::Instant::now();
+        while !ranks[0].probe(0, 9).unwrap() {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "departure never seen"
+            );
+            std::thread::yield_now();
+        }
+    }
+}

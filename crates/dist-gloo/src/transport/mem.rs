@@ -6,7 +6,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::Instant;
 
 use dist_backend::Result;
-use dist_wire::FrameHeader;
+use dist_wire::{CollectiveOp, FrameHeader};
 
 use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, Verdict, frames, judge};
 
@@ -129,11 +129,30 @@ impl Transport for MemTransport {
         Ok(())
     }
 
+    fn probe(&self, peer: usize, tag: u32) -> bool {
+        let Some(from) = self.from.get(peer) else {
+            return false;
+        };
+        // Same lock order as `exchange`: stash, then the channel.
+        let mut stash = self.stash.lock().unwrap_or_else(|e| e.into_inner());
+        let rx = from.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match rx.try_recv() {
+                Ok(f) => stash[peer].push_back(f),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => return true,
+            }
+        }
+        stash[peer].iter().any(|(h, _)| {
+            (h.op == CollectiveOp::SendRecv && h.tag == tag) || h.op == CollectiveOp::Close
+        })
+    }
+
     fn close(&self) {
         let ctx = StepCtx::new(
             self.rank,
             0,
-            dist_wire::CollectiveOp::Close,
+            CollectiveOp::Close,
             0,
             dist_wire::DType::U8,
             std::time::Duration::ZERO,

@@ -175,6 +175,9 @@ pub trait Transport: Send + Sync {
     ) -> Result<()>;
     /// Tells every peer this rank is leaving cleanly. Best effort.
     fn close(&self);
+    /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the peer
+    /// is gone. Never blocks: reads ahead what has arrived from `peer` into the stash.
+    fn probe(&self, peer: usize, tag: u32) -> bool;
     /// Messages this rank has sent by reference, copied by the receiver straight out of this
     /// process's memory (0 for transports that never do).
     fn messages_by_reference(&self) -> u64 {

@@ -534,6 +534,20 @@ impl Engine {
         }
     }
 
+    /// See [`crate::transport::Transport::probe`]. Between steps every connection is at a
+    /// frame boundary (or mid-way through a stashed frame), so draining it is always safe.
+    pub(super) fn probe(&mut self, peer: usize, tag: u32) -> bool {
+        let Some(Some(c)) = self.conns.get_mut(peer) else {
+            return false;
+        };
+        c.drain();
+        let arrived = c
+            .stash
+            .iter()
+            .any(|(h, _)| h.op == CollectiveOp::SendRecv && h.tag == tag);
+        arrived || c.state != PeerState::Open
+    }
+
     /// Best-effort notice to every open peer not in the middle of a frame from us: this rank is
     /// aborting because it lost `culprit`.
     fn notify_abort(&mut self, rank: usize, culprit: usize, mid_frame: &[bool]) {

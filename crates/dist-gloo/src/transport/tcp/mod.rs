@@ -88,6 +88,13 @@ impl Transport for TcpTransport {
         eng.run(ctx, self.segment, sends, recvs, on_frame)
     }
 
+    fn probe(&self, peer: usize, tag: u32) -> bool {
+        self.engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .probe(peer, tag)
+    }
+
     fn messages_by_reference(&self) -> u64 {
         let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         eng.conns.iter().flatten().map(|c| c.offered).sum()
