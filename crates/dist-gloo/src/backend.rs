@@ -128,13 +128,13 @@ impl GlooBackend {
         }
     }
 
-    /// `world_size` backends connected in memory, one per rank: the real algorithms with no
     /// Messages this rank has sent as single-copy transfers (the receiver copied them out of
     /// this process's memory, see [`MeshOptions::cross_memory`]): for tests and diagnostics.
     pub fn messages_by_reference(&self) -> u64 {
         self.transport.messages_by_reference()
     }
 
+    /// `world_size` backends connected in memory, one per rank: the real algorithms with no
     /// sockets.
     pub fn in_memory(world_size: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
         MemTransport::network(world_size, opts.mesh.segment_bytes)

@@ -21,7 +21,9 @@
 //! peer's token and publishes what it managed. Ranks on other hosts, in other pid namespaces,
 //! or under a ptrace policy that forbids it simply fail the probe and keep plain TCP.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use dist_backend::{Result, Store};
 use dist_wire::PayloadRef;
@@ -43,12 +45,11 @@ pub(super) struct Cma {
     /// reference).
     readers: Vec<bool>,
     /// Per peer: the offer this rank currently publishes to it, 0 for none. Peers read these
-    /// words from their own processes, so they never move (boxed) and are only written
-    /// atomically.
-    offers: Box<[AtomicU64]>,
+    /// words from their own processes, so they never move (one allocation) and are only
+    /// written atomically.
+    offers: Arc<[AtomicU64]>,
     /// The probe token peers read when the mesh is built; kept alive with the mesh.
     _probe: Box<u64>,
-    next_offer: u64,
     /// Messages shorter than this go inline: below it the acknowledgement's round trip costs
     /// more than the copy it saves.
     pub(super) min_bytes: usize,
@@ -66,7 +67,7 @@ impl Cma {
         min_bytes: usize,
     ) -> Result<Option<Cma>> {
         let enabled = enabled && cfg!(target_os = "linux") && world > 1;
-        let offers: Box<[AtomicU64]> = (0..world).map(|_| AtomicU64::new(0)).collect();
+        let offers: Arc<[AtomicU64]> = (0..world).map(|_| AtomicU64::new(0)).collect();
         let probe = Box::new(random_token());
         let me = if enabled {
             format!(
@@ -116,7 +117,6 @@ impl Cma {
             readers,
             offers,
             _probe: probe,
-            next_offer: 1,
             min_bytes: min_bytes.max(1),
         }))
     }
@@ -126,29 +126,29 @@ impl Cma {
         len >= self.min_bytes && self.readers.get(peer).copied().unwrap_or(false)
     }
 
-    /// The offer id of a new step.
+    /// The offer id of a new step: unique in this process (across meshes too, and starting
+    /// from a random value), so a stale reference can never match a later offer, even one
+    /// published by a mesh that reuses a dropped mesh's memory.
     pub(super) fn next_step_offer(&mut self) -> u64 {
-        let id = self.next_offer;
-        self.next_offer += 1;
-        id
+        static NEXT: OnceLock<AtomicU64> = OnceLock::new();
+        NEXT.get_or_init(|| AtomicU64::new(random_token()))
+            .fetch_add(1, Ordering::Relaxed)
+            .max(1)
     }
 
     /// Publishes `offer` to `peer`: its reads of this rank's buffers are valid until
-    /// [`Cma::withdraw_all`].
+    /// the step's [`Cma::withdrawal`] guard drops.
     pub(super) fn publish(&self, peer: usize, offer: u64) {
         if let Some(w) = self.offers.get(peer) {
             w.store(offer, Ordering::SeqCst);
         }
     }
 
-    /// Withdraws every offer: called before a step returns, so no peer can use bytes this
-    /// rank's caller may overwrite next.
-    pub(super) fn withdraw_all(&self) {
-        for w in &*self.offers {
-            if w.load(Ordering::Relaxed) != 0 {
-                w.store(0, Ordering::SeqCst);
-            }
-        }
+    /// A guard that withdraws every offer when dropped: held for the whole of a step, so no
+    /// peer can use bytes this rank's caller may overwrite next, whether the step returns or
+    /// unwinds.
+    pub(super) fn withdrawal(&self) -> Withdrawal {
+        Withdrawal(self.offers.clone())
     }
 
     /// Copies a frame `peer` offered by reference into `dst`, then checks the offer still
@@ -164,6 +164,9 @@ impl Cma {
         };
         read_remote(src.pid, at.addr, dst)
             .map_err(|e| format!("copying {} bytes out of its memory: {e}", dst.len()))?;
+        // The offer word must be read after the data (the syscalls already order them; this
+        // states it for weakly ordered CPUs).
+        fence(Ordering::Acquire);
         let mut word = [0u8; 8];
         read_remote(src.pid, src.offer_word, &mut word)
             .map_err(|e| format!("reading its offer word: {e}"))?;
@@ -175,6 +178,22 @@ impl Cma {
             ));
         }
         Ok(())
+    }
+}
+
+/// Withdraws every offer of a mesh when dropped (see [`Cma::withdrawal`]).
+pub(super) struct Withdrawal(Arc<[AtomicU64]>);
+
+impl Drop for Withdrawal {
+    fn drop(&mut self) {
+        for w in &*self.0 {
+            if w.load(Ordering::Relaxed) != 0 {
+                w.store(0, Ordering::SeqCst);
+            }
+        }
+        // Nothing the caller writes into its buffers next may become visible before the
+        // withdrawal does.
+        fence(Ordering::SeqCst);
     }
 }
 

@@ -96,17 +96,16 @@ impl Engine {
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
     ) -> Result<()> {
+        // Declared first so it runs last, after the abort notice, and on unwinding too.
+        let _withdraw = self.cma.as_ref().map(Cma::withdrawal);
         let mut mid_frame = vec![false; self.conns.len()];
         let r = self.run_step(ctx, seg, sends, recvs, on_frame, &mut mid_frame);
         if let Err(Error::PeerLost { peer, .. }) = &r {
             self.notify_abort(ctx.rank, *peer, &mid_frame);
         }
-        // Whatever happened, the caller gets its buffers back now: no peer may copy them
-        // after this. (After the abort notice, so that a peer whose copy fails on the
-        // withdrawal finds the notice naming the rank that was really lost.)
-        if let Some(cma) = &self.cma {
-            cma.withdraw_all();
-        }
+        // Whatever happened, the caller gets its buffers back now: `_withdraw` makes sure no
+        // peer may copy them after this. (After the abort notice, so that a peer whose copy
+        // fails on the withdrawal finds the notice naming the rank that was really lost.)
         r
     }
 
@@ -120,8 +119,12 @@ impl Engine {
         mid_frame: &mut [bool],
     ) -> Result<()> {
         // Point-to-point stays eager: a user's `send` must not wait for the matching `recv`
-        // (send-then-receive on both sides is a common, valid pattern). Collectives post every
-        // matching send and receive in the same step, so they may rendezvous.
+        // (send-then-receive on both sides is a common, valid pattern). In every collective
+        // algorithm the receive matching a send is reached without the sender progressing
+        // further (the same step, or a step its receiver reaches on its own), so collectives
+        // may rendezvous. The cost: two groups whose large collectives are issued in crossed
+        // orders now wait for each other (until the timeout) where socket buffers used to
+        // absorb them; MPI calls such programs erroneous.
         let offer = match &mut self.cma {
             Some(cma) if ctx.op != CollectiveOp::SendRecv => Some(cma.next_step_offer()),
             _ => None,
@@ -235,6 +238,14 @@ impl Engine {
                         .zip(&tx)
                         .filter(|(_, s)| !s.done)
                         .map(|(s, _)| s.peer),
+                );
+                // Peers whose socket did not take our acknowledgements stalled too.
+                missing.extend(
+                    self.conns
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, c)| c.as_ref().is_some_and(Conn::has_out))
+                        .map(|(p, _)| p),
                 );
                 return Err(ctx.timeout(missing));
             }
@@ -557,7 +568,7 @@ impl Engine {
                 && p != culprit
                 && c.state == PeerState::Open
                 && !mid_frame.get(p).copied().unwrap_or(true)
-                && !c.out_mid_frame()
+                && (!c.out_mid_frame() || c.flush_out().unwrap_or(false))
             {
                 let _ = c.stream.write(&h);
             }
