@@ -24,7 +24,9 @@ FLAGS (nccl-tests' names):
     -n <iters>        timed iterations (default: fitted to a 1.5 s budget per size)
     -w <iters>        warm-up iterations, default 3
     -c <0|1>          check results (#wrong), default 1
-    -o sum -d float -r 0   the only reduce op, dtype and root measured today
+    -o <op>           reduce op: sum (default), prod, min, max, avg
+    -d <type>         int8 uint8 int32 uint32 int64 uint64 half bfloat16 float (default) double
+    -r <root>         broadcast root, default 0 (--vs compares only -o sum -d float -r 0)
     --world-size <n[,n..]> ranks (processes on this host), default 2,4
     --backend gloo    the backend (only gloo today)
     -J <file>         write our results as JSON (one file per world size: file.wsN.json)
@@ -41,6 +43,7 @@ const OPS: [&str; 5] = [
 ];
 const LATENCY: [&str; 2] = ["barrier", "allreduce_4B"];
 
+#[derive(Debug)]
 struct Flags {
     ops: Vec<String>,
     sizes: Vec<u64>,
@@ -50,6 +53,22 @@ struct Flags {
     world_sizes: Vec<usize>,
     json: Option<String>,
     vs: Option<String>,
+    redop: String,
+    dtype: String,
+    root: String,
+}
+
+const REDOPS: [&str; 5] = ["sum", "prod", "min", "max", "avg"];
+const DTYPES: [&str; 10] = [
+    "int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "bfloat16", "float", "double",
+];
+
+fn one_of(v: String, set: &[&str], flag: &str) -> Result<String, String> {
+    if set.contains(&v.as_str()) {
+        Ok(v)
+    } else {
+        Err(format!("{flag} {v}: expected one of {}", set.join(", ")))
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -88,6 +107,9 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         world_sizes: vec![2, 4],
         json: None,
         vs: None,
+        redop: "sum".into(),
+        dtype: "float".into(),
+        root: "0".into(),
     };
     let mut it = rest.iter();
     while let Some(flag) = it.next() {
@@ -107,9 +129,14 @@ fn parse(args: &[String]) -> Result<Flags, String> {
             "-n" | "--iters" => fl.iters = Some(val()?),
             "-w" | "--warmup_iters" => fl.warmup = val()?,
             "-c" | "--check" => fl.check = val()?,
-            "-o" | "--op" => expect(&val()?, "sum", "-o")?,
-            "-d" | "--datatype" => expect(&val()?, "float", "-d")?,
-            "-r" | "--root" => expect(&val()?, "0", "-r")?,
+            "-o" | "--op" => fl.redop = one_of(val()?, &REDOPS, "-o")?,
+            "-d" | "--datatype" => fl.dtype = one_of(val()?, &DTYPES, "-d")?,
+            "-r" | "--root" => {
+                fl.root = val()?;
+                fl.root
+                    .parse::<usize>()
+                    .map_err(|_| format!("-r {}: not a rank", fl.root))?;
+            }
             "--backend" => expect(&val()?, "gloo", "--backend")?,
             "--world-size" => {
                 fl.world_sizes = val()?
@@ -121,6 +148,16 @@ fn parse(args: &[String]) -> Result<Flags, String> {
             "--vs" => fl.vs = Some(val()?),
             other => return Err(format!("unknown flag `{other}`\n\n{HELP}")),
         }
+    }
+    if fl.vs.is_some() && (fl.redop != "sum" || fl.dtype != "float" || fl.root != "0") {
+        return Err("--vs: the peers are measured with -o sum -d float -r 0 only".into());
+    }
+    if let Some(&n) = fl
+        .world_sizes
+        .iter()
+        .find(|&&n| fl.root.parse::<usize>().is_ok_and(|r| r >= n))
+    {
+        return Err(format!("-r {}: not a rank of world size {n}", fl.root));
     }
     if f < 2 || b == 0 || b > e {
         return Err("sizes: need 0 < -b <= -e and -f >= 2".into());
@@ -176,6 +213,12 @@ fn run_ours(fl: &Flags, n: usize, exe: &PathBuf, out: &PathBuf) -> Result<Value,
             &fl.warmup,
             "-c",
             &fl.check,
+            "-o",
+            &fl.redop,
+            "-d",
+            &fl.dtype,
+            "-r",
+            &fl.root,
             "--json",
         ])
         .arg(out)
@@ -343,4 +386,31 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn nccl_tests_type_op_and_root_flags_parse_and_bad_ones_are_named() {
+        let fl = parse(&args("all_reduce -d bfloat16 -o avg -r 1 -b 1K -e 4K -f 2")).unwrap();
+        assert_eq!((fl.dtype.as_str(), fl.redop.as_str()), ("bfloat16", "avg"));
+        assert_eq!(
+            (fl.root.as_str(), fl.sizes.clone()),
+            ("1", vec![1024, 2048, 4096])
+        );
+        let e = parse(&args("all_reduce -d float16")).unwrap_err();
+        assert!(e.starts_with("-d float16: expected one of"), "{e}");
+        let e = parse(&args("all_reduce -o mean")).unwrap_err();
+        assert!(e.starts_with("-o mean: expected one of"), "{e}");
+        let e = parse(&args("broadcast -r 2 --world-size 2,4")).unwrap_err();
+        assert_eq!(e, "-r 2: not a rank of world size 2");
+        let e = parse(&args("all_reduce -d half --vs mpi")).unwrap_err();
+        assert!(e.contains("-o sum -d float -r 0 only"), "{e}");
+    }
 }

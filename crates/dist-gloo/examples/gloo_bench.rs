@@ -7,7 +7,9 @@
 //! reported. Bus bandwidth uses nccl-tests' factors. `#wrong` comes from a real check.
 //!
 //! Arguments (all optional): `--ops a,b,c` `--sizes bytes,...` `-n iters` `-w warmup`
-//! `-c 0|1` `--json path` `--budget seconds`.
+//! `-c 0|1` `--json path` `--budget seconds`, and nccl-tests' `-d` (int8, uint8, int32,
+//! uint32, int64, uint64, half, bfloat16, float, double), `-o` (sum, prod, min, max, avg) and
+//! `-r` (broadcast root).
 
 #![allow(missing_docs, reason = "an example binary")]
 
@@ -25,6 +27,40 @@ struct Args {
     check: bool,
     json: Option<String>,
     budget: f64,
+    dtype: DType,
+    dtype_name: String,
+    redop: ReduceOp,
+    redop_name: String,
+    root: usize,
+}
+
+/// nccl-tests' datatype names.
+fn dtype_named(s: &str) -> DType {
+    match s {
+        "int8" => DType::I8,
+        "uint8" => DType::U8,
+        "int32" => DType::I32,
+        "uint32" => DType::U32,
+        "int64" => DType::I64,
+        "uint64" => DType::U64,
+        "half" => DType::F16,
+        "bfloat16" => DType::BF16,
+        "float" => DType::F32,
+        "double" => DType::F64,
+        other => panic!("-d {other}: not an nccl-tests datatype"),
+    }
+}
+
+/// nccl-tests' reduce op names.
+fn redop_named(s: &str) -> ReduceOp {
+    match s {
+        "sum" => ReduceOp::Sum,
+        "prod" => ReduceOp::Product,
+        "min" => ReduceOp::Min,
+        "max" => ReduceOp::Max,
+        "avg" => ReduceOp::Avg,
+        other => panic!("-o {other}: not an nccl-tests reduce op"),
+    }
 }
 
 fn parse() -> Args {
@@ -46,6 +82,11 @@ fn parse() -> Args {
         check: true,
         json: None,
         budget: 1.5,
+        dtype: DType::F32,
+        dtype_name: "float".into(),
+        redop: ReduceOp::Sum,
+        redop_name: "sum".into(),
+        root: 0,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -64,6 +105,15 @@ fn parse() -> Args {
             "-c" => a.check = v != "0",
             "--json" => a.json = Some(v),
             "--budget" => a.budget = v.parse().expect("--budget takes seconds"),
+            "-d" => {
+                a.dtype = dtype_named(&v);
+                a.dtype_name = v;
+            }
+            "-o" => {
+                a.redop = redop_named(&v);
+                a.redop_name = v;
+            }
+            "-r" => a.root = v.parse().expect("-r takes a rank"),
             other => panic!("unknown argument {other}"),
         }
         i += 2;
@@ -90,52 +140,43 @@ fn total_bytes(op: &str, size: usize, n: usize) -> usize {
     }
 }
 
-/// Buffers for one op and size, and the closure that runs it once.
+/// What one op and size runs on.
 struct Case {
-    a: Vec<f32>,
-    b: Vec<f32>,
+    a: Vec<u8>,
+    b: Vec<u8>,
 }
 
-fn run_once(pg: &GlooBackend, op: &str, c: &mut Case, opts: &OpOptions) {
+fn run_once(pg: &GlooBackend, op: &str, c: &mut Case, args: &Args, opts: &OpOptions) {
     let n = pg.world_size();
+    let (d, size) = (args.dtype, args.dtype.size());
     let r = match op {
         "barrier" => pg.barrier(opts),
-        "all_reduce" | "allreduce_4B" => pg.all_reduce(
-            BufMut::Host(bytemuck::cast_slice_mut(&mut c.a)),
-            DType::F32,
-            ReduceOp::Sum,
-            opts,
-        ),
-        "broadcast" => pg.broadcast(
-            BufMut::Host(bytemuck::cast_slice_mut(&mut c.a)),
-            DType::F32,
-            0,
-            opts,
-        ),
+        "all_reduce" | "allreduce_4B" => pg.all_reduce(BufMut::Host(&mut c.a), d, args.redop, opts),
+        "broadcast" => pg.broadcast(BufMut::Host(&mut c.a), d, args.root, opts),
         "all_gather" => pg.all_gather(
-            BufRef::Host(bytemuck::cast_slice(&c.a)),
-            BufMut::Host(bytemuck::cast_slice_mut(&mut c.b)),
-            DType::F32,
-            &vec![c.a.len(); n],
+            BufRef::Host(&c.a),
+            BufMut::Host(&mut c.b),
+            d,
+            &vec![c.a.len() / size; n],
             opts,
         ),
         "reduce_scatter" => {
-            let counts = vec![c.b.len(); n];
+            let counts = vec![c.b.len() / size; n];
             pg.reduce_scatter(
-                BufRef::Host(bytemuck::cast_slice(&c.a)),
-                BufMut::Host(bytemuck::cast_slice_mut(&mut c.b)),
-                DType::F32,
-                ReduceOp::Sum,
+                BufRef::Host(&c.a),
+                BufMut::Host(&mut c.b),
+                d,
+                args.redop,
                 &counts,
                 opts,
             )
         }
         "all_to_all" => {
-            let per = c.a.len() / n;
+            let per = c.a.len() / size / n;
             pg.all_to_all(
-                BufRef::Host(bytemuck::cast_slice(&c.a)),
-                BufMut::Host(bytemuck::cast_slice_mut(&mut c.b)),
-                DType::F32,
+                BufRef::Host(&c.a),
+                BufMut::Host(&mut c.b),
+                d,
                 &vec![per; n],
                 &vec![per; n],
                 opts,
@@ -146,13 +187,20 @@ fn run_once(pg: &GlooBackend, op: &str, c: &mut Case, opts: &OpOptions) {
     r.unwrap_or_else(|e| panic!("{op}: {e}"));
 }
 
-fn setup(op: &str, size: usize, n: usize, rank: usize) -> Case {
-    let elems = (size / 4).max(1);
-    let fill = |len: usize| {
-        (0..len)
-            .map(|i| ((rank * 31 + i) % 13) as f32)
-            .collect::<Vec<f32>>()
-    };
+/// Element `i` of rank `r`'s input: small integers every dtype holds exactly, and for
+/// products 1s and 2s, so sums and products of a few ranks stay exact too.
+fn value(redop: ReduceOp, r: usize, i: usize) -> f64 {
+    match redop {
+        ReduceOp::Product => (1 + (r + i) % 2) as f64,
+        _ => ((r * 31 + i) % 13) as f64,
+    }
+}
+
+fn setup(op: &str, size: usize, n: usize, rank: usize, args: &Args) -> Case {
+    let d = args.dtype;
+    let elems = (size / d.size()).max(1);
+    let fill = |len: usize| d.encode_f64s((0..len).map(|i| value(args.redop, rank, i)));
+    let zeros = |len: usize| vec![0u8; len * d.size()];
     match op {
         "barrier" => Case {
             a: vec![],
@@ -164,17 +212,17 @@ fn setup(op: &str, size: usize, n: usize, rank: usize) -> Case {
         },
         "all_gather" => Case {
             a: fill(elems),
-            b: vec![0.0; elems * n],
+            b: zeros(elems * n),
         },
         "reduce_scatter" => Case {
             a: fill(elems * n),
-            b: vec![0.0; elems],
+            b: zeros(elems),
         },
         "all_to_all" => {
             let e = elems / n * n;
             Case {
                 a: fill(e),
-                b: vec![0.0; e],
+                b: zeros(e),
             }
         }
         _ => Case {
@@ -184,29 +232,52 @@ fn setup(op: &str, size: usize, n: usize, rank: usize) -> Case {
     }
 }
 
-/// Number of elements of the result that differ from an independent computation.
-fn wrong(op: &str, c: &Case, n: usize, rank: usize) -> u64 {
-    let v = |r: usize, i: usize| ((r * 31 + i) % 13) as f32;
-    let count = |got: &[f32], want: &dyn Fn(usize) -> f32| {
-        got.iter()
+/// The reduction of element `i` over `n` ranks, computed in `f64` independently of the library.
+fn reduced(redop: ReduceOp, d: DType, n: usize, i: usize) -> f64 {
+    let vals = (0..n).map(|r| value(redop, r, i));
+    match redop {
+        ReduceOp::Product => vals.product(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Avg if d.is_integer() => (vals.sum::<f64>() / n as f64).trunc(),
+        ReduceOp::Avg => vals.sum::<f64>() / n as f64,
+        _ => vals.sum(),
+    }
+}
+
+/// Number of elements of the result that differ from an independent computation (beyond the
+/// dtype's rounding).
+fn wrong(op: &str, c: &Case, n: usize, rank: usize, args: &Args) -> u64 {
+    let (d, redop, root) = (args.dtype, args.redop, args.root);
+    let v = |r: usize, i: usize| value(redop, r, i);
+    let tol = match d {
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+        DType::F32 => 1e-6,
+        _ => 0.0,
+    };
+    let count = |got: &[u8], want: &dyn Fn(usize) -> f64| {
+        d.decode_f64s(got)
+            .into_iter()
             .enumerate()
-            .filter(|(i, g)| **g != want(*i))
+            .filter(|&(i, g)| (g - want(i)).abs() > tol * want(i).abs().max(1.0))
             .count() as u64
     };
+    let size = d.size();
     match op {
-        "all_reduce" | "allreduce_4B" => count(&c.a, &|i| (0..n).map(|r| v(r, i)).sum()),
-        "broadcast" => count(&c.a, &|i| v(0, i)),
+        "all_reduce" | "allreduce_4B" => count(&c.a, &|i| reduced(redop, d, n, i)),
+        "broadcast" => count(&c.a, &|i| v(root, i)),
         "all_gather" => {
-            let e = c.a.len();
+            let e = c.a.len() / size;
             count(&c.b, &|i| v(i / e, i % e))
         }
         "reduce_scatter" => {
-            let e = c.b.len();
-            count(&c.b, &|i| (0..n).map(|r| v(r, rank * e + i)).sum())
+            let e = c.b.len() / size;
+            count(&c.b, &|i| reduced(redop, d, n, rank * e + i))
         }
         "all_to_all" => {
-            let per = c.a.len() / n;
-            count(&c.b, &|i| v(i / per.max(1), rank * per + i % per.max(1)))
+            let per = (c.a.len() / size / n).max(1);
+            count(&c.b, &|i| v(i / per, rank * per + i % per))
         }
         _ => 0,
     }
@@ -222,7 +293,10 @@ fn main() {
     let opts = OpOptions::with_timeout(Duration::from_secs(120));
     let mut rows = Vec::new();
     if rank == 0 {
-        println!("# dist-gloo benchmark: world_size {n}, float32, sum, root 0");
+        println!(
+            "# dist-gloo benchmark: world_size {n}, {}, {}, root {}",
+            args.dtype, args.redop_name, args.root
+        );
         println!("#");
         println!(
             "# {:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>6}",
@@ -243,9 +317,9 @@ fn main() {
             _ => args.sizes.clone(),
         };
         for &size in &sizes {
-            let mut c = setup(op, size, n, rank);
+            let mut c = setup(op, size, n, rank, &args);
             for _ in 0..args.warmup {
-                run_once(&pg, op, &mut c, &opts);
+                run_once(&pg, op, &mut c, &args, &opts);
             }
             // Iteration count: fixed by -n, or fitted to the time budget (agreed through an
             // all_reduce so every rank runs the same number).
@@ -253,7 +327,7 @@ fn main() {
                 args.iters
             } else {
                 let t = Instant::now();
-                run_once(&pg, op, &mut c, &opts);
+                run_once(&pg, op, &mut c, &args, &opts);
                 let mut est = [t.elapsed().as_secs_f64()];
                 pg.all_reduce(
                     BufMut::Host(bytemuck::cast_slice_mut(&mut est)),
@@ -267,7 +341,7 @@ fn main() {
             let mut times = vec![0f64; iters];
             for t in times.iter_mut() {
                 let t0 = Instant::now();
-                run_once(&pg, op, &mut c, &opts);
+                run_once(&pg, op, &mut c, &args, &opts);
                 *t = t0.elapsed().as_secs_f64();
             }
             pg.all_reduce(
@@ -279,9 +353,9 @@ fn main() {
             .expect("collect times");
             let mut bad = [0u64];
             if args.check {
-                c = setup(op, size, n, rank);
-                run_once(&pg, op, &mut c, &opts);
-                bad[0] = wrong(op, &c, n, rank);
+                c = setup(op, size, n, rank, &args);
+                run_once(&pg, op, &mut c, &args, &opts);
+                bad[0] = wrong(op, &c, n, rank, &args);
                 pg.all_reduce(
                     BufMut::Host(bytemuck::cast_slice_mut(&mut bad)),
                     DType::U64,
@@ -301,14 +375,27 @@ fn main() {
                     bw_sum += b;
                     bw_n += 1;
                 }
-                let count = if op == "barrier" { 0 } else { size.max(4) / 4 };
+                let es = args.dtype.size();
+                let count = match op.as_str() {
+                    "barrier" => 0,
+                    "allreduce_4B" => 1,
+                    _ => size.max(es) / es,
+                };
                 println!(
                     "  {:>12} {:>12} {:>8} {:>6} {:>6} {:>10.1} {:>8.3} {:>8.3} {:>6}   {op}",
                     size,
                     count,
-                    "float",
-                    if op.contains("reduce") { "sum" } else { "none" },
-                    if op == "broadcast" { "0" } else { "-1" },
+                    args.dtype_name,
+                    if op.contains("reduce") {
+                        args.redop_name.as_str()
+                    } else {
+                        "none"
+                    },
+                    if op == "broadcast" {
+                        args.root.to_string()
+                    } else {
+                        "-1".into()
+                    },
                     med * 1e6,
                     algbw,
                     busbw.unwrap_or(0.0),

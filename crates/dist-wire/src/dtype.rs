@@ -104,6 +104,56 @@ impl DType {
     pub fn from_code(code: u8) -> Option<DType> {
         DType::ALL.get(usize::from(code)).copied()
     }
+
+    /// Encodes values as little-endian elements of this type: Rust's saturating `as` casts for
+    /// integers, round to nearest for floats. For tests, benchmarks and debugging (values go
+    /// through `f64`), not for hot paths.
+    pub fn encode_f64s(self, values: impl IntoIterator<Item = f64>) -> Vec<u8> {
+        let mut out = Vec::new();
+        for v in values {
+            match self {
+                DType::I8 => out.extend_from_slice(&(v as i8).to_le_bytes()),
+                DType::U8 => out.extend_from_slice(&(v as u8).to_le_bytes()),
+                DType::I16 => out.extend_from_slice(&(v as i16).to_le_bytes()),
+                DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+                DType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
+                DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
+                DType::U64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
+                DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+                DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+                DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+            }
+        }
+        out
+    }
+
+    /// Decodes little-endian elements of this type to `f64` (exact except for 64-bit
+    /// integers beyond 2^53); a trailing partial element is ignored. The inverse of
+    /// [`DType::encode_f64s`] for values the type holds.
+    pub fn decode_f64s(self, bytes: &[u8]) -> Vec<f64> {
+        fn arr<const N: usize>(c: &[u8]) -> [u8; N] {
+            let mut a = [0u8; N];
+            a.copy_from_slice(c);
+            a
+        }
+        bytes
+            .chunks_exact(self.size())
+            .map(|c| match self {
+                DType::I8 => f64::from(i8::from_le_bytes(arr(c))),
+                DType::U8 => f64::from(c[0]),
+                DType::I16 => f64::from(i16::from_le_bytes(arr(c))),
+                DType::I32 => f64::from(i32::from_le_bytes(arr(c))),
+                DType::U32 => f64::from(u32::from_le_bytes(arr(c))),
+                DType::I64 => i64::from_le_bytes(arr(c)) as f64,
+                DType::U64 => u64::from_le_bytes(arr(c)) as f64,
+                DType::F16 => half::f16::from_le_bytes(arr(c)).to_f64(),
+                DType::BF16 => half::bf16::from_le_bytes(arr(c)).to_f64(),
+                DType::F32 => f64::from(f32::from_le_bytes(arr(c))),
+                DType::F64 => f64::from_le_bytes(arr(c)),
+            })
+            .collect()
+    }
 }
 
 impl fmt::Display for DType {
@@ -163,5 +213,31 @@ mod tests {
         );
         assert_eq!(<u64 as Element>::DTYPE.size(), size_of::<u64>());
         assert_eq!(<i16 as Element>::DTYPE.size(), size_of::<i16>());
+    }
+
+    #[test]
+    fn f64_encoding_round_trips_values_every_type_holds() {
+        let vals = [0.0f64, 1.0, 7.0, 100.0, 127.0, 0.5];
+        for d in DType::ALL {
+            let want: Vec<f64> = vals
+                .iter()
+                .map(|&v| if d.is_float() { v } else { v.trunc() })
+                .collect();
+            let bytes = d.encode_f64s(vals);
+            assert_eq!(bytes.len(), vals.len() * d.size(), "{d}");
+            assert_eq!(d.decode_f64s(&bytes), want, "{d}");
+            // A trailing partial element is ignored.
+            assert_eq!(
+                d.decode_f64s(&bytes[..bytes.len() - 1]).len(),
+                vals.len() - 1,
+                "{d}"
+            );
+        }
+        assert_eq!(
+            DType::I8.encode_f64s([-3.0, 300.0]),
+            [253, 127],
+            "saturating casts"
+        );
+        assert_eq!(DType::F32.encode_f64s([1.5]), 1.5f32.to_le_bytes());
     }
 }

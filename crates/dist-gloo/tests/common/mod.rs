@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use dist_backend::store::HashStore;
 use dist_gloo::{GlooBackend, GlooOptions};
-use dist_wire::{DType, ReduceOp, bf16, f16};
+use dist_wire::{DType, ReduceOp};
 
 /// `n` ranks connected over real loopback TCP through an in-process store.
 pub fn tcp_world(n: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
@@ -64,45 +64,12 @@ pub fn value(d: DType, op: ReduceOp, r: usize, i: usize) -> f64 {
 
 /// Encodes logical values as `d` elements.
 pub fn encode(d: DType, vals: impl Iterator<Item = f64>) -> Vec<u8> {
-    let mut out = Vec::new();
-    for v in vals {
-        match d {
-            DType::I8 => out.extend_from_slice(&(v as i8).to_le_bytes()),
-            DType::U8 => out.extend_from_slice(&(v as u8).to_le_bytes()),
-            DType::I16 => out.extend_from_slice(&(v as i16).to_le_bytes()),
-            DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
-            DType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
-            DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
-            DType::U64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
-            DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
-            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
-            DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
-            _ => unreachable!("every dtype is listed"),
-        }
-    }
-    out
+    d.encode_f64s(vals)
 }
 
 /// Decodes `d` elements to logical values.
 pub fn decode(d: DType, bytes: &[u8]) -> Vec<f64> {
-    bytes
-        .chunks(d.size())
-        .map(|c| match d {
-            DType::I8 => i8::from_le_bytes([c[0]]) as f64,
-            DType::U8 => c[0] as f64,
-            DType::I16 => i16::from_le_bytes([c[0], c[1]]) as f64,
-            DType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
-            DType::U32 => u32::from_le_bytes(c.try_into().unwrap()) as f64,
-            DType::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
-            DType::U64 => u64::from_le_bytes(c.try_into().unwrap()) as f64,
-            DType::F16 => f16::from_le_bytes([c[0], c[1]]).to_f64(),
-            DType::BF16 => bf16::from_le_bytes([c[0], c[1]]).to_f64(),
-            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
-            DType::F64 => f64::from_le_bytes(c.try_into().unwrap()),
-            _ => unreachable!("every dtype is listed"),
-        })
-        .collect()
+    d.decode_f64s(bytes)
 }
 
 /// The reduction of element `i` over `n` ranks, computed independently of the library.
