@@ -129,7 +129,7 @@ impl Cma {
     /// The offer id of a new step: unique in this process (across meshes too, and starting
     /// from a random value), so a stale reference can never match a later offer, even one
     /// published by a mesh that reuses a dropped mesh's memory.
-    pub(super) fn next_step_offer(&mut self) -> u64 {
+    pub(super) fn next_step_offer() -> u64 {
         static NEXT: OnceLock<AtomicU64> = OnceLock::new();
         NEXT.get_or_init(|| AtomicU64::new(random_token()))
             .fetch_add(1, Ordering::Relaxed)

@@ -125,10 +125,11 @@ impl Engine {
         // may rendezvous. The cost: two groups whose large collectives are issued in crossed
         // orders now wait for each other (until the timeout) where socket buffers used to
         // absorb them; MPI calls such programs erroneous.
-        let offer = match &mut self.cma {
-            Some(cma) if ctx.op != CollectiveOp::SendRecv => Some(cma.next_step_offer()),
-            _ => None,
-        };
+        let cma = self
+            .cma
+            .as_ref()
+            .filter(|_| ctx.op != CollectiveOp::SendRecv);
+        let offer = cma.map_or(0, |_| Cma::next_step_offer());
         let mut tx: Vec<SendState> = sends
             .iter()
             .map(|s| SendState {
@@ -136,25 +137,20 @@ impl Engine {
                 hdr: [0; HEADER_LEN],
                 hdr_done: 0,
                 payload_done: 0,
-                by_ref: offer.is_some()
-                    && self
-                        .cma
-                        .as_ref()
-                        .is_some_and(|c| c.by_reference(s.peer, s.data.len())),
+                by_ref: cma.is_some_and(|c| c.by_reference(s.peer, s.data.len())),
                 at: [0; PAYLOAD_REF_LEN],
                 written: false,
                 ack_at: None,
                 done: false,
             })
             .collect();
-        if let (Some(offer), Some(cma)) = (offer, &self.cma) {
+        if let Some(cma) = cma {
             for (s, st) in sends.iter().zip(&tx) {
                 if st.by_ref {
                     cma.publish(s.peer, offer);
                 }
             }
         }
-        let offer = offer.unwrap_or(0);
         let mut rx: Vec<RecvState> = recvs
             .iter()
             .map(|_| RecvState {
