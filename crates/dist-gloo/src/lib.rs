@@ -3,7 +3,10 @@
 //! [`GlooBackend`] implements [`dist_backend::Backend`] for host buffers. Its algorithms
 //! (`algo`) are written once against the [`transport::Transport`] trait and run over
 //! [`transport::tcp::TcpTransport`] between processes and hosts, or over
-//! [`transport::mem::MemTransport`] inside one process for tests.
+//! [`transport::mem::MemTransport`] inside one process for tests. Between ranks on one host
+//! that may read each other's memory, large collective messages skip the sockets: the receiver
+//! copies them straight out of the sender's buffer (Linux cross-memory attach; see
+//! [`transport::tcp::MeshOptions::cross_memory`]).
 //!
 //! * all_reduce: recursive doubling up to [`GlooOptions::small_bytes`], a segmented ring
 //!   (1 MiB segments, reduction of one segment overlapping the transfer of the next) above it;
