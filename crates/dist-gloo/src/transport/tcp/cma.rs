@@ -197,6 +197,22 @@ impl Drop for Withdrawal {
     }
 }
 
+/// Whether this process may read its own memory through cross-memory attach: false where the
+/// OS or a sandbox (seccomp) forbids the system call. Ranks that are threads of one process
+/// use single-copy transfers exactly when this holds; between processes the mesh's probe also
+/// needs the ptrace policy to allow it.
+pub fn cross_memory_available() -> bool {
+    let token = random_token();
+    let mut got = [0u8; 8];
+    read_remote(
+        std::process::id() as i32,
+        std::ptr::from_ref(&token) as u64,
+        &mut got,
+    )
+    .is_ok()
+        && u64::from_le_bytes(got) == token
+}
+
 /// Parses a peer's `pid offers probe token` record; `None` when it takes no part.
 fn parse(bytes: &[u8], rank: usize) -> Option<(Source, u64, u64)> {
     let text = std::str::from_utf8(bytes).ok()?;

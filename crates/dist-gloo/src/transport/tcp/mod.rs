@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use dist_backend::{Result, Store};
 
+pub use cma::cross_memory_available;
 pub(crate) use mesh::group_id;
 pub use mesh::{MeshOptions, local_ip, local_ip_with};
 
