@@ -497,6 +497,27 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Checks a buffer only the root passes (`given` is its length when passed): present with
+    /// `expected` elements on the root, absent elsewhere.
+    fn check_root_buffer(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        root: usize,
+        given: Option<usize>,
+        expected: usize,
+    ) -> Result<()> {
+        match (given, self.rank() == root) {
+            (Some(len), true) => self.check_len(op, what, expected, len),
+            (None, true) => Err(self.invalid(op, format!("the root must pass an {what} buffer"))),
+            (Some(_), false) => Err(self.invalid(
+                op,
+                format!("only the root (rank {root}) passes an {what} buffer"),
+            )),
+            (None, false) => Ok(()),
+        }
+    }
+
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
         if peer >= self.world_size() {
             return Err(self.invalid(
@@ -951,20 +972,13 @@ impl ProcessGroup {
     ) -> Result<()> {
         let op = "gather";
         self.check_root(op, root)?;
-        let is_root = self.rank() == root;
-        match (&output, is_root) {
-            (Some(out), true) => {
-                self.check_len(op, "output", input.len() * self.world_size(), out.len())?
-            }
-            (None, true) => return Err(self.invalid(op, "the root must pass an output buffer")),
-            (Some(_), false) => {
-                return Err(self.invalid(
-                    op,
-                    format!("only the root (rank {root}) passes an output buffer"),
-                ));
-            }
-            (None, false) => {}
-        }
+        self.check_root_buffer(
+            op,
+            "output",
+            root,
+            output.as_ref().map(|o| o.len()),
+            input.len() * self.world_size(),
+        )?;
         let fp = fingerprint(op, Some(T::DTYPE), input.len(), Some(root));
         self.coll(
             info::<T>(op, vec![input.len()], Some(root)),
@@ -983,20 +997,13 @@ impl ProcessGroup {
     ) -> Result<()> {
         let op = "scatter";
         self.check_root(op, root)?;
-        let is_root = self.rank() == root;
-        match (input, is_root) {
-            (Some(inp), true) => {
-                self.check_len(op, "input", output.len() * self.world_size(), inp.len())?
-            }
-            (None, true) => return Err(self.invalid(op, "the root must pass an input buffer")),
-            (Some(_), false) => {
-                return Err(self.invalid(
-                    op,
-                    format!("only the root (rank {root}) passes an input buffer"),
-                ));
-            }
-            (None, false) => {}
-        }
+        self.check_root_buffer(
+            op,
+            "input",
+            root,
+            input.map(<[T]>::len),
+            output.len() * self.world_size(),
+        )?;
         let fp = fingerprint(op, Some(T::DTYPE), output.len(), Some(root));
         self.coll(
             info::<T>(op, vec![output.len()], Some(root)),

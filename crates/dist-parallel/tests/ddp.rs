@@ -1,6 +1,7 @@
 //! DDP over real multi-rank groups (threads over loopback TCP): bucketing and rebuild,
 //! no_sync, unused parameters, every hook, and parity with single-process training.
 
+use dist_collective::ProcessGroup;
 use dist_collective::testing::run_world;
 use dist_parallel::{Bf16Compress, Ddp, DdpOptions, Error, Fp16Compress, ParamInfo, PowerSgd};
 
@@ -167,29 +168,35 @@ fn n_rank_ddp_matches_single_process_training_on_the_global_batch() {
     }
 }
 
+/// A DDP over `n` zero-initialised parameters, parameter i holding `unit * (i + 1)` floats,
+/// with bucket caps given in bytes (the first bucket's, then the others').
+fn ddp_with_caps(
+    pg: &ProcessGroup,
+    n: usize,
+    unit: usize,
+    first_bytes: usize,
+    cap_bytes: usize,
+) -> (Vec<ParamInfo>, Ddp) {
+    let ps: Vec<ParamInfo> = (0..n)
+        .map(|i| ParamInfo::new(format!("p{i}"), &[unit * (i + 1)]))
+        .collect();
+    let mut vals: Vec<Vec<f32>> = ps.iter().map(|p| vec![0.0; p.numel()]).collect();
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let opts = DdpOptions {
+        first_bucket_mb: mib(first_bytes),
+        bucket_cap_mb: mib(cap_bytes),
+        ..DdpOptions::default()
+    };
+    let mut slices: Vec<&mut [f32]> = vals.iter_mut().map(|v| v.as_mut_slice()).collect();
+    let ddp = Ddp::new(pg.clone(), ps.clone(), opts, &mut slices).unwrap();
+    (ps, ddp)
+}
+
 #[test]
 fn buckets_follow_reverse_order_then_rebuild_in_arrival_order() {
     let out = run_world(2, |pg| {
-        let ps: Vec<ParamInfo> = (0..6)
-            .map(|i| ParamInfo::new(format!("p{i}"), &[64 * (i + 1)]))
-            .collect();
-        let mut vals: Vec<Vec<f32>> = ps.iter().map(|p| vec![0.0; p.numel()]).collect();
         // Caps of 1 KiB (first bucket) and 2 KiB.
-        let opts = DdpOptions {
-            first_bucket_mb: 1024.0 / (1 << 20) as f64,
-            bucket_cap_mb: 2048.0 / (1 << 20) as f64,
-            ..DdpOptions::default()
-        };
-        let mut ddp = Ddp::new(
-            pg.clone(),
-            ps.clone(),
-            opts,
-            &mut vals
-                .iter_mut()
-                .map(|v| v.as_mut_slice())
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
+        let (ps, mut ddp) = ddp_with_caps(&pg, 6, 64, 1024, 2048);
         let before: Vec<Vec<usize>> = ddp
             .layout()
             .buckets
@@ -383,25 +390,7 @@ fn powersgd_recovers_a_low_rank_mean_and_its_error_stays_bounded() {
 #[test]
 fn gradients_as_bucket_views_average_in_place_across_a_rebuild() {
     let out = run_world(3, |pg| {
-        let ps: Vec<ParamInfo> = (0..4)
-            .map(|i| ParamInfo::new(format!("p{i}"), &[100 * (i + 1)]))
-            .collect();
-        let mut vals: Vec<Vec<f32>> = ps.iter().map(|p| vec![0.0; p.numel()]).collect();
-        let opts = DdpOptions {
-            first_bucket_mb: 1000.0 / (1 << 20) as f64,
-            bucket_cap_mb: 1600.0 / (1 << 20) as f64,
-            ..DdpOptions::default()
-        };
-        let mut ddp = Ddp::new(
-            pg.clone(),
-            ps.clone(),
-            opts,
-            &mut vals
-                .iter_mut()
-                .map(|v| v.as_mut_slice())
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
+        let (_, mut ddp) = ddp_with_caps(&pg, 4, 100, 1000, 1600);
         let mut seen = Vec::new();
         for step in 0..3 {
             // Registration order: the first step's arrival differs from the reverse layout.
