@@ -17,6 +17,11 @@ pub struct OpOptions {
     pub timeout: Duration,
     /// Tag that matches a `send` with its `recv`; ignored by collectives.
     pub tag: u32,
+    /// The collective's sequence number in its group, when the caller numbers them (the
+    /// process group's one counter, shared by its executor, errors and flight recorder): the
+    /// backend puts it in frame headers and errors instead of counting on its own. Every rank
+    /// must number the same collective alike. `None`: the backend counts its collectives.
+    pub seq: Option<u64>,
 }
 
 impl Default for OpOptions {
@@ -24,6 +29,7 @@ impl Default for OpOptions {
         OpOptions {
             timeout: DEFAULT_TIMEOUT,
             tag: 0,
+            seq: None,
         }
     }
 }
@@ -31,7 +37,11 @@ impl Default for OpOptions {
 impl OpOptions {
     /// Options with the given timeout and tag 0.
     pub fn with_timeout(timeout: Duration) -> Self {
-        OpOptions { timeout, tag: 0 }
+        OpOptions {
+            timeout,
+            tag: 0,
+            seq: None,
+        }
     }
 }
 
@@ -182,4 +192,10 @@ pub trait Backend: Send + Sync {
             what: "probe".into(),
         })
     }
+
+    /// Leaves the group: says goodbye to every peer (so that they can tell this exit from a
+    /// crash) and starts closing the connections; later operations fail. Idempotent;
+    /// dropping the backend does the same. A backend that failed (and so aborted its group)
+    /// only releases its connections. The default does nothing.
+    fn close(&self) {}
 }

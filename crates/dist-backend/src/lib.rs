@@ -35,11 +35,14 @@
 
 mod backend;
 mod buffer;
+mod clock;
 mod error;
+pub mod exit;
 pub mod init;
 pub mod store;
 
 pub use backend::{Backend, Capabilities, DEFAULT_TIMEOUT, OpOptions};
 pub use buffer::{BufMut, BufRef, DeviceBuffer};
+pub use clock::deadline_after;
 pub use error::{Error, OpDesc, Result};
 pub use store::{Store, StoreError};

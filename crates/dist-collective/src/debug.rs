@@ -61,12 +61,12 @@ pub enum OpState {
 /// One operation in a group's flight recorder.
 #[derive(Clone, Debug, Serialize)]
 pub struct FlightEntry {
-    /// Issue number in the group (0, 1, ...): collectives, point-to-point and group steps.
-    pub seq: u64,
-    /// Sequence number among the group's collectives and group steps (the same on every rank;
-    /// the `#n` of timeout messages), once the operation has started; `None` for
-    /// point-to-point operations.
-    pub collective_seq: Option<u64>,
+    /// Issue number on this rank (0, 1, ...): collectives, point-to-point and group steps.
+    pub id: u64,
+    /// The group's sequence number of a collective or group step: the one number the
+    /// executor orders by, frame headers carry and errors name (`all_reduce #5`), the same
+    /// on every rank. `None` for point-to-point operations, which are matched by tag.
+    pub seq: Option<u64>,
     /// The operation (`"all_reduce"`, `"isend"`, ...).
     pub op: &'static str,
     /// Element type name, when the operation has one.
@@ -121,18 +121,19 @@ impl FlightRecorder {
         }
     }
 
-    /// Records a new operation; returns its issue number.
-    pub(crate) fn issue(&self, info: OpInfo) -> u64 {
+    /// Records a new operation (with its group sequence number, for a collective); returns
+    /// its issue number.
+    pub(crate) fn issue(&self, info: OpInfo, seq: Option<u64>) -> u64 {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let seq = g.0;
+        let id = g.0;
         g.0 += 1;
         if self.cap > 0 {
             if g.1.len() == self.cap {
                 g.1.pop_front();
             }
             g.1.push_back(FlightEntry {
+                id,
                 seq,
-                collective_seq: None,
                 op: info.op,
                 dtype: info.dtype,
                 counts: info.counts,
@@ -144,19 +145,18 @@ impl FlightRecorder {
                 error: None,
             });
         }
-        seq
+        id
     }
 
-    pub(crate) fn started(&self, seq: u64, collective_seq: Option<u64>) {
-        self.update(seq, |e| {
+    pub(crate) fn started(&self, id: u64) {
+        self.update(id, |e| {
             e.state = OpState::Started;
-            e.collective_seq = collective_seq;
             e.started_ms = Some(now_ms());
         });
     }
 
-    pub(crate) fn finished(&self, seq: u64, error: Option<String>) {
-        self.update(seq, |e| {
+    pub(crate) fn finished(&self, id: u64, error: Option<String>) {
+        self.update(id, |e| {
             e.state = if error.is_some() {
                 OpState::Failed
             } else {
@@ -167,9 +167,9 @@ impl FlightRecorder {
         });
     }
 
-    fn update(&self, seq: u64, f: impl FnOnce(&mut FlightEntry)) {
+    fn update(&self, id: u64, f: impl FnOnce(&mut FlightEntry)) {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(e) = g.1.iter_mut().rev().find(|e| e.seq == seq) {
+        if let Some(e) = g.1.iter_mut().rev().find(|e| e.id == id) {
             f(e);
         }
     }
@@ -229,6 +229,11 @@ impl FailureDump {
     /// true, later ones return false. A failure that leaves the group usable (a monitored
     /// barrier's) dumps too, as long as none has aborted it, without using up the dump that
     /// the failure which does abort it will want.
+    /// Whether a failure has aborted the group.
+    pub(crate) fn aborted(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
     pub(crate) fn on_failure(
         &self,
         group: &str,

@@ -42,8 +42,12 @@ impl Drop for Advance<'_> {
 }
 
 impl Exec {
-    /// An executor over `backend` and its worker thread.
-    pub(crate) fn start(backend: Box<dyn Backend>, name: String) -> (Arc<Exec>, JoinHandle<()>) {
+    /// An executor over `backend` and its worker thread. Fails only when the thread cannot be
+    /// started.
+    pub(crate) fn start(
+        backend: Box<dyn Backend>,
+        name: String,
+    ) -> std::io::Result<(Arc<Exec>, JoinHandle<()>)> {
         let exec = Arc::new(Exec {
             backend,
             q: Mutex::new(Queue {
@@ -57,37 +61,52 @@ impl Exec {
         let e = exec.clone();
         let handle = std::thread::Builder::new()
             .name(name)
-            .spawn(move || e.work())
-            .unwrap_or_else(|err| panic!("dist-collective: cannot spawn a worker thread: {err}"));
-        (exec, handle)
+            .spawn(move || e.work())?;
+        Ok((exec, handle))
+    }
+
+    /// The backend (to close it once the worker has finished).
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        &*self.backend
     }
 
     /// Runs `f` (given the backend and this operation's ticket) on this thread once every
     /// operation issued before it has finished; operations issued after it wait for it.
-    pub(crate) fn run_inline<R>(&self, f: impl FnOnce(&dyn Backend, u64) -> R) -> R {
+    /// `on_ticket` sees the ticket as soon as it is taken. `None` when the group is closed.
+    pub(crate) fn run_inline<R>(
+        &self,
+        on_ticket: impl FnOnce(u64),
+        f: impl FnOnce(&dyn Backend, u64) -> R,
+    ) -> Option<R> {
         let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
+        if q.closed {
+            return None;
+        }
         let t = q.next_ticket;
         q.next_ticket += 1;
+        on_ticket(t);
         // Bounded: every earlier operation is bounded by its own timeout.
         while q.now_serving != t {
             q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
         }
         drop(q);
         let _advance = Advance(self);
-        f(&*self.backend, t)
+        Some(f(&*self.backend, t))
     }
 
-    /// Queues `job` after every operation issued so far. Returns it back if the group is closed.
-    pub(crate) fn submit(&self, job: Job) -> Result<(), Job> {
+    /// Queues the job `make` builds for its ticket after every operation issued so far (`make`
+    /// runs under the queue's lock, so the job is recorded before it can start). `None` if the
+    /// group is closed.
+    pub(crate) fn submit(&self, make: impl FnOnce(u64) -> Job) -> Option<u64> {
         let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
         if q.closed {
-            return Err(job);
+            return None;
         }
         let t = q.next_ticket;
         q.next_ticket += 1;
-        q.jobs.push_back((t, job));
+        q.jobs.push_back((t, make(t)));
         self.cv.notify_all();
-        Ok(())
+        Some(t)
     }
 
     /// Stops taking jobs; the worker finishes the queued ones and exits.

@@ -2,7 +2,7 @@
 //! and the typed collectives over it.
 
 use std::path::PathBuf;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -65,10 +65,21 @@ pub(crate) struct GroupInner {
     p2p: Mutex<Option<Sender<P2pJob>>>,
     watchdog: Mutex<Option<Sender<()>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Made by `init_process_group`/`new_process_group` (not a sub-group): leaving it is
+    /// recorded in the job's store, whose host waits for every rank.
+    world: bool,
+    torn_down: AtomicBool,
 }
 
-impl Drop for GroupInner {
-    fn drop(&mut self) {
+impl GroupInner {
+    /// Destroys the group (once; later calls return at once): waits for its queued operations
+    /// (each bounded by the timeout), stops its threads, says goodbye to the peers on both
+    /// backends and, for a world group, leaves it in the store (see [`crate::teardown`]).
+    /// Operations issued afterwards fail with [`Error::Destroyed`].
+    pub(crate) fn teardown(&self) {
+        if self.torn_down.swap(true, Ordering::AcqRel) {
+            return;
+        }
         self.exec.close();
         self.p2p.lock().unwrap_or_else(|e| e.into_inner()).take();
         self.watchdog
@@ -76,13 +87,27 @@ impl Drop for GroupInner {
             .unwrap_or_else(|e| e.into_inner())
             .take();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let me = std::thread::current().id();
         for t in threads {
-            // Queued operations finish first (each bounded by its timeout).
-            let _ = t.join();
+            // A group dropped on one of its own threads cannot wait for that thread.
+            if t.thread().id() != me {
+                // Queued operations finish first (each bounded by its timeout).
+                let _ = t.join();
+            }
+        }
+        self.exec.backend().close();
+        if self.world {
+            crate::teardown::leave(self);
         }
         if self.ctx.debug >= DebugLevel::Info {
             tracing::info!(rank = self.ctx.rank, group = %self.ctx.name, "process group destroyed");
         }
+    }
+}
+
+impl Drop for GroupInner {
+    fn drop(&mut self) {
+        self.teardown();
     }
 }
 
@@ -203,42 +228,47 @@ fn check_fingerprint(
     Ok(())
 }
 
-/// Runs one operation on `b` as the group's collective `cseq`, keeping the flight recorder,
-/// the progress others read on a timeout, and the logs.
+/// Runs one operation on `b` as the group's collective `seq` (flight recorder entry `id`),
+/// keeping the flight recorder, the progress others read on a timeout, and the logs.
 #[allow(
     clippy::too_many_arguments,
     reason = "one internal helper that every collective calls; a struct would only rename them"
 )]
 fn run_op<R>(
     ctx: &OpCtx,
+    id: u64,
     seq: u64,
-    cseq: u64,
     op: &'static str,
     fp: Option<Fingerprint>,
     b: &dyn Backend,
     f: impl FnOnce(&dyn Backend, &OpOptions) -> Result<R>,
 ) -> Result<R> {
-    ctx.recorder.started(seq, Some(cseq));
-    ctx.progress.started(cseq, op);
+    ctx.recorder.started(id);
+    ctx.progress.started(seq, op);
     let t0 = Instant::now();
     if ctx.debug >= DebugLevel::Detail {
         tracing::info!(rank = ctx.rank, group = %ctx.name, op, seq, "operation started");
     }
-    let opts = OpOptions::with_timeout(ctx.timeout);
+    let mut opts = OpOptions::with_timeout(ctx.timeout);
+    opts.seq = Some(seq);
     let r = match fp {
         Some(fp) if ctx.debug >= DebugLevel::Detail => {
             check_fingerprint(ctx, b, op, fp).and_then(|()| f(b, &opts))
         }
         _ => f(b, &opts),
     };
-    let r = r.map_err(|e| with_progress(ctx, op, cseq, e));
+    let r = r.map_err(|e| with_progress(ctx, op, seq, e));
     match &r {
-        Ok(_) => ctx.progress.finished(cseq, op),
-        Err(_) => ctx.progress.failed(cseq, op),
+        Ok(_) => ctx.progress.finished(seq, op),
+        Err(_) => ctx.progress.failed(seq, op),
     }
-    finish(ctx, seq, op, t0, r.as_ref().err());
+    finish(ctx, id, Some(seq), op, t0, r.as_ref().err());
     r
 }
+
+/// The longest a timed-out collective spends gathering its progress report, so that the error
+/// comes within a second of the timeout even when the store does not answer.
+const PROGRESS_REPORT_BUDGET: Duration = Duration::from_millis(600);
 
 /// Turns a backend timeout into [`Error::CollectiveTimeout`], which says where every rank of
 /// the group is; other errors pass through.
@@ -249,15 +279,22 @@ fn with_progress(ctx: &OpCtx, op: &'static str, cseq: u64, e: Error) -> Error {
             group: ctx.name.clone(),
             op,
             seq: cseq,
-            progress: ctx.progress.report(op, cseq),
+            progress: ctx.progress.report_within(op, cseq, PROGRESS_REPORT_BUDGET),
             source,
         },
         other => other,
     }
 }
 
-fn finish(ctx: &OpCtx, seq: u64, op: &'static str, t0: Instant, err: Option<&Error>) {
-    ctx.recorder.finished(seq, err.map(ToString::to_string));
+fn finish(
+    ctx: &OpCtx,
+    id: u64,
+    seq: Option<u64>,
+    op: &'static str,
+    t0: Instant,
+    err: Option<&Error>,
+) {
+    ctx.recorder.finished(id, err.map(ToString::to_string));
     match err {
         Some(e) => {
             // A monitored barrier fails through the store and leaves the group usable.
@@ -272,13 +309,13 @@ fn finish(ctx: &OpCtx, seq: u64, op: &'static str, t0: Instant, err: Option<&Err
                     Some(&error),
                 )
             });
-            tracing::warn!(rank = ctx.rank, group = %ctx.name, op, seq, error = %e, first_failure = dumped, "operation failed");
+            tracing::warn!(rank = ctx.rank, group = %ctx.name, op, ?seq, error = %e, first_failure = dumped, "operation failed");
         }
         None if ctx.debug >= DebugLevel::Detail => {
-            tracing::info!(rank = ctx.rank, group = %ctx.name, op, seq, elapsed = ?t0.elapsed(), "operation completed");
+            tracing::info!(rank = ctx.rank, group = %ctx.name, op, ?seq, elapsed = ?t0.elapsed(), "operation completed");
         }
         None if ctx.debug >= DebugLevel::Info => {
-            tracing::debug!(rank = ctx.rank, group = %ctx.name, op, seq, elapsed = ?t0.elapsed(), "operation completed");
+            tracing::debug!(rank = ctx.rank, group = %ctx.name, op, ?seq, elapsed = ?t0.elapsed(), "operation completed");
         }
         None => {}
     }
@@ -344,6 +381,7 @@ impl ProcessGroup {
         prefix: String,
         rank: usize,
         global_ranks: Vec<usize>,
+        world: bool,
     ) -> Result<ProcessGroup> {
         let world_size = global_ranks.len();
         let coll = connect_backend(&cfg, &format!("{prefix}/coll"), rank, world_size)?;
@@ -351,42 +389,76 @@ impl ProcessGroup {
         let store: Arc<dyn Store> =
             Arc::new(PrefixStore::new(prefix.clone(), cfg.root_store.clone()));
         let short = prefix.rsplit('/').next().unwrap_or("g").to_owned();
-        let (exec, worker) = Exec::start(coll, format!("dist-{short}-r{rank}"));
-        let (tx, p2p_thread) = p2p::start(
+        let no_thread = |what: &str| {
+            let context = format!("process group {prefix}: starting its {what} thread");
+            move |source| {
+                Error::Backend(dist_backend::Error::Io {
+                    rank,
+                    context,
+                    source,
+                })
+            }
+        };
+        let (exec, worker) =
+            Exec::start(coll, format!("dist-{short}-r{rank}")).map_err(no_thread("worker"))?;
+        // From here on, a failure stops the threads already started.
+        let started = p2p::start(
             p2p_backend,
             store.clone(),
             format!("dist-{short}-p2p-r{rank}"),
-        );
+        )
+        .map_err(no_thread("point-to-point"));
+        let (tx, p2p_thread) = match started {
+            Ok(t) => t,
+            Err(e) => {
+                exec.close();
+                let _ = worker.join();
+                return Err(e);
+            }
+        };
         let progress = Arc::new(Progress::new(rank, world_size, store.clone(), cfg.timeout));
-        let (stop_watchdog, watchdog) =
-            progress::start_watchdog(progress.clone(), format!("dist-{short}-wd-r{rank}"));
+        let started =
+            progress::start_watchdog(progress.clone(), format!("dist-{short}-wd-r{rank}"))
+                .map_err(no_thread("watchdog"));
+        let (stop_watchdog, watchdog) = match started {
+            Ok(t) => t,
+            Err(e) => {
+                exec.close();
+                drop(tx);
+                let _ = worker.join();
+                let _ = p2p_thread.join();
+                return Err(e);
+            }
+        };
         if cfg.debug >= DebugLevel::Info {
             tracing::info!(rank, world_size, group = %prefix, backend = %cfg.backend, "process group created");
         }
-        Ok(ProcessGroup {
-            inner: Arc::new(GroupInner {
-                ctx: Arc::new(OpCtx {
-                    rank,
-                    world_size,
-                    name: prefix.clone(),
-                    timeout: cfg.timeout,
-                    debug: cfg.debug,
-                    recorder: FlightRecorder::from_env(),
-                    progress,
-                    dump: FailureDump::new(cfg.flight_dir.clone()),
-                }),
-                cfg,
-                prefix,
-                store,
-                global_ranks,
-                created: AtomicU64::new(0),
-                monitored: AtomicU64::new(0),
-                exec,
-                p2p: Mutex::new(Some(tx)),
-                watchdog: Mutex::new(Some(stop_watchdog)),
-                threads: Mutex::new(vec![worker, p2p_thread, watchdog]),
+        let inner = Arc::new(GroupInner {
+            ctx: Arc::new(OpCtx {
+                rank,
+                world_size,
+                name: prefix.clone(),
+                timeout: cfg.timeout,
+                debug: cfg.debug,
+                recorder: FlightRecorder::from_env(),
+                progress,
+                dump: FailureDump::new(cfg.flight_dir.clone()),
             }),
-        })
+            cfg,
+            prefix,
+            store,
+            global_ranks,
+            created: AtomicU64::new(0),
+            monitored: AtomicU64::new(0),
+            exec,
+            p2p: Mutex::new(Some(tx)),
+            watchdog: Mutex::new(Some(stop_watchdog)),
+            threads: Mutex::new(vec![worker, p2p_thread, watchdog]),
+            world,
+            torn_down: AtomicBool::new(false),
+        });
+        crate::teardown::register(&inner);
+        Ok(ProcessGroup { inner })
     }
 
     /// This process's rank in the group.
@@ -535,13 +607,8 @@ impl ProcessGroup {
     }
 
     fn check_reduce<T: Element>(&self, op: &'static str, rop: ReduceOp) -> Result<()> {
-        rop.check(T::DTYPE).map_err(|source| {
-            Error::Backend(dist_backend::Error::Wire {
-                rank: self.rank(),
-                op,
-                source,
-            })
-        })
+        rop.check(T::DTYPE)
+            .map_err(|source| self.invalid(op, format!("reduce op: {source}")))
     }
 
     fn check_counts(&self, op: &'static str, what: &'static str, counts: &[usize]) -> Result<()> {
@@ -557,10 +624,14 @@ impl ProcessGroup {
     ) -> Result<R> {
         let op = info.op;
         let ctx = &self.inner.ctx;
-        let seq = ctx.recorder.issue(info);
+        let id = std::cell::Cell::new(0);
         self.inner
             .exec
-            .run_inline(|b, cseq| run_op(ctx, seq, cseq, op, fp, b, f))
+            .run_inline(
+                |seq| id.set(ctx.recorder.issue(info, Some(seq))),
+                |b, seq| run_op(ctx, id.get(), seq, op, fp, b, f),
+            )
+            .unwrap_or_else(|| Err(self.destroyed(op)))
     }
 
     /// Runs a group-level step (no backend operation) on this thread in its place in the
@@ -578,16 +649,26 @@ impl ProcessGroup {
     ) -> Result<Work<R>> {
         let op = info.op;
         let ctx = self.inner.ctx.clone();
-        let seq = ctx.recorder.issue(info);
-        let (work, done): (Work<R>, Completer<R>) = Work::pending(ctx.rank, op, seq);
-        let job = Box::new(move |b: &dyn Backend, cseq| {
-            done.complete(run_op(&ctx, seq, cseq, op, fp, b, f));
-        });
-        self.inner.exec.submit(job).map_err(|_| Error::Destroyed {
+        let mut work = None;
+        self.inner
+            .exec
+            .submit(|seq| {
+                let id = ctx.recorder.issue(info, Some(seq));
+                let (w, done): (Work<R>, Completer<R>) = Work::pending(ctx.rank, op, seq);
+                work = Some(w);
+                Box::new(move |b: &dyn Backend, seq| {
+                    done.complete(run_op(&ctx, id, seq, op, fp, b, f));
+                })
+            })
+            .ok_or_else(|| self.destroyed(op))?;
+        work.ok_or_else(|| self.destroyed(op))
+    }
+
+    fn destroyed(&self, op: &'static str) -> Error {
+        Error::Destroyed {
             rank: self.rank(),
             op,
-        })?;
-        Ok(work)
+        }
     }
 
     /// Queues a send or receive on the point-to-point engine.
@@ -606,18 +687,16 @@ impl ProcessGroup {
         let ctx = self.inner.ctx.clone();
         let seq = ctx
             .recorder
-            .issue(info::<T>(op, vec![buf.len()], Some(peer)));
+            .issue(info::<T>(op, vec![buf.len()], Some(peer)), None);
         let (work, done) = Work::pending(ctx.rank, op, seq);
         let started = Instant::now();
-        let deadline = started
-            .checked_add(ctx.timeout)
-            .unwrap_or(started + Duration::from_secs(86_400 * 365));
+        let deadline = dist_backend::deadline_after(started, ctx.timeout);
         let mut buf = buf;
         let run = Box::new(move |b: std::result::Result<&dyn Backend, Error>| {
             let t0 = Instant::now();
             let r = match b {
                 Ok(b) => {
-                    ctx.recorder.started(seq, None);
+                    ctx.recorder.started(seq);
                     let mut opts = OpOptions::with_timeout(deadline.saturating_duration_since(t0));
                     opts.tag = tag;
                     match dir {
@@ -628,7 +707,7 @@ impl ProcessGroup {
                 }
                 Err(e) => Err(e),
             };
-            finish(&ctx, seq, op, t0, r.as_ref().err());
+            finish(&ctx, seq, None, op, t0, r.as_ref().err());
             done.complete(r.map(|()| buf));
         });
         let job = P2pJob {

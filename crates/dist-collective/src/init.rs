@@ -201,7 +201,7 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
                 .map(PathBuf::from)
         }),
     };
-    ProcessGroup::connect(cfg, prefix, rank, (0..world_size).collect())
+    ProcessGroup::connect(cfg, prefix, rank, (0..world_size).collect(), true)
 }
 
 static DEFAULT: Mutex<Option<ProcessGroup>> = Mutex::new(None);
@@ -245,9 +245,26 @@ pub fn default_group() -> Result<ProcessGroup> {
     })
 }
 
-/// Forgets the default group; it is destroyed once the last handle on it (including ones
-/// returned by [`init_process_group`] and [`default_group`]) is dropped. No-op if none.
+/// Destroys the default group (torch's `destroy_process_group()`): waits for its queued
+/// operations, says goodbye to every peer, and returns once each peer has closed its end of
+/// the connections (or the group's timeout has passed); on the rank that hosts the store, once
+/// every rank has left. Handles still held on it (from [`init_process_group`] or
+/// [`default_group`]) then fail with [`Error::Destroyed`]. No-op if there is none.
+///
+/// Calling it is optional: a process that returns from `main` (or calls
+/// `std::process::exit`) tears down every group it still has in an exit hook, which is the
+/// same goodbye, so no other rank sees it as a crash.
 pub fn destroy_process_group() {
+    let pg = default_slot().take();
+    if let Some(pg) = pg {
+        pg.inner.teardown();
+        drop(pg);
+        dist_backend::exit::run_stage(dist_backend::exit::ExitStage::Connections);
+    }
+}
+
+/// Empties the default slot (at exit; the group itself is torn down by the caller).
+pub(crate) fn forget_default() {
     let pg = default_slot().take();
     drop(pg);
 }

@@ -81,6 +81,7 @@ mod object;
 mod p2p;
 mod progress;
 mod subgroup;
+mod teardown;
 pub mod testing;
 mod work;
 

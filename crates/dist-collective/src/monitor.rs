@@ -36,7 +36,7 @@ impl ProcessGroup {
             .set(&arrived(rank), b"1")
             .map_err(|e| Error::store(rank, ctx("announcing arrival"), e))?;
         let missing = if rank == 0 {
-            let deadline = Instant::now() + timeout;
+            let deadline = dist_backend::deadline_after(Instant::now(), timeout);
             let mut missing: Vec<usize> = (1..self.world_size()).collect();
             loop {
                 let mut still = Vec::new();

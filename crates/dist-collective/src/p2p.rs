@@ -54,18 +54,17 @@ fn inbox(rank: usize) -> String {
 }
 
 /// Starts the engine's thread; dropping the returned sender stops it (pending receives fail
-/// with [`Error::Destroyed`]).
+/// with [`Error::Destroyed`]). Fails only when the thread cannot be started.
 pub(crate) fn start(
     backend: Box<dyn Backend>,
     store: Arc<dyn Store>,
     name: String,
-) -> (Sender<P2pJob>, JoinHandle<()>) {
+) -> std::io::Result<(Sender<P2pJob>, JoinHandle<()>)> {
     let (tx, rx) = channel();
     let handle = std::thread::Builder::new()
         .name(name)
-        .spawn(move || Engine::new(backend, store, rx).run())
-        .unwrap_or_else(|err| panic!("dist-collective: cannot spawn a p2p thread: {err}"));
-    (tx, handle)
+        .spawn(move || Engine::new(backend, store, rx).run())?;
+    Ok((tx, handle))
 }
 
 struct Engine {

@@ -213,6 +213,9 @@ impl fmt::Display for ProgressReport {
     }
 }
 
+/// The longest a timed-out collective waits for ranks that have not published their progress.
+const REPORT_WAIT_MAX: Duration = Duration::from_millis(250);
+
 /// One rank's progress in one group: written on the hot path, published by the watchdog.
 pub(crate) struct Progress {
     rank: usize,
@@ -296,6 +299,42 @@ impl Progress {
 
     /// Publishes this rank's state now and reads every other rank's: the failure path of a
     /// collective `op` #`seq` that timed out here.
+    /// [`Progress::report`], given at most `budget`: the store may be unreachable (its host
+    /// stopped or gone), and an error must not wait on it for the store's own timeout. Past
+    /// the budget the report holds only this rank's state; the store calls finish (or time
+    /// out) on their thread in the background.
+    pub(crate) fn report_within(
+        self: &Arc<Self>,
+        op: &'static str,
+        seq: u64,
+        budget: Duration,
+    ) -> ProgressReport {
+        let (tx, rx) = channel();
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("dist-progress-report".into())
+            .spawn(move || {
+                let _ = tx.send(me.report(op, seq));
+            });
+        if spawned.is_err() {
+            return self.report(op, seq);
+        }
+        rx.recv_timeout(budget).unwrap_or_else(|_| {
+            let own = Self::state_of(self.words());
+            ProgressReport {
+                rank: self.rank,
+                op,
+                seq,
+                ranks: (0..self.world_size)
+                    .map(|r| RankProgress {
+                        rank: r,
+                        state: (r == self.rank).then(|| own.clone()),
+                    })
+                    .collect(),
+            }
+        })
+    }
+
     pub(crate) fn report(&self, op: &'static str, seq: u64) -> ProgressReport {
         let own = Self::state_of(self.words());
         self.publish(&own);
@@ -307,9 +346,11 @@ impl Progress {
             .map(|(_, k)| k.as_str())
             .collect();
         // A live rank publishes once its state has been unchanged for publish_after, and a rank
-        // that makes a peer time out has been unchanged for far longer; so this wait costs time
-        // only when a rank is gone (or never reached the group), and is bounded then.
-        let everyone = self.store.wait(&others, self.publish_after * 2).is_ok();
+        // that makes a peer time out has been unchanged for far longer (the whole timeout), so
+        // it has published already. The ones that have not are gone, stopped or frozen: a short
+        // wait covers a publish in flight without delaying the error past timeout + 1 s.
+        let wait = (self.publish_after * 2).min(REPORT_WAIT_MAX);
+        let everyone = self.store.wait(&others, wait).is_ok();
         // One round trip in the usual case; one per rank when some never published.
         let fetched: Vec<Option<RankState>> = match everyone
             .then(|| self.store.multi_get(&others).ok())
@@ -385,26 +426,27 @@ impl<T: PartialEq + Clone> Pacer<T> {
     }
 }
 
-/// Starts the group's watchdog thread; dropping the returned sender stops it.
-pub(crate) fn start_watchdog(p: Arc<Progress>, name: String) -> (Sender<()>, JoinHandle<()>) {
+/// Starts the group's watchdog thread; dropping the returned sender stops it. Fails only when
+/// the thread cannot be started.
+pub(crate) fn start_watchdog(
+    p: Arc<Progress>,
+    name: String,
+) -> std::io::Result<(Sender<()>, JoinHandle<()>)> {
     let (tx, rx) = channel::<()>();
     let tick = (p.publish_after / 2).max(Duration::from_millis(5));
-    let handle = std::thread::Builder::new()
-        .name(name)
-        .spawn(move || {
-            let mut pacer = Pacer::new(p.publish_after);
-            loop {
-                match rx.recv_timeout(tick) {
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
-                }
-                if let Some(words) = pacer.observe(Instant::now(), p.words()) {
-                    p.publish(&Progress::state_of(words));
-                }
+    let handle = std::thread::Builder::new().name(name).spawn(move || {
+        let mut pacer = Pacer::new(p.publish_after);
+        loop {
+            match rx.recv_timeout(tick) {
+                Err(RecvTimeoutError::Timeout) => {}
+                Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
             }
-        })
-        .unwrap_or_else(|err| panic!("dist-collective: cannot spawn a watchdog thread: {err}"));
-    (tx, handle)
+            if let Some(words) = pacer.observe(Instant::now(), p.words()) {
+                p.publish(&Progress::state_of(words));
+            }
+        }
+    })?;
+    Ok((tx, handle))
 }
 
 #[cfg(test)]

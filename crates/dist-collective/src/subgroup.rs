@@ -69,6 +69,7 @@ impl ProcessGroup {
             format!("{}/{suffix}", self.inner.prefix),
             rank,
             globals,
+            false,
         )
         .map(Some)
     }

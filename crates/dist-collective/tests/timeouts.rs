@@ -154,7 +154,7 @@ fn the_first_failure_dumps_the_flight_recorder_once() {
             e[i]["op"].as_str().unwrap_or_default(),
             e[i]["dtype"].as_str().unwrap_or_default(),
             e[i]["counts"].clone(),
-            e[i]["collective_seq"].as_u64(),
+            e[i]["seq"].as_u64(),
             e[i]["state"].as_str().unwrap_or_default(),
         )
     };

@@ -268,10 +268,13 @@ impl GlooBackend {
                 cause,
             });
         }
-        let seq = if name == CollectiveOp::SendRecv {
-            0
-        } else {
-            self.seq.fetch_add(1, Ordering::Relaxed)
+        let seq = match (name, opts.seq) {
+            (CollectiveOp::SendRecv, _) => 0,
+            (_, Some(seq)) => {
+                self.seq.store(seq.saturating_add(1), Ordering::Relaxed);
+                seq
+            }
+            (_, None) => self.seq.fetch_add(1, Ordering::Relaxed),
         };
         let mut ctx = StepCtx::new(self.rank, self.group, name, seq, dtype, opts.timeout);
         ctx.reduce = reduce.map_or(0, |r| r.code());
@@ -302,9 +305,7 @@ impl GlooBackend {
 
 impl Drop for GlooBackend {
     fn drop(&mut self) {
-        if self.poisoned.lock().map(|p| p.is_none()).unwrap_or(false) {
-            self.transport.close();
-        }
+        Backend::close(self);
     }
 }
 
@@ -633,5 +634,14 @@ impl Backend for GlooBackend {
             return Ok(true);
         }
         Ok(self.transport.probe(src, tag))
+    }
+
+    fn close(&self) {
+        let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        if p.is_none() {
+            *p = Some("the group was destroyed".into());
+            // Under the lock, so no operation starts on connections being closed.
+            self.transport.close();
+        }
     }
 }

@@ -67,4 +67,10 @@ pub trait Store: Send + Sync {
     fn queue_len(&self, key: &str) -> Result<u64, StoreError>;
     /// The timeout of `get`, `wait` without an explicit timeout and blocking `queue_pop`.
     fn timeout(&self) -> Duration;
+    /// Whether this handle hosts the server other processes reach the store through (the
+    /// master of a TCP store), so that dropping it or exiting cuts them off: its owner must
+    /// keep it until every rank has left (see `dist-collective`'s teardown).
+    fn serves_others(&self) -> bool {
+        false
+    }
 }

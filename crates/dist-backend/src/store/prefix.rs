@@ -130,4 +130,8 @@ impl Store for PrefixStore {
     fn timeout(&self) -> Duration {
         self.inner.timeout()
     }
+
+    fn serves_others(&self) -> bool {
+        self.inner.serves_others()
+    }
 }

@@ -65,9 +65,7 @@ impl StepCtx {
             reduce: 0,
             root: NO_ROOT,
             started,
-            deadline: started
-                .checked_add(timeout)
-                .unwrap_or(started + Duration::from_secs(86_400 * 365)),
+            deadline: dist_backend::deadline_after(started, timeout),
         }
     }
 

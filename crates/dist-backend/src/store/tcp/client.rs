@@ -684,4 +684,8 @@ impl Store for TcpStore {
     fn timeout(&self) -> Duration {
         self.timeout
     }
+
+    fn serves_others(&self) -> bool {
+        self.server.is_some()
+    }
 }

@@ -301,6 +301,12 @@ impl Conn {
         self.out.extend_from_slice(&ack.encode());
     }
 
+    /// The stream and the bytes queued for it but not yet written (when closing).
+    pub(super) fn into_parts(self) -> (mio::net::TcpStream, Vec<u8>) {
+        let pending = self.out[self.out_done..].to_vec();
+        (self.stream, pending)
+    }
+
     /// Whether acknowledgements wait to be written.
     pub(super) fn has_out(&self) -> bool {
         self.out_done < self.out.len()

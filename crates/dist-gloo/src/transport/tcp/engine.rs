@@ -10,6 +10,7 @@ use mio::{Events, Poll};
 
 use super::cma::Cma;
 use super::conn::{Conn, Io, Payload, PeerState};
+use super::linger;
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Verdict, frames, judge};
 
 /// Progress state of one outgoing message.
@@ -52,6 +53,8 @@ pub(super) struct Engine {
     pub(super) spin: Duration,
     /// Single-copy transfers with the peers on this host, when they are possible.
     pub(super) cma: Option<Cma>,
+    /// How long closing waits for each peer to close its end (the group's timeout).
+    pub(super) linger: Duration,
 }
 
 /// Whether message `i` must wait for an earlier, unfinished message with the same peer.
@@ -281,9 +284,18 @@ impl Engine {
                 continue;
             }
             if let Some(Some(c)) = self.conns.get_mut(peer) {
+                let before = c.state.clone();
                 c.drain();
-                if matches!(c.state, PeerState::Lost(_) | PeerState::Aborted { .. }) {
-                    return Err(lost_or_left(ctx, peer, &c.state));
+                match &c.state {
+                    // A peer that aborted the group: this step cannot complete either.
+                    PeerState::Aborted { .. } => return Err(lost_or_left(ctx, peer, &c.state)),
+                    // A peer this step does not need has gone (it may simply have finished and
+                    // exited): an event, not a failure. A step that needs it fails on its own,
+                    // naming it.
+                    PeerState::Lost(why) if before == PeerState::Open => {
+                        tracing::debug!(rank = ctx.rank, peer, op = %ctx.op, seq = ctx.seq, reason = %why, "a peer this step does not use went away");
+                    }
+                    _ => {}
                 }
             }
         }
@@ -571,15 +583,38 @@ impl Engine {
         }
     }
 
-    /// Best-effort goodbye to every open peer.
+    /// Says goodbye to every peer still connected: writes what is queued for it and a `Close`
+    /// frame, shuts down the write side, then hands the connection to [`linger`] to be read
+    /// until the peer closes its end (at most [`Engine::linger`]). Connections to peers that
+    /// are gone are dropped.
     pub(super) fn close(&mut self, rank: usize) {
-        let h = close_frame(rank, 0);
-        for c in self.conns.iter_mut().flatten() {
-            if c.state == PeerState::Open && !c.out_mid_frame() {
-                let _ = c.stream.write_all(&h);
-                let _ = c.stream.shutdown(std::net::Shutdown::Write);
+        let deadline = dist_backend::deadline_after(Instant::now(), self.linger);
+        let bye = close_frame(rank, 0);
+        let mut streams = Vec::new();
+        for (peer, slot) in self.conns.iter_mut().enumerate() {
+            let Some(c) = slot.take() else { continue };
+            let say_bye = matches!(c.state, PeerState::Open | PeerState::Left);
+            let (mut stream, pending) = c.into_parts();
+            let _ = self.poll.registry().deregister(&mut stream);
+            let mut stream = std::net::TcpStream::from(stream);
+            if !say_bye {
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let said = stream
+                .set_nonblocking(false)
+                .and_then(|()| stream.set_write_timeout(Some(left.max(Duration::from_millis(1)))))
+                .and_then(|()| stream.write_all(&pending))
+                .and_then(|()| stream.write_all(&bye))
+                .and_then(|()| stream.shutdown(std::net::Shutdown::Write));
+            match said {
+                Ok(()) => streams.push((peer, stream)),
+                Err(e) => {
+                    tracing::debug!(rank, peer, error = %e, "could not say goodbye to a peer");
+                }
             }
         }
+        linger::linger(rank, streams, deadline);
     }
 }
 

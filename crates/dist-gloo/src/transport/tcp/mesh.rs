@@ -154,7 +154,7 @@ pub(super) fn build(
     if world == 1 {
         return Ok((poll, conns));
     }
-    let deadline = Instant::now() + opts.timeout;
+    let deadline = dist_backend::deadline_after(Instant::now(), opts.timeout);
     let group = group_id(prefix);
     let ip = match opts.ip {
         Some(ip) => ip,

@@ -3,6 +3,7 @@
 mod cma;
 mod conn;
 mod engine;
+mod linger;
 mod mesh;
 
 use std::sync::Mutex;
@@ -55,6 +56,7 @@ impl TcpTransport {
                 conns,
                 spin: opts.spin,
                 cma,
+                linger: opts.timeout,
             }),
         })
     }

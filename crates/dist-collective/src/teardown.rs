@@ -1,0 +1,82 @@
+//! How groups end: the goodbye, the store host's wait for every rank to leave, and the exit
+//! hook that does both for groups a program never destroyed.
+//!
+//! A group is torn down when its last handle is dropped, by [`crate::destroy_process_group`],
+//! or at process exit. Tearing down finishes the queued operations, closes both backends (each
+//! sends every peer a `Close` frame and drains its connections, see `dist-gloo`), and for a
+//! group made by `init_process_group`/`new_process_group` marks this rank as having left in
+//! the job's store. The rank that hosts the store's server (rank 0 under `env://`, unless the
+//! launcher serves it) then keeps serving until every rank has left, or the timeout passes
+//! (ten seconds at most once the group has failed, since a crashed rank never leaves), as
+//! torch's TCPStore does. A launcher-hosted store (`distrun`, torchrun's agent store) is
+//! unaffected: no rank serves it.
+//!
+//! Every group registers here when created; the `dist-backend` exit hook tears down, newest
+//! first, those still alive when the process exits (returning from `main`, `process::exit`,
+//! or a panic leaving `main`), so a rank that just returns from `main` never makes another
+//! rank fail.
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use dist_backend::exit::{ExitStage, at_exit};
+
+use crate::group::GroupInner;
+
+/// Every group created in this process and not yet dropped, oldest first.
+static LIVE: Mutex<Vec<Weak<GroupInner>>> = Mutex::new(Vec::new());
+
+/// How long the store's host waits for the others to leave a group that has failed.
+const FAILED_GROUP_LEAVE_WAIT: Duration = Duration::from_secs(10);
+
+/// Registers a new group for teardown at exit.
+pub(crate) fn register(g: &Arc<GroupInner>) {
+    {
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|w| w.strong_count() > 0);
+        live.push(Arc::downgrade(g));
+    }
+    at_exit(ExitStage::Groups, teardown_all);
+}
+
+/// Tears down every group still alive, newest first (sub-groups before their parents).
+fn teardown_all() {
+    crate::init::forget_default();
+    let live = std::mem::take(&mut *LIVE.lock().unwrap_or_else(|e| e.into_inner()));
+    for g in live.iter().rev().filter_map(Weak::upgrade) {
+        g.teardown();
+    }
+}
+
+/// The store keys by which the ranks of a world group say they have left.
+fn left_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/left/{rank}")
+}
+
+/// This rank leaves the world group `g`; on the rank that serves the store, waits for every
+/// other rank to leave too.
+pub(crate) fn leave(g: &GroupInner) {
+    let rank = g.ctx.rank;
+    let store = &g.cfg.root_store;
+    if let Err(e) = store.set(&left_key(&g.prefix, rank), b"1") {
+        tracing::debug!(rank, group = %g.ctx.name, error = %e, "could not record leaving the group in the store");
+    }
+    if !store.serves_others() {
+        return;
+    }
+    let keys: Vec<String> = (0..g.ctx.world_size)
+        .map(|r| left_key(&g.prefix, r))
+        .collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let wait = if g.ctx.dump.aborted() {
+        g.ctx.timeout.min(FAILED_GROUP_LEAVE_WAIT)
+    } else {
+        g.ctx.timeout
+    };
+    if let Err(e) = store.wait(&keys, wait) {
+        let missing: Vec<usize> = (0..g.ctx.world_size)
+            .filter(|&r| !store.check(&[keys[r]]).unwrap_or(false))
+            .collect();
+        tracing::warn!(rank, group = %g.ctx.name, ?missing, error = %e, "stopping the store before every rank left the group");
+    }
+}
