@@ -7,6 +7,7 @@
 mod bench;
 mod check_layers;
 mod ci;
+mod soak;
 mod test;
 mod util;
 
@@ -24,6 +25,9 @@ COMMANDS:
     check-layers    Fail if a dist-* crate depends on a crate above it in the layer DAG
     bench           nccl-tests-style collective benchmarks (`cargo xtask bench --help`)
     test            Multi-rank programs as real processes through distrun (`--world-size N`)
+    soak            The main job many times, then injected faults (kill, stall, mismatch,
+                    store garbage); a table of failures, hangs and delays (`cargo xtask soak
+                    --help`; long, so not part of ci)
     help            Print this message
 ";
 
@@ -62,6 +66,19 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(msg) => {
                 eprintln!("xtask bench: {msg}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if cmd == "soak" {
+        if rest.iter().any(|a| a == "-h" || a == "--help") {
+            print!("{}", soak::HELP);
+            return ExitCode::SUCCESS;
+        }
+        return match soak::run_soak(rest) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(msg) => {
+                eprintln!("xtask soak: {msg}");
                 ExitCode::FAILURE
             }
         };
