@@ -4,6 +4,7 @@
 //! build small: it depends on `serde_json` only, and builds into `target/xtask` (see
 //! `.cargo/config.toml`) so it never invalidates the main build cache.
 
+#![forbid(unsafe_code)]
 mod bench;
 mod check_layers;
 mod ci;

@@ -33,6 +33,8 @@
 //! the same order on every rank (`dist-collective` guarantees it with one worker per group).
 //! Point-to-point `send`/`recv` may be called from several threads at once.
 
+// The one `unsafe` (registering the exit hook with `atexit`) is allowed where it is.
+#![deny(unsafe_code)]
 mod backend;
 mod buffer;
 mod clock;

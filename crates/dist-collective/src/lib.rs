@@ -70,6 +70,7 @@
 //! `gloo` (default): the pure-Rust CPU backend. Without it no backend is compiled in and
 //! [`init_process_group`] fails with [`Error::UnknownBackend`].
 
+#![forbid(unsafe_code)]
 mod debug;
 mod error;
 mod exec;

@@ -37,6 +37,7 @@
 //! });
 //! ```
 
+#![forbid(unsafe_code)]
 mod algo;
 mod backend;
 pub mod transport;

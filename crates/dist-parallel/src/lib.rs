@@ -30,6 +30,7 @@
 //! assert_eq!(out[0], out[1]);
 //! ```
 
+#![forbid(unsafe_code)]
 mod ddp;
 mod error;
 

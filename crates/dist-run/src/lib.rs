@@ -37,10 +37,14 @@
 //! depends only on `dist-backend` (for the store server); it neither knows nor loads any
 //! backend.
 
+// `unsafe` is allowed only at the few libc calls that have no safe wrapper.
+#![deny(unsafe_code)]
 mod agents;
 mod cli;
 mod env;
+#[allow(unsafe_code, reason = "pre_exec for PR_SET_PDEATHSIG, with a SAFETY comment")]
 mod group;
+#[allow(unsafe_code, reason = "signal and kill, which libc alone offers; each call has a SAFETY comment")]
 mod signals;
 
 pub use cli::Args;

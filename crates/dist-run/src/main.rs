@@ -1,5 +1,6 @@
 //! `distrun`: see the `dist_run` crate docs.
 
+#![forbid(unsafe_code)]
 use std::process::ExitCode;
 
 use clap::Parser;

@@ -30,8 +30,11 @@
 //! assert_eq!(acc, [0x4380]); // 3.75
 //! ```
 
+// `unsafe` is allowed only in `x86.rs`, where the runtime-dispatched kernels are called.
+#![deny(unsafe_code)]
 mod portable;
 #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+#[allow(unsafe_code, reason = "the runtime-dispatched kernel calls, each with a SAFETY comment")]
 mod x86;
 
 macro_rules! format_module {

@@ -14,6 +14,7 @@
 //! gradient fed back), so DDP can launch a bucket's all-reduce while earlier layers are still
 //! differentiating: the per-step line reports how much of the communication that hid.
 
+#![forbid(unsafe_code)]
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
