@@ -33,7 +33,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::store::{FileStore, PrefixStore, Store, TcpStore, TcpStoreOptions};
+use crate::store::{FileStore, PrefixStore, Store, TcpStore, TcpStoreOptions, TcpStoreServer};
 use crate::{Error, Result};
 
 /// Which launcher the rank information came from.
@@ -356,6 +356,38 @@ impl InitConfig {
         };
         let inner: Arc<dyn Store> = Arc::new(TcpStore::new(&opts)?);
         let store = PrefixStore::new(format!("/worker/attempt_{attempt}"), inner);
+        Ok(self.info(Arc::new(store)))
+    }
+
+    /// [`connect`](Self::connect) for the process that serves the store on `server`, started
+    /// by the caller: e.g. on a listener bound to port 0 before its port went to the other
+    /// ranks, so that no other process can take the port in between (torch's
+    /// `master_listen_fd`). The store owns the server and waits until every rank has joined;
+    /// it is reached at `master_addr` (`127.0.0.1` when unset) on the server's port, and
+    /// `master_port` is not used. Fails with [`agent_store`](Self::agent_store), where the
+    /// launcher serves the store.
+    pub fn connect_with_server(
+        &self,
+        server: TcpStoreServer,
+        timeout: Duration,
+    ) -> Result<InitInfo> {
+        if self.agent_store.is_some() {
+            return Err(init_err(format!(
+                "rank {} was given a store server, but the launcher serves the store \
+                 (TORCHELASTIC_USE_AGENT_STORE)",
+                self.rank
+            )));
+        }
+        let host = self.master_addr.as_deref().unwrap_or("127.0.0.1");
+        let opts = TcpStoreOptions {
+            host: host.to_owned(),
+            port: server.port(),
+            world_size: Some(self.world_size),
+            is_master: true,
+            timeout,
+            wait_for_workers: true,
+        };
+        let store = TcpStore::with_server(server, &opts)?;
         Ok(self.info(Arc::new(store)))
     }
 

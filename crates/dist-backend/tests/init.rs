@@ -4,24 +4,21 @@ use std::collections::HashMap;
 use std::thread;
 use std::time::Duration;
 
-use dist_backend::init::{Launcher, init_from_url_with};
+use dist_backend::init::{InitConfig, Launcher, init_from_url_with};
+use dist_backend::store::TcpStoreServer;
 
 const T: Duration = Duration::from_secs(10);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn env_init_rank0_hosts_the_store() {
-    let port = free_port();
+    // Rank 0 serves the store on a server bound to port 0, whose port the others get as
+    // MASTER_PORT (binding a port found free earlier could race with another process).
+    let mut server = Some(TcpStoreServer::start(0).unwrap());
+    let port = server.as_ref().unwrap().port();
     let world = 4;
     let hs: Vec<_> = (0..world)
         .map(|rank| {
+            let server = if rank == 0 { server.take() } else { None };
             thread::spawn(move || {
                 let vars: HashMap<&str, String> = HashMap::from([
                     ("MASTER_ADDR", "127.0.0.1".to_owned()),
@@ -31,8 +28,14 @@ fn env_init_rank0_hosts_the_store() {
                     ("LOCAL_RANK", (rank % 2).to_string()),
                     ("LOCAL_WORLD_SIZE", "2".to_owned()),
                 ]);
-                let info =
-                    init_from_url_with("env://", None, None, T, &|k| vars.get(k).cloned()).unwrap();
+                let env = |k: &str| vars.get(k).cloned();
+                let info = match server {
+                    Some(server) => InitConfig::from_lookup(env)
+                        .unwrap()
+                        .connect_with_server(server, T)
+                        .unwrap(),
+                    None => init_from_url_with("env://", None, None, T, &env).unwrap(),
+                };
                 assert_eq!(info.rank, rank);
                 assert_eq!(info.world_size, world);
                 assert_eq!(info.local_rank, rank % 2);
@@ -61,7 +64,8 @@ fn env_init_rank0_hosts_the_store() {
 
 #[test]
 fn tcp_init_with_query_arguments() {
-    let port = free_port();
+    let server = TcpStoreServer::start(0).unwrap();
+    let port = server.port();
     let none = |_: &str| None;
     let h = thread::spawn(move || {
         let url = format!("tcp://127.0.0.1:{port}?rank=1&world_size=2");
@@ -70,8 +74,10 @@ fn tcp_init_with_query_arguments() {
         assert_eq!(info.store.get("from0").unwrap(), b"x");
         info.store.set("from1", b"y").unwrap();
     });
-    let url = format!("tcp://localhost:{port}");
-    let info = init_from_url_with(&url, Some(0), Some(2), T, &none).unwrap();
+    // Rank 0 serves the store on the server bound to port 0.
+    let mut cfg = InitConfig::resolve(&none, Some(0), Some(2)).unwrap();
+    cfg.master_addr = Some("localhost".to_owned());
+    let info = cfg.connect_with_server(server, T).unwrap();
     assert_eq!(info.launcher, Launcher::Explicit);
     info.store.set("from0", b"x").unwrap();
     assert_eq!(info.store.get("from1").unwrap(), b"y");
@@ -116,7 +122,7 @@ fn env_init_fails_without_master() {
 fn env_init_with_agent_store_makes_every_rank_a_client() {
     // The launcher (torchrun's agent, distrun) already serves the store on the master port:
     // rank 0 must connect to it rather than fail to bind.
-    let server = dist_backend::store::TcpStoreServer::start(0).unwrap();
+    let server = TcpStoreServer::start(0).unwrap();
     let port = server.port();
     let world = 3;
     let hs: Vec<_> = (0..world)

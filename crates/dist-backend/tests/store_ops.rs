@@ -11,8 +11,8 @@ const SHORT: Duration = Duration::from_millis(200);
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Makes a fresh store with the given timeout, returned as a maker of handles to it: each call
-/// gives another handle (another connection, another file descriptor) to the same store, so
-/// threads do not queue behind one client's mutex.
+/// gives another handle (another client, another file descriptor) to the same store, so the
+/// tests that use several threads also cover several clients.
 type Handles = Box<dyn Fn() -> Arc<dyn Store>>;
 type Factory<'a> = &'a dyn Fn(Duration) -> Handles;
 

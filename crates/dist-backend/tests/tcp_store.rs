@@ -2,12 +2,13 @@
 //! clients, many clients, and the server's thread count.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use dist_backend::store::{TcpStore, TcpStoreOptions, TcpStoreServer};
 use dist_backend::{Store, StoreError};
+use socket2::{Domain, Protocol, Socket, Type};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -258,17 +259,30 @@ fn bind_error_names_address_and_errno() {
     assert!(msg.contains("errno 98"), "{msg}");
 }
 
+/// A socket bound to a free port of 127.0.0.1 that does not listen yet: connecting to it is
+/// refused, and no other process can take the port while the socket is held.
+fn bound_not_listening() -> (Socket, u16) {
+    let sock = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).unwrap();
+    sock.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    let port = sock.local_addr().unwrap().as_socket().unwrap().port();
+    (sock, port)
+}
+
+/// Starts a server on a socket from [`bound_not_listening`].
+fn serve_on(sock: Socket) -> TcpStoreServer {
+    sock.listen(128).unwrap();
+    TcpStoreServer::from_listener(sock.into()).unwrap()
+}
+
 #[test]
 fn connect_retries_until_the_server_is_up() {
-    // Find a free port, then start the server on it only after the client began connecting.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // The port is ours from the start; the server listens on it only after the client began
+    // connecting (and was refused).
+    let (sock, port) = bound_not_listening();
     let h = thread::spawn(move || {
         thread::sleep(Duration::from_millis(300));
-        TcpStoreServer::start(port).unwrap()
+        serve_on(sock)
     });
     let c = TcpStore::connect("127.0.0.1", port, T).unwrap();
     c.set("up", b"1").unwrap();
@@ -279,11 +293,7 @@ fn connect_retries_until_the_server_is_up() {
 
 #[test]
 fn connect_gives_up_after_timeout() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let (_sock, port) = bound_not_listening();
     let t0 = Instant::now();
     let e = TcpStore::connect("127.0.0.1", port, Duration::from_millis(300)).unwrap_err();
     assert!(t0.elapsed() < Duration::from_secs(3));
@@ -293,18 +303,14 @@ fn connect_gives_up_after_timeout() {
 
 #[test]
 fn master_waits_for_workers() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let (sock, port) = bound_not_listening();
     let mut opts = TcpStoreOptions::new("127.0.0.1", port);
     opts.world_size = Some(4);
     opts.timeout = T;
     let mut mo = opts.clone();
     mo.is_master = true;
     // The master blocks until all four clients incremented init/; workers retry until it is up.
-    let master = thread::spawn(move || TcpStore::new(&mo).unwrap());
+    let master = thread::spawn(move || TcpStore::with_server(serve_on(sock), &mo).unwrap());
     let workers: Vec<_> = (0..3)
         .map(|_| {
             let o = opts.clone();

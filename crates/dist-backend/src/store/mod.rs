@@ -9,7 +9,7 @@
 //! * [`TcpStore`] (client) and [`TcpStoreServer`]: PyTorch's TCPStore protocol, byte for byte, so
 //!   a torch job and a `dist` job can share one store. The server is one `mio` event loop thread.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 mod error;
 mod file;
@@ -23,6 +23,12 @@ pub use file::FileStore;
 pub use hash::HashStore;
 pub use prefix::PrefixStore;
 pub use tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+
+/// The instant `d` from now, or `None` (no deadline) when that is past what an [`Instant`] can
+/// hold: `Duration::MAX` means "no timeout", and `Instant::now() + d` would panic on it.
+pub(crate) fn deadline_after(d: Duration) -> Option<Instant> {
+    Instant::now().checked_add(d)
+}
 
 /// A key-value store shared by every rank of a job, used for rendezvous.
 ///

@@ -2,18 +2,18 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dist_wire::store::{
-    INIT_KEY, KEY_PREFIX, Limits, ReplyKind, Request, Response, STOP_WAITING, VALIDATION_MAGIC,
-    WAIT_CANCELED, decode_response,
+    CHECK_READY, INIT_KEY, KEY_PREFIX, Limits, ReplyKind, Request, Response, STOP_WAITING,
+    VALIDATION_MAGIC, WAIT_CANCELED, decode_response,
 };
 
 use super::server::TcpStoreServer;
 use crate::DEFAULT_TIMEOUT;
 use crate::store::error::key_list;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, deadline_after};
 
 /// How a [`TcpStore`] is made; the fields of torch's
 /// `TCPStore(host_name, port, world_size, is_master, timeout, wait_for_workers)`.
@@ -27,7 +27,8 @@ pub struct TcpStoreOptions {
     pub world_size: Option<usize>,
     /// Start the server in this process.
     pub is_master: bool,
-    /// Timeout of connecting, `get`, `wait` and waiting for workers.
+    /// Timeout of connecting, `get`, `wait` and waiting for workers; `Duration::MAX` waits
+    /// forever.
     pub timeout: Duration,
     /// Every client increments `init/`; the master waits until `world_size` have.
     pub wait_for_workers: bool,
@@ -49,7 +50,19 @@ impl TcpStoreOptions {
 
 /// A client of a TCPStore server (ours or torch's): user keys travel as `/key`, every `get`
 /// waits for its key first, and a `wait` that times out is cancelled with `CANCEL_WAIT`, leaving
-/// the connection usable. Operations from several threads are serialized by a mutex.
+/// the connection usable.
+///
+/// Many threads may use one store at once (a watchdog publishing progress, a barrier polling,
+/// a thread blocked in `get`): the store keeps a small pool of connections, at most
+/// [`MAX_CONNECTIONS`](Self::MAX_CONNECTIONS), each lent to one call at a time, because the
+/// protocol answers in order and a connection inside a `WAIT` can carry nothing else until it
+/// ends. Calls that may block (`wait`, and `get`, `multi_get` or blocking `queue_pop` whose keys
+/// are still missing) hold at most `MAX_CONNECTIONS - 1` connections together, so a `set`,
+/// `add` or `get` of a key that exists never queues behind them (a CHECK first tells whether a
+/// call needs to block at all). Further blocking calls queue, within their own timeout, and
+/// look again now and then whether their keys appeared meanwhile. A connection is opened when
+/// a call finds none idle and the pool is not full; one that failed is closed (never lent
+/// again, so no stale reply is read), and the next call opens another.
 ///
 /// When made with `is_master` (see [`TcpStore::new`]) it also owns the [`TcpStoreServer`], which
 /// stops when the store is dropped.
@@ -60,7 +73,10 @@ pub struct TcpStore {
     port: u16,
     timeout: Duration,
     limits: Limits,
-    conn: Mutex<Option<Conn>>,
+    pool: Mutex<Pool>,
+    /// Signalled whenever a connection (or room for one) is given back to the pool.
+    freed: Condvar,
+    // Declared last, so that the connections close before the server stops.
     server: Option<TcpStoreServer>,
 }
 
@@ -70,6 +86,83 @@ struct Conn {
     buf: Vec<u8>,
 }
 
+/// The connections of a [`TcpStore`].
+#[derive(Debug, Default)]
+struct Pool {
+    /// Connections in step with the server, waiting for a call.
+    idle: Vec<Conn>,
+    /// Connections that exist or are being opened: idle, lent out, or connecting.
+    open: usize,
+    /// Of those, the ones lent to calls that may block.
+    blocking: usize,
+    /// The most `open` has been, for tests.
+    peak: usize,
+}
+
+/// What a call wants a connection for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    /// One request and its reply, answered at once by the server.
+    Quick,
+    /// A `WAIT`, which may hold the connection until its timeout.
+    Blocking,
+}
+
+/// A connection's place in the pool while a call holds it. Dropping the slot without
+/// [`give_back`](Slot::give_back) (an error, a panic) frees the place, and the connection, which
+/// may be out of step with the server, is closed with it.
+struct Slot<'a> {
+    store: &'a TcpStore,
+    use_: Use,
+    returned: bool,
+}
+
+impl Slot<'_> {
+    /// Returns a connection that is in step with the server to the idle ones.
+    fn give_back(mut self, conn: Conn) {
+        self.returned = true;
+        self.store.release(Some(conn), self.use_);
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if !self.returned {
+            self.store.release(None, self.use_);
+        }
+    }
+}
+
+/// One call of the store API: what errors name, and until when it may wait.
+struct Call<'k> {
+    op: &'static str,
+    /// The caller's keys.
+    keys: &'k [&'k str],
+    /// Whether the keys travel with [`KEY_PREFIX`] (user keys) or as they are (`init/`).
+    prefixed: bool,
+    start: Instant,
+    /// `None`: no deadline (a timeout of `Duration::MAX`).
+    deadline: Option<Instant>,
+}
+
+impl<'k> Call<'k> {
+    fn new(op: &'static str, keys: &'k [&'k str], timeout: Duration) -> Self {
+        Call {
+            op,
+            keys,
+            prefixed: true,
+            start: Instant::now(),
+            deadline: deadline_after(timeout),
+        }
+    }
+
+    /// The keys as the server sees them, for timeout errors.
+    fn server_keys(&self) -> Vec<String> {
+        let prefix = if self.prefixed { KEY_PREFIX } else { "" };
+        self.keys.iter().map(|k| format!("{prefix}{k}")).collect()
+    }
+}
+
 /// Why reading a reply stopped.
 enum ReadError {
     TimedOut,
@@ -77,8 +170,14 @@ enum ReadError {
 }
 
 impl TcpStore {
+    /// The most connections one store opens to its server. One of them is always left to
+    /// requests that do not block, so at most `MAX_CONNECTIONS - 1` blocking waits are on the
+    /// wire at once; more queue for a connection.
+    pub const MAX_CONNECTIONS: usize = 8;
+
     /// Connects to the server at `host:port`, retrying with exponential backoff and jitter until
-    /// `timeout`. Does not touch the `init/` counter.
+    /// `timeout`. Does not touch the `init/` counter. The first connection is made here, so
+    /// that an unreachable server is reported at once; the others are opened when needed.
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self, StoreError> {
         let addr = format!("{host}:{port}");
         let conn = connect_with_retry(host, port, &addr, timeout)?;
@@ -88,7 +187,13 @@ impl TcpStore {
             port,
             timeout,
             limits: Limits::DEFAULT,
-            conn: Mutex::new(Some(conn)),
+            pool: Mutex::new(Pool {
+                idle: vec![conn],
+                open: 1,
+                blocking: 0,
+                peak: 1,
+            }),
+            freed: Condvar::new(),
             server: None,
         })
     }
@@ -97,20 +202,34 @@ impl TcpStore {
     /// the server when `is_master`, connects, and with `wait_for_workers` and a world size,
     /// increments `init/` and (on the master) waits until `world_size` clients have.
     pub fn new(opts: &TcpStoreOptions) -> Result<Self, StoreError> {
-        let server = if opts.is_master {
-            Some(TcpStoreServer::start(opts.port)?)
-        } else {
-            None
-        };
-        let port = server.as_ref().map_or(opts.port, TcpStoreServer::port);
-        let mut store = TcpStore::connect(&opts.host, port, opts.timeout)?;
-        store.server = server;
+        if opts.is_master {
+            return TcpStore::with_server(TcpStoreServer::start(opts.port)?, opts);
+        }
+        let store = TcpStore::connect(&opts.host, opts.port, opts.timeout)?;
+        store.join(opts)?;
+        Ok(store)
+    }
+
+    /// The master's store over a server the caller started, as torch's `master_listen_fd`
+    /// allows: e.g. on a listener bound to port 0 whose port was passed to the workers first,
+    /// so that no other process can take the port in between. Connects to `opts.host` at the
+    /// server's port (`opts.port` and `opts.is_master` are not used), owns the server, and
+    /// waits for workers as [`new`](Self::new) does.
+    pub fn with_server(server: TcpStoreServer, opts: &TcpStoreOptions) -> Result<Self, StoreError> {
+        let mut store = TcpStore::connect(&opts.host, server.port(), opts.timeout)?;
+        store.server = Some(server);
+        store.join(opts)?;
+        Ok(store)
+    }
+
+    /// With `wait_for_workers` and a world size, joins the `init/` counter.
+    fn join(&self, opts: &TcpStoreOptions) -> Result<(), StoreError> {
         if opts.wait_for_workers
             && let Some(world) = opts.world_size
         {
-            store.wait_for_workers(world)?;
+            self.wait_for_workers(world)?;
         }
-        Ok(store)
+        Ok(())
     }
 
     /// Increments `init/`; on the master, polls it every 10 ms until `world_size` clients have.
@@ -153,133 +272,260 @@ impl TcpStore {
 
     /// Every key in the store as the server holds it (`/k` for user keys, `init/`).
     pub fn list_keys(&self) -> Result<Vec<String>, StoreError> {
-        match self.call("list_keys", &[], &Request::ListKeys)? {
+        let call = Call::new("list_keys", &[], self.timeout);
+        self.quick(&call, &Request::ListKeys, |r| match r {
             Response::Keys(ks) => Ok(ks
                 .into_iter()
                 .map(|k| String::from_utf8_lossy(&k).into_owned())
                 .collect()),
-            other => Err(self.unexpected("list_keys", &[], &other)),
-        }
+            other => Err(other),
+        })
+    }
+
+    /// Connections open now (idle, lent out or connecting). For tests of the pool.
+    #[doc(hidden)]
+    pub fn open_connections(&self) -> usize {
+        self.lock().open
+    }
+
+    /// The most connections that were open at once. For tests of the pool.
+    #[doc(hidden)]
+    pub fn peak_connections(&self) -> usize {
+        self.lock().peak
     }
 
     fn add_raw(&self, op: &'static str, raw_key: &str, delta: i64) -> Result<i64, StoreError> {
+        let keys = [raw_key];
+        let mut call = Call::new(op, &keys, self.timeout);
+        call.prefixed = false;
         let req = Request::Add {
             key: raw_key.as_bytes().to_vec(),
             delta,
         };
-        match self.call(op, &[raw_key], &req)? {
+        self.quick(&call, &req, |r| match r {
             Response::Int(n) => Ok(n),
-            other => Err(self.unexpected(op, &[raw_key], &other)),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Option<Conn>> {
-        self.conn.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The connection, reconnecting when an earlier error left none.
-    fn conn<'a>(
-        &self,
-        guard: &'a mut MutexGuard<'_, Option<Conn>>,
-    ) -> Result<&'a mut Conn, StoreError> {
-        if guard.is_none() {
-            **guard = Some(connect_with_retry(
-                &self.host,
-                self.port,
-                &self.addr,
-                self.timeout,
-            )?);
-        }
-        guard.as_mut().ok_or_else(|| StoreError::Protocol {
-            op: "connect",
-            addr: self.addr.clone(),
-            keys: Vec::new(),
-            reason: "no connection".into(),
+            other => Err(other),
         })
     }
 
-    fn io(&self, op: &'static str, keys: &[&str], source: io::Error) -> StoreError {
+    fn lock(&self) -> MutexGuard<'_, Pool> {
+        // The pool's counts are updated in single statements: a panic elsewhere cannot leave
+        // them half-changed, so a poisoned lock is still good.
+        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lends a connection for `use_`: an idle one, else a new one while the pool has room, else
+    /// the first one given back, waiting until the call's deadline.
+    fn checkout(&self, use_: Use, call: &Call<'_>) -> Result<(Slot<'_>, Conn), StoreError> {
+        self.try_checkout(use_, call.deadline)?
+            .ok_or_else(|| self.timed_out(call))
+    }
+
+    /// A connection for a call that may block, or `None` when its keys (`raw`) appeared while
+    /// it queued for one. Every place blocking calls may take can be held by waits on keys that
+    /// appear only once this call returns (thread 1 waits for `b`, which thread 2 sets after
+    /// its own wait for `a`), so a queued call looks again, with backoff, whether its keys
+    /// exist.
+    fn checkout_blocking(
+        &self,
+        call: &Call<'_>,
+        raw: &[Vec<u8>],
+    ) -> Result<Option<(Slot<'_>, Conn)>, StoreError> {
+        let mut pause = Duration::from_millis(5);
+        loop {
+            let until = earlier(call.deadline, deadline_after(pause));
+            if let Some(lent) = self.try_checkout(Use::Blocking, until)? {
+                return Ok(Some(lent));
+            }
+            if call.deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(self.timed_out(call));
+            }
+            if self.present(call, raw)? {
+                return Ok(None);
+            }
+            pause = (pause * 2).min(Duration::from_millis(200));
+        }
+    }
+
+    /// [`checkout`](Self::checkout) until `until` (`None`: for ever); `Ok(None)` when it passed
+    /// with no place free.
+    fn try_checkout(
+        &self,
+        use_: Use,
+        until: Option<Instant>,
+    ) -> Result<Option<(Slot<'_>, Conn)>, StoreError> {
+        let mut pool = self.lock();
+        loop {
+            // Blocking calls leave the last place to quick ones, so that a `set` never waits
+            // for a key some other thread waits for.
+            let allowed = use_ == Use::Quick || pool.blocking + 1 < Self::MAX_CONNECTIONS;
+            if allowed && (!pool.idle.is_empty() || pool.open < Self::MAX_CONNECTIONS) {
+                if use_ == Use::Blocking {
+                    pool.blocking += 1;
+                }
+                let slot = Slot {
+                    store: self,
+                    use_,
+                    returned: false,
+                };
+                if let Some(conn) = pool.idle.pop() {
+                    return Ok(Some((slot, conn)));
+                }
+                pool.open += 1;
+                pool.peak = pool.peak.max(pool.open);
+                drop(pool);
+                // Connect without the lock, so that other calls go on meanwhile. On failure
+                // the slot's drop gives the place back.
+                let conn = connect_with_retry(&self.host, self.port, &self.addr, self.timeout)?;
+                return Ok(Some((slot, conn)));
+            }
+            pool = match until {
+                None => self.freed.wait(pool).unwrap_or_else(|e| e.into_inner()),
+                Some(until) => {
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(None);
+                    }
+                    self.freed
+                        .wait_timeout(pool, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Takes back a lent connection: `Some` to lend again, `None` when it was closed.
+    fn release(&self, conn: Option<Conn>, use_: Use) {
+        let mut pool = self.lock();
+        if use_ == Use::Blocking {
+            pool.blocking -= 1;
+        }
+        match conn {
+            Some(c) => pool.idle.push(c),
+            None => pool.open -= 1,
+        }
+        drop(pool);
+        // Every waiter re-checks: a quick call may take a place a blocking one may not.
+        self.freed.notify_all();
+    }
+
+    /// One request and its reply on a connection of its own; `want` picks the value out of the
+    /// reply, or hands back a reply of the wrong kind.
+    fn quick<T>(
+        &self,
+        call: &Call<'_>,
+        req: &Request,
+        want: impl FnOnce(Response) -> Result<T, Response>,
+    ) -> Result<T, StoreError> {
+        // Refuse what the server would refuse (and drop us for) before taking a connection.
+        self.check_sizes(call, req)?;
+        let (slot, mut conn) = self.checkout(Use::Quick, call)?;
+        let v = self.roundtrip(&mut conn, call, req, want)?;
+        slot.give_back(conn);
+        Ok(v)
+    }
+
+    /// Sends `req` on `conn` and reads its reply within the store timeout. A request the
+    /// protocol does not answer (`SET`, `APPEND`, `MULTI_SET`, `QUEUE_PUSH`) goes out with a
+    /// `PING` behind it, and returns once the `PONG` is back: the server has then applied it,
+    /// so a later call of any thread, on any connection of the pool, sees it (with one
+    /// connection, TCP's order gave that for free).
+    fn roundtrip<T>(
+        &self,
+        conn: &mut Conn,
+        call: &Call<'_>,
+        req: &Request,
+        want: impl FnOnce(Response) -> Result<T, Response>,
+    ) -> Result<T, StoreError> {
+        let mut bytes = req.to_bytes();
+        let (kind, fence) = match req.reply_kind() {
+            Some(kind) => (kind, None),
+            None => {
+                let nonce = std::process::id();
+                Request::Ping { nonce }.encode(&mut bytes);
+                (ReplyKind::Pong, Some(nonce))
+            }
+        };
+        conn.stream
+            .write_all(&bytes)
+            .map_err(|e| self.io(call, e))?;
+        // Each request gets the whole timeout for its reply, also after a long WAIT.
+        let reply = match self.read_reply(conn, kind, deadline_after(self.timeout), call) {
+            Ok(r) => r,
+            Err(ReadError::Store(e)) => return Err(e),
+            Err(ReadError::TimedOut) => {
+                return Err(StoreError::Timeout {
+                    op: call.op,
+                    addr: self.addr.clone(),
+                    keys: call.server_keys(),
+                    waited: self.timeout,
+                });
+            }
+        };
+        match (fence, reply) {
+            (None, reply) => want(reply).map_err(|got| self.unexpected(call, &got)),
+            (Some(nonce), Response::Pong(n)) if n == nonce => {
+                want(Response::Pong(n)).map_err(|got| self.unexpected(call, &got))
+            }
+            (Some(_), got) => Err(self.unexpected(call, &got)),
+        }
+    }
+
+    fn send(&self, conn: &mut Conn, call: &Call<'_>, req: &Request) -> Result<(), StoreError> {
+        conn.stream
+            .write_all(&req.to_bytes())
+            .map_err(|e| self.io(call, e))
+    }
+
+    fn io(&self, call: &Call<'_>, source: io::Error) -> StoreError {
         StoreError::Io {
-            op,
+            op: call.op,
             addr: self.addr.clone(),
-            keys: key_list(keys),
+            keys: key_list(call.keys),
             source,
         }
     }
 
-    fn unexpected(&self, op: &'static str, keys: &[&str], got: &Response) -> StoreError {
+    fn protocol(&self, call: &Call<'_>, reason: String) -> StoreError {
         StoreError::Protocol {
-            op,
+            op: call.op,
             addr: self.addr.clone(),
-            keys: key_list(keys),
-            reason: format!("unexpected reply {got:?}"),
+            keys: key_list(call.keys),
+            reason,
         }
     }
 
-    fn check_sizes(
-        &self,
-        op: &'static str,
-        keys: &[&str],
-        req: &Request,
-    ) -> Result<(), StoreError> {
-        // Refuse what the server would refuse (and drop us for) before sending it.
-        match req.check_limits(&self.limits) {
-            Ok(()) => Ok(()),
-            Err(source) => Err(StoreError::Wire {
-                op,
+    fn unexpected(&self, call: &Call<'_>, got: &Response) -> StoreError {
+        self.protocol(call, format!("unexpected reply {got:?}"))
+    }
+
+    /// The call's keys did not appear (or no connection came free) before its deadline.
+    fn timed_out(&self, call: &Call<'_>) -> StoreError {
+        StoreError::Timeout {
+            op: call.op,
+            addr: self.addr.clone(),
+            keys: call.server_keys(),
+            waited: call.start.elapsed(),
+        }
+    }
+
+    fn check_sizes(&self, call: &Call<'_>, req: &Request) -> Result<(), StoreError> {
+        req.check_limits(&self.limits)
+            .map_err(|source| StoreError::Wire {
+                op: call.op,
                 addr: self.addr.clone(),
-                keys: key_list(keys),
+                keys: key_list(call.keys),
                 source,
-            }),
-        }
-    }
-
-    /// Sends `req` and reads its reply (if it has one) within the store timeout. Any failure
-    /// drops the connection, so the next call reconnects rather than reading a stale reply.
-    fn call(&self, op: &'static str, keys: &[&str], req: &Request) -> Result<Response, StoreError> {
-        let mut guard = self.lock();
-        let r = self.call_locked(&mut guard, op, keys, req);
-        if r.is_err() {
-            *guard = None;
-        }
-        r
-    }
-
-    fn call_locked(
-        &self,
-        guard: &mut MutexGuard<'_, Option<Conn>>,
-        op: &'static str,
-        keys: &[&str],
-        req: &Request,
-    ) -> Result<Response, StoreError> {
-        let conn = self.conn(guard)?;
-        let bytes = req.to_bytes();
-        conn.stream
-            .write_all(&bytes)
-            .map_err(|e| self.io(op, keys, e))?;
-        let Some(kind) = req.reply_kind() else {
-            return Ok(Response::Flag(0));
-        };
-        let deadline = Instant::now() + self.timeout;
-        match self.read_reply(conn, kind, deadline, op, keys) {
-            Ok(r) => Ok(r),
-            Err(ReadError::Store(e)) => Err(e),
-            Err(ReadError::TimedOut) => Err(StoreError::Timeout {
-                op,
-                addr: self.addr.clone(),
-                keys: key_list(keys),
-                waited: self.timeout,
-            }),
-        }
+            })
     }
 
     fn read_reply(
         &self,
         conn: &mut Conn,
         kind: ReplyKind,
-        deadline: Instant,
-        op: &'static str,
-        keys: &[&str],
+        deadline: Option<Instant>,
+        call: &Call<'_>,
     ) -> Result<Response, ReadError> {
         let mut chunk = [0u8; 16 * 1024];
         loop {
@@ -291,25 +537,30 @@ impl TcpStore {
                 Ok(None) => {}
                 Err(source) => {
                     return Err(ReadError::Store(StoreError::Wire {
-                        op,
+                        op: call.op,
                         addr: self.addr.clone(),
-                        keys: key_list(keys),
+                        keys: key_list(call.keys),
                         source,
                     }));
                 }
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(ReadError::TimedOut);
-            }
+            let left = match deadline {
+                None => None,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(ReadError::TimedOut);
+                    }
+                    Some(left)
+                }
+            };
             conn.stream
-                .set_read_timeout(Some(left))
-                .map_err(|e| ReadError::Store(self.io(op, keys, e)))?;
+                .set_read_timeout(left)
+                .map_err(|e| ReadError::Store(self.io(call, e)))?;
             match conn.stream.read(&mut chunk) {
                 Ok(0) => {
                     return Err(ReadError::Store(self.io(
-                        op,
-                        keys,
+                        call,
                         io::Error::new(
                             io::ErrorKind::UnexpectedEof,
                             "the store server closed the connection",
@@ -326,100 +577,98 @@ impl TcpStore {
                     return Err(ReadError::TimedOut);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(ReadError::Store(self.io(op, keys, e))),
+                Err(e) => return Err(ReadError::Store(self.io(call, e))),
             }
         }
     }
 
-    /// WAIT on already-prefixed keys; on timeout, CANCEL_WAIT and keep the connection.
-    fn wait_raw(
+    /// A one-byte reply before `deadline`; `None` when the deadline passed.
+    fn read_flag(
         &self,
-        op: &'static str,
-        user_keys: &[&str],
-        raw: &[Vec<u8>],
-        timeout: Duration,
-    ) -> Result<(), StoreError> {
-        let mut guard = self.lock();
-        let r = self.wait_locked(&mut guard, op, user_keys, raw, timeout);
-        if matches!(&r, Err(e) if !e.is_timeout()) {
-            *guard = None;
+        conn: &mut Conn,
+        deadline: Option<Instant>,
+        call: &Call<'_>,
+    ) -> Result<Option<u8>, StoreError> {
+        match self.read_reply(conn, ReplyKind::Flag, deadline, call) {
+            Ok(Response::Flag(b)) => Ok(Some(b)),
+            Ok(other) => Err(self.unexpected(call, &other)),
+            Err(ReadError::TimedOut) => Ok(None),
+            Err(ReadError::Store(e)) => Err(e),
         }
-        r
     }
 
-    fn wait_locked(
-        &self,
-        guard: &mut MutexGuard<'_, Option<Conn>>,
-        op: &'static str,
-        user_keys: &[&str],
-        raw: &[Vec<u8>],
-        timeout: Duration,
-    ) -> Result<(), StoreError> {
-        let start = Instant::now();
-        let conn = self.conn(guard)?;
-        let req = Request::Wait { keys: raw.to_vec() };
-        self.check_sizes(op, user_keys, &req)?;
-        conn.stream
-            .write_all(&req.to_bytes())
-            .map_err(|e| self.io(op, user_keys, e))?;
-        let flag = |r: Result<Response, ReadError>| -> Result<Option<u8>, StoreError> {
-            match r {
-                Ok(Response::Flag(b)) => Ok(Some(b)),
-                Ok(other) => Err(self.unexpected(op, user_keys, &other)),
-                Err(ReadError::TimedOut) => Ok(None),
-                Err(ReadError::Store(e)) => Err(e),
-            }
-        };
-        let first = flag(self.read_reply(conn, ReplyKind::Flag, start + timeout, op, user_keys))?;
-        match first {
-            Some(STOP_WAITING) => return Ok(()),
-            Some(b) => {
-                return Err(StoreError::Protocol {
-                    op,
-                    addr: self.addr.clone(),
-                    keys: key_list(user_keys),
-                    reason: format!("WAIT answered {b} instead of STOP_WAITING"),
-                });
-            }
-            None => {}
-        }
-        // Timed out: cancel. The server may have answered STOP_WAITING just before.
-        let waited = start.elapsed();
-        conn.stream
-            .write_all(&Request::CancelWait.to_bytes())
-            .map_err(|e| self.io(op, user_keys, e))?;
-        let cancel_deadline = Instant::now() + self.timeout.max(Duration::from_secs(1));
-        let mut b = flag(self.read_reply(conn, ReplyKind::Flag, cancel_deadline, op, user_keys))?;
-        if b == Some(STOP_WAITING) {
-            b = flag(self.read_reply(conn, ReplyKind::Flag, cancel_deadline, op, user_keys))?;
-        }
-        if b != Some(WAIT_CANCELED) {
-            return Err(StoreError::Protocol {
-                op,
-                addr: self.addr.clone(),
-                keys: key_list(user_keys),
-                reason: format!("CANCEL_WAIT answered {b:?} instead of WAIT_CANCELED"),
-            });
-        }
-        Err(StoreError::Timeout {
-            op,
-            addr: self.addr.clone(),
-            keys: raw
-                .iter()
-                .map(|k| String::from_utf8_lossy(k).into_owned())
-                .collect(),
-            waited,
+    /// CHECK on a quick connection: true when every key exists already, so the call needs no
+    /// blocking connection.
+    fn present(&self, call: &Call<'_>, raw: &[Vec<u8>]) -> Result<bool, StoreError> {
+        let req = Request::Check { keys: raw.to_vec() };
+        self.quick(call, &req, |r| match r {
+            Response::Flag(b) => Ok(b == CHECK_READY),
+            other => Err(other),
         })
     }
 
-    fn request(
+    /// WAIT on already-prefixed keys until the call's deadline: true once they all exist;
+    /// false when the deadline passed and the wait was cancelled with CANCEL_WAIT, which leaves
+    /// the connection in step. An error leaves it out of step (the caller closes it).
+    fn wait_on(
         &self,
-        op: &'static str,
-        keys: &[&str],
-        req: Request,
-    ) -> Result<Response, StoreError> {
-        self.check_sizes(op, keys, &req)?;
-        self.call(op, keys, &req)
+        conn: &mut Conn,
+        call: &Call<'_>,
+        raw: &[Vec<u8>],
+    ) -> Result<bool, StoreError> {
+        self.send(conn, call, &Request::Wait { keys: raw.to_vec() })?;
+        match self.read_flag(conn, call.deadline, call)? {
+            Some(STOP_WAITING) => return Ok(true),
+            Some(b) => {
+                return Err(
+                    self.protocol(call, format!("WAIT answered {b} instead of STOP_WAITING"))
+                );
+            }
+            None => {}
+        }
+        // Timed out: cancel. The server may have answered STOP_WAITING just before, and then
+        // the keys are there after all.
+        self.send(conn, call, &Request::CancelWait)?;
+        let cancel_deadline = deadline_after(self.timeout.max(Duration::from_secs(1)));
+        let mut b = self.read_flag(conn, cancel_deadline, call)?;
+        let arrived = b == Some(STOP_WAITING);
+        if arrived {
+            b = self.read_flag(conn, cancel_deadline, call)?;
+        }
+        if b != Some(WAIT_CANCELED) {
+            return Err(self.protocol(
+                call,
+                format!("CANCEL_WAIT answered {b:?} instead of WAIT_CANCELED"),
+            ));
+        }
+        Ok(arrived)
+    }
+
+    /// Waits until every key in `raw` exists, then sends `then` on the same connection and
+    /// returns what `want` makes of its reply: `get` and `multi_get`, which wait for their keys
+    /// first as torch's client does. Keys that exist already cost a quick CHECK, and no
+    /// connection that could block.
+    fn when_present<T>(
+        &self,
+        call: &Call<'_>,
+        raw: &[Vec<u8>],
+        then: &Request,
+        want: impl FnOnce(Response) -> Result<T, Response>,
+    ) -> Result<T, StoreError> {
+        self.check_sizes(call, then)?;
+        if self.present(call, raw)? {
+            return self.quick(call, then, want);
+        }
+        let Some((slot, mut conn)) = self.checkout_blocking(call, raw)? else {
+            return self.quick(call, then, want);
+        };
+        if !self.wait_on(&mut conn, call, raw)? {
+            slot.give_back(conn);
+            return Err(self.timed_out(call));
+        }
+        let v = self.roundtrip(&mut conn, call, then, want)?;
+        slot.give_back(conn);
+        Ok(v)
     }
 }
 
@@ -536,34 +785,37 @@ fn handshake(mut stream: TcpStream, timeout: Duration) -> io::Result<Conn> {
 
 impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let keys = [key];
+        let call = Call::new("set", &keys, self.timeout);
         let req = Request::Set {
             key: prefixed(key),
             value: value.to_vec(),
         };
-        self.request("set", &[key], req).map(drop)
+        self.quick(&call, &req, no_reply)
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        let keys = [key];
+        let call = Call::new("get", &keys, self.timeout);
         let raw = prefixed(key);
-        self.wait_raw("get", &[key], std::slice::from_ref(&raw), self.timeout)?;
-        match self.request("get", &[key], Request::Get { key: raw })? {
+        let req = Request::Get { key: raw.clone() };
+        self.when_present(&call, &[raw], &req, |r| match r {
             Response::Value(v) => Ok(v),
-            other => Err(self.unexpected("get", &[key], &other)),
-        }
+            other => Err(other),
+        })
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
-        match self.request(
-            "add",
-            &[key],
-            Request::Add {
-                key: prefixed(key),
-                delta,
-            },
-        )? {
+        let keys = [key];
+        let call = Call::new("add", &keys, self.timeout);
+        let req = Request::Add {
+            key: prefixed(key),
+            delta,
+        };
+        self.quick(&call, &req, |r| match r {
             Response::Int(n) => Ok(n),
-            other => Err(self.unexpected("add", &[key], &other)),
-        }
+            other => Err(other),
+        })
     }
 
     fn compare_set(
@@ -572,113 +824,150 @@ impl Store for TcpStore {
         expected: &[u8],
         desired: &[u8],
     ) -> Result<Vec<u8>, StoreError> {
+        let keys = [key];
+        let call = Call::new("compare_set", &keys, self.timeout);
         let req = Request::CompareSet {
             key: prefixed(key),
             expected: expected.to_vec(),
             desired: desired.to_vec(),
         };
-        match self.request("compare_set", &[key], req)? {
+        self.quick(&call, &req, |r| match r {
             Response::Value(v) => Ok(v),
-            other => Err(self.unexpected("compare_set", &[key], &other)),
-        }
+            other => Err(other),
+        })
     }
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        let call = Call::new("wait", keys, timeout);
         let raw: Vec<Vec<u8>> = keys.iter().map(|k| prefixed(k)).collect();
-        self.wait_raw("wait", keys, &raw, timeout)
+        self.check_sizes(&call, &Request::Wait { keys: raw.clone() })?;
+        // Keys that exist already need no connection that could block.
+        if self.present(&call, &raw)? {
+            return Ok(());
+        }
+        let Some((slot, mut conn)) = self.checkout_blocking(&call, &raw)? else {
+            return Ok(());
+        };
+        let arrived = self.wait_on(&mut conn, &call, &raw)?;
+        slot.give_back(conn);
+        if arrived {
+            Ok(())
+        } else {
+            Err(self.timed_out(&call))
+        }
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
-        let req = Request::Check {
-            keys: keys.iter().map(|k| prefixed(k)).collect(),
-        };
-        match self.request("check", keys, req)? {
-            Response::Flag(b) => Ok(b == dist_wire::store::CHECK_READY),
-            other => Err(self.unexpected("check", keys, &other)),
-        }
+        let call = Call::new("check", keys, self.timeout);
+        let raw: Vec<Vec<u8>> = keys.iter().map(|k| prefixed(k)).collect();
+        self.present(&call, &raw)
     }
 
     fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
-        match self.request(
-            "delete_key",
-            &[key],
-            Request::DeleteKey { key: prefixed(key) },
-        )? {
+        let keys = [key];
+        let call = Call::new("delete_key", &keys, self.timeout);
+        let req = Request::DeleteKey { key: prefixed(key) };
+        self.quick(&call, &req, |r| match r {
             Response::Int(n) => Ok(n > 0),
-            other => Err(self.unexpected("delete_key", &[key], &other)),
-        }
+            other => Err(other),
+        })
     }
 
     fn num_keys(&self) -> Result<u64, StoreError> {
-        match self.request("num_keys", &[], Request::GetNumKeys)? {
+        let call = Call::new("num_keys", &[], self.timeout);
+        self.quick(&call, &Request::GetNumKeys, |r| match r {
             Response::Int(n) => Ok(n.max(0) as u64),
-            other => Err(self.unexpected("num_keys", &[], &other)),
-        }
+            other => Err(other),
+        })
     }
 
     fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let keys = [key];
+        let call = Call::new("append", &keys, self.timeout);
         let req = Request::Append {
             key: prefixed(key),
             value: value.to_vec(),
         };
-        self.request("append", &[key], req).map(drop)
+        self.quick(&call, &req, no_reply)
     }
 
     fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
+        let call = Call::new("multi_get", keys, self.timeout);
         let raw: Vec<Vec<u8>> = keys.iter().map(|k| prefixed(k)).collect();
-        self.wait_raw("multi_get", keys, &raw, self.timeout)?;
-        match self.request("multi_get", keys, Request::MultiGet { keys: raw })? {
+        let req = Request::MultiGet { keys: raw.clone() };
+        self.when_present(&call, &raw, &req, |r| match r {
             Response::Values(vs) => Ok(vs),
-            other => Err(self.unexpected("multi_get", keys, &other)),
-        }
+            other => Err(other),
+        })
     }
 
     fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), StoreError> {
         let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
+        let call = Call::new("multi_set", &keys, self.timeout);
         let req = Request::MultiSet {
             pairs: pairs
                 .iter()
                 .map(|(k, v)| (prefixed(k), v.to_vec()))
                 .collect(),
         };
-        self.request("multi_set", &keys, req).map(drop)
+        self.quick(&call, &req, no_reply)
     }
 
     fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let keys = [key];
+        let call = Call::new("queue_push", &keys, self.timeout);
         let req = Request::QueuePush {
             key: prefixed(key),
             value: value.to_vec(),
         };
-        self.request("queue_push", &[key], req).map(drop)
+        self.quick(&call, &req, no_reply)
     }
 
     fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Vec<u8>>, StoreError> {
+        let keys = [key];
+        let call = Call::new("queue_pop", &keys, self.timeout);
         let raw = prefixed(key);
-        let start = Instant::now();
+        let pop = Request::QueuePop { key: raw.clone() };
+        let popped = |r| match r {
+            Response::Popped(v) => Ok(v),
+            other => Err(other),
+        };
+        let raw = std::slice::from_ref(&raw);
         loop {
-            if block {
-                let left = self.timeout.saturating_sub(start.elapsed());
-                self.wait_raw("queue_pop", &[key], std::slice::from_ref(&raw), left)?;
+            // Try at once: the queue usually has an item, or the caller does not block.
+            if let Some(v) = self.quick(&call, &pop, popped)? {
+                return Ok(Some(v));
             }
-            match self.request("queue_pop", &[key], Request::QueuePop { key: raw.clone() })? {
-                Response::Popped(Some(v)) => return Ok(Some(v)),
-                Response::Popped(None) if !block => return Ok(None),
-                // Another client popped the item between our WAIT and POP: wait again.
-                Response::Popped(None) => std::thread::sleep(Duration::from_millis(1)),
-                other => return Err(self.unexpected("queue_pop", &[key], &other)),
+            if !block {
+                return Ok(None);
+            }
+            // `None`: an item came while queued for a connection: pop again.
+            let Some((slot, mut conn)) = self.checkout_blocking(&call, raw)? else {
+                continue;
+            };
+            loop {
+                // WAIT ends once the queue is non-empty.
+                if !self.wait_on(&mut conn, &call, raw)? {
+                    slot.give_back(conn);
+                    return Err(self.timed_out(&call));
+                }
+                // `None`: another client popped the item first; wait for the next.
+                if let Some(v) = self.roundtrip(&mut conn, &call, &pop, popped)? {
+                    slot.give_back(conn);
+                    return Ok(Some(v));
+                }
             }
         }
     }
 
     fn queue_len(&self, key: &str) -> Result<u64, StoreError> {
-        match self.request(
-            "queue_len",
-            &[key],
-            Request::QueueLen { key: prefixed(key) },
-        )? {
+        let keys = [key];
+        let call = Call::new("queue_len", &keys, self.timeout);
+        let req = Request::QueueLen { key: prefixed(key) };
+        self.quick(&call, &req, |r| match r {
             Response::Int(n) => Ok(n.max(0) as u64),
-            other => Err(self.unexpected("queue_len", &[key], &other)),
-        }
+            other => Err(other),
+        })
     }
 
     fn timeout(&self) -> Duration {
@@ -688,4 +977,19 @@ impl Store for TcpStore {
     fn serves_others(&self) -> bool {
         self.server.is_some()
     }
+}
+
+/// The earlier of two deadlines, `None` being none.
+fn earlier(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+/// `want` for requests without a reply of their own ([`TcpStore::roundtrip`] passes the
+/// `PONG` that confirmed them).
+fn no_reply(_: Response) -> Result<(), Response> {
+    Ok(())
 }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 use dist_wire::WireError;
@@ -37,6 +37,8 @@ const MAX_PENDING_OUTPUT: usize = 512 * 1024 * 1024;
 pub struct TcpStoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    /// Connected clients, kept by the event loop.
+    clients: Arc<AtomicUsize>,
     waker: Arc<Waker>,
     thread: Option<JoinHandle<()>>,
 }
@@ -63,10 +65,21 @@ impl TcpStoreServer {
         Self::serve(l, limits)
     }
 
+    /// Serves on a socket the caller bound and listens on, as torch's `master_listen_fd`
+    /// allows: a launcher (or a test) binds port 0, passes the port on, then hands the socket
+    /// over, so that no other process can take the port in between.
+    pub fn from_listener(listener: std::net::TcpListener) -> Result<Self, StoreError> {
+        Self::serve(listener, Limits::DEFAULT)
+    }
+
     fn serve(listener: std::net::TcpListener, limits: Limits) -> Result<Self, StoreError> {
         let addr = listener
             .local_addr()
             .map_err(|e| io_err("listen", "?".into(), e))?;
+        // mio polls the listener: accepting must not block the event loop.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| io_err("listen", addr.to_string(), e))?;
         let poll = Poll::new().map_err(|e| io_err("listen", addr.to_string(), e))?;
         let waker = Arc::new(
             Waker::new(poll.registry(), WAKER)
@@ -78,6 +91,7 @@ impl TcpStoreServer {
             .map_err(|e| io_err("listen", addr.to_string(), e))?;
         check_somaxconn();
         let stop = Arc::new(AtomicBool::new(false));
+        let clients = Arc::new(AtomicUsize::new(0));
         let mut lp = EventLoop {
             poll,
             listener,
@@ -87,6 +101,7 @@ impl TcpStoreServer {
             waiters: HashMap::new(),
             limits,
             stop: Arc::clone(&stop),
+            clients: Arc::clone(&clients),
             dirty: Vec::new(),
         };
         let thread = std::thread::Builder::new()
@@ -97,6 +112,7 @@ impl TcpStoreServer {
         Ok(TcpStoreServer {
             addr,
             stop,
+            clients,
             waker,
             thread: Some(thread),
         })
@@ -110,6 +126,12 @@ impl TcpStoreServer {
     /// The address the server listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Clients connected now (as the event loop last saw them: a client that just connected
+    /// or left may not be counted yet).
+    pub fn num_clients(&self) -> usize {
+        self.clients.load(Ordering::Relaxed)
     }
 }
 
@@ -204,6 +226,8 @@ struct EventLoop {
     waiters: HashMap<Vec<u8>, Vec<Token>>,
     limits: Limits,
     stop: Arc<AtomicBool>,
+    /// `conns.len()`, for [`TcpStoreServer::num_clients`].
+    clients: Arc<AtomicUsize>,
     /// Connections with new output to flush.
     dirty: Vec<Token>,
 }
@@ -271,6 +295,7 @@ impl EventLoop {
                             wait: None,
                         },
                     );
+                    self.clients.store(self.conns.len(), Ordering::Relaxed);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -348,6 +373,7 @@ impl EventLoop {
         let Some(mut c) = self.conns.remove(&t) else {
             return;
         };
+        self.clients.store(self.conns.len(), Ordering::Relaxed);
         if warn {
             tracing::warn!(peer = %c.peer, "tcp store: dropping client: {reason}");
         } else {
