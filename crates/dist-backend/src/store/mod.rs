@@ -26,7 +26,7 @@ pub use tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
 
 /// The instant `d` from now, or `None` (no deadline) when that is past what an [`Instant`] can
 /// hold: `Duration::MAX` means "no timeout", and `Instant::now() + d` would panic on it.
-pub(crate) fn deadline_after(d: Duration) -> Option<Instant> {
+pub(crate) fn optional_deadline(d: Duration) -> Option<Instant> {
     Instant::now().checked_add(d)
 }
 

@@ -13,7 +13,7 @@ use dist_wire::store::{
 use super::server::TcpStoreServer;
 use crate::DEFAULT_TIMEOUT;
 use crate::store::error::key_list;
-use crate::store::{Store, StoreError, deadline_after};
+use crate::store::{Store, StoreError, optional_deadline};
 
 /// How a [`TcpStore`] is made; the fields of torch's
 /// `TCPStore(host_name, port, world_size, is_master, timeout, wait_for_workers)`.
@@ -152,7 +152,7 @@ impl<'k> Call<'k> {
             keys,
             prefixed: true,
             start: Instant::now(),
-            deadline: deadline_after(timeout),
+            deadline: optional_deadline(timeout),
         }
     }
 
@@ -333,7 +333,7 @@ impl TcpStore {
     ) -> Result<Option<(Slot<'_>, Conn)>, StoreError> {
         let mut pause = Duration::from_millis(5);
         loop {
-            let until = earlier(call.deadline, deadline_after(pause));
+            let until = earlier(call.deadline, optional_deadline(pause));
             if let Some(lent) = self.try_checkout(Use::Blocking, until)? {
                 return Ok(Some(lent));
             }
@@ -451,7 +451,7 @@ impl TcpStore {
             .write_all(&bytes)
             .map_err(|e| self.io(call, e))?;
         // Each request gets the whole timeout for its reply, also after a long WAIT.
-        let reply = match self.read_reply(conn, kind, deadline_after(self.timeout), call) {
+        let reply = match self.read_reply(conn, kind, optional_deadline(self.timeout), call) {
             Ok(r) => r,
             Err(ReadError::Store(e)) => return Err(e),
             Err(ReadError::TimedOut) => {
@@ -629,7 +629,7 @@ impl TcpStore {
         // Timed out: cancel. The server may have answered STOP_WAITING just before, and then
         // the keys are there after all.
         self.send(conn, call, &Request::CancelWait)?;
-        let cancel_deadline = deadline_after(self.timeout.max(Duration::from_secs(1)));
+        let cancel_deadline = optional_deadline(self.timeout.max(Duration::from_secs(1)));
         let mut b = self.read_flag(conn, cancel_deadline, call)?;
         let arrived = b == Some(STOP_WAITING);
         if arrived {
