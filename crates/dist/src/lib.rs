@@ -1,8 +1,9 @@
 //! `dist`: distributed-training communication for Rust, in the spirit of `torch.distributed`.
 //!
-//! This is the facade. It adds no code of its own: it re-exports each `dist-*` crate whole under
-//! a short module name, plus a curated flat list of the types nearly every user names. Reach for
-//! the modules for everything else.
+//! This is the facade. It adds no code of its own but one error type, [`Error`] (with
+//! [`Result`]), into which every layer's error converts: it re-exports each `dist-*` crate whole
+//! under a short module name, plus a curated flat list of the types nearly every user names.
+//! Reach for the modules for everything else.
 //!
 //! | module | crate | what it holds |
 //! | --- | --- | --- |
@@ -27,7 +28,7 @@
 //!     Ok(t)
 //! })?;
 //! assert_eq!(sums, vec![[3.0, 3.0]; 3]);
-//! # Ok::<(), dist::collective::Error>(())
+//! # Ok::<(), dist::Error>(())
 //! ```
 //!
 //! # Semver
@@ -88,7 +89,9 @@ pub use dist_collective::{
     get_world_size, init_process_group, is_initialized, new_group,
 };
 
-pub use dist_backend::{
-    Backend, BufMut, BufRef, Capabilities, Error, OpOptions, Result, Store, StoreError,
-};
+mod error;
+
+pub use error::{Error, Result};
+
+pub use dist_backend::{Backend, BufMut, BufRef, Capabilities, OpOptions, Store, StoreError};
 pub use dist_wire::{DType, Element, ReduceOp, WireError, bf16, f16};
