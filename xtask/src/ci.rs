@@ -1,6 +1,8 @@
 //! `cargo xtask ci`: everything CI checks, cheapest first, stopping at the first failure.
 //!
-//! The order is fmt, clippy, check-layers, test, doc, then `cargo deny` when it is installed.
+//! The order is fmt, clippy, check-layers, test, multi-rank (`cargo xtask test`: the
+//! multi-rank programs as real processes through `distrun`), doc, then `cargo deny` when it is
+//! installed.
 //! A failing step is named in the error, with the command that failed, so the log's last line
 //! says what to fix.
 
@@ -35,6 +37,7 @@ pub(crate) fn run() -> Result<(), String> {
         ),
         ("check-layers", Step::InProcess(check_layers::run)),
         ("test", cargo(&["test", "--workspace"])),
+        ("multi-rank", Step::InProcess(multi_rank)),
         ("doc", {
             let mut cmd = util::cargo();
             cmd.args(["doc", "--workspace", "--no-deps"])
@@ -84,6 +87,11 @@ fn cargo(args: &[&str]) -> Step {
     let mut cmd = util::cargo();
     cmd.args(args);
     Step::Cargo(cmd)
+}
+
+/// `cargo xtask test` with its default world sizes.
+fn multi_rank() -> Result<(), String> {
+    crate::test::run_tests(&[])
 }
 
 /// True when `cargo deny --version` runs.

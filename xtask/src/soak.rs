@@ -43,15 +43,16 @@ Soak and fault-injection runs; prints a markdown table and exits non-zero if any
 
 FLAGS:
     --runs N              main-job runs, default 50
+    --exit-runs N         runs of the exit scenario, default 100
     --fault-runs M        runs of each fault scenario, default 20
     --world-size N        ranks of the fault scenarios, default 4 (at least 3)
     --seed S              seed of the random choices (default: from the clock; printed)
     --hang-limit SECS     a main-job run past this is killed and counted as a hang, default 180
     --stall-timeout SECS  the group timeout of the stall scenario, default 3
-    --only LIST           comma-separated subset of: main,kill,stall,mismatch,store-garbage
+    --only LIST           comma-separated subset of: main,exit,kill,stall,mismatch,store-garbage
 ";
 
-const SCENARIOS: [&str; 5] = ["main", "kill", "stall", "mismatch", "store-garbage"];
+const SCENARIOS: [&str; 6] = ["main", "exit", "kill", "stall", "mismatch", "store-garbage"];
 
 /// Lines of output kept for a failed run.
 const TAIL_LINES: usize = 20;
@@ -73,6 +74,7 @@ const POLL: Duration = Duration::from_millis(5);
 #[derive(Debug)]
 struct Flags {
     runs: usize,
+    exit_runs: usize,
     fault_runs: usize,
     world_size: usize,
     seed: u64,
@@ -84,6 +86,7 @@ struct Flags {
 fn parse(args: &[String]) -> Result<Flags, String> {
     let mut fl = Flags {
         runs: 50,
+        exit_runs: 100,
         fault_runs: 20,
         world_size: 4,
         seed: 0,
@@ -105,6 +108,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         };
         match flag.as_str() {
             "--runs" => fl.runs = num(val()?)? as usize,
+            "--exit-runs" => fl.exit_runs = num(val()?)? as usize,
             "--fault-runs" => fl.fault_runs = num(val()?)? as usize,
             "--world-size" => fl.world_size = num(val()?)? as usize,
             "--seed" => seed = Some(num(val()?)?),
@@ -572,12 +576,15 @@ impl Row {
 struct Progs {
     distrun: PathBuf,
     ddp_train: PathBuf,
+    final_broadcast: PathBuf,
     faults: PathBuf,
 }
 
-fn main_run(p: &Progs, fl: &Flags, dir: &Path) -> Run {
+/// One run of a job that must exit 0 (`main`: the README's main job; `exit`: a final
+/// broadcast, then every rank returns from `main` with no teardown call).
+fn clean_run(p: &Progs, fl: &Flags, dir: &Path, program: &Path) -> Run {
     let mut run = Run::default();
-    let prog = [p.ddp_train.display().to_string()];
+    let prog = [program.display().to_string()];
     let mut job = match Job::launch(&p.distrun, 4, dir, &prog, &[]) {
         Ok(j) => j,
         Err(e) => {
@@ -898,13 +905,19 @@ pub(crate) fn run_soak(args: &[String]) -> Result<(), String> {
         "ddp-train",
         "-p",
         "dist-collective",
+        // Target flags select only the targets they name, in every package given: name the
+        // binaries too, or a stale `distrun`/`ddp-train` would be run.
+        "--bins",
         "--example",
         "soak_faults",
+        "--example",
+        "final_broadcast",
     ]))?;
     let bin = project_root().join("target/release");
     let p = Progs {
         distrun: bin.join("distrun"),
         ddp_train: bin.join("ddp-train"),
+        final_broadcast: bin.join("examples/final_broadcast"),
         faults: bin.join("examples/soak_faults"),
     };
     let root = std::env::temp_dir().join(format!("dist-soak-{}", std::process::id()));
@@ -920,6 +933,11 @@ pub(crate) fn run_soak(args: &[String]) -> Result<(), String> {
     for &scenario in SCENARIOS.iter().filter(|s| fl.only.iter().any(|o| o == *s)) {
         let (name, unit, count) = match scenario {
             "main" => ("main: distrun -n 4 ddp-train".to_string(), "s", fl.runs),
+            "exit" => (
+                "exit: 1 MiB broadcast, return from main (-n 4)".to_string(),
+                "s",
+                fl.exit_runs,
+            ),
             "kill" => (
                 "kill (SIGKILL, default timeout)".to_string(),
                 "ms",
@@ -942,7 +960,8 @@ pub(crate) fn run_soak(args: &[String]) -> Result<(), String> {
             let dir = root.join(format!("{scenario}-{}", i + 1));
             let t = Instant::now();
             let r = match scenario {
-                "main" => main_run(&p, &fl, &dir),
+                "main" => clean_run(&p, &fl, &dir, &p.ddp_train),
+                "exit" => clean_run(&p, &fl, &dir, &p.final_broadcast),
                 "kill" => signal_run(&p, &fl, &mut rng, &dir, "KILL"),
                 "stall" => signal_run(&p, &fl, &mut rng, &dir, "STOP"),
                 "mismatch" => mismatch_run(&p, &fl, &mut rng, &dir),

@@ -14,7 +14,8 @@ cargo xtask test [--world-size N[,N..]]
 Runs the multi-rank programs as real processes through distrun, default world sizes 2,3,4:
     hello_all_reduce, subgroups (even sizes), ping_pong (size 2),
     gloo_bench (every op at 4 B, 4 KiB + 4, 1 MiB + 4, results checked),
-    ddp-train (20 steps, parameters checked identical)
+    ddp-train (20 steps, parameters checked identical),
+    final_broadcast (1 MiB broadcast, then every rank returns from main without teardown)
 ";
 
 /// One multi-rank program: its path, arguments and extra environment.
@@ -49,9 +50,12 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
         "ddp-train",
         "-p",
         "dist-collective",
-        "--examples",
         "-p",
         "dist-gloo",
+        // Target flags select only what they name, in every package given: `--bins` too, or
+        // `distrun` and `ddp-train` would be whatever an earlier build left.
+        "--bins",
+        "--examples",
     ]))?;
     let bin = project_root().join("target/release");
     let ex = bin.join("examples");
@@ -81,6 +85,8 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
                 vec![],
             ),
             job(bin.join("ddp-train"), &[], vec![("DDP_TRAIN_STEPS", "20")]),
+            // Ranks return from main with no teardown call, as soon as their part is done.
+            job(ex.join("final_broadcast"), &[], vec![]),
         ];
         if n % 2 == 0 {
             jobs.push(job(ex.join("subgroups"), &[], vec![]));
