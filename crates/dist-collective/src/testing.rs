@@ -95,15 +95,25 @@ where
                             }
                         }
                     })
-                    .unwrap_or_else(|e| panic!("run_world: cannot spawn rank {rank}: {e}"))
             })
             .collect();
         handles
             .into_iter()
             .enumerate()
-            .map(|(rank, h)| match h.join() {
-                Ok(v) => v,
-                Err(p) => {
+            .map(|(rank, h)| match h.map(|h| h.join()) {
+                // The other ranks fail on their own: their group cannot form without this one.
+                Err(e) => {
+                    let mut g = first.lock().unwrap_or_else(|e| e.into_inner());
+                    if g.is_none() {
+                        *g = Some((
+                            Instant::now(),
+                            Error::invalid(rank, "run_world", format!("cannot start its thread: {e}")),
+                        ));
+                    }
+                    None
+                }
+                Ok(Ok(v)) => v,
+                Ok(Err(p)) => {
                     let message = panic_message(&*p);
                     let mut g = first.lock().unwrap_or_else(|e| e.into_inner());
                     if g.is_none() {

@@ -227,7 +227,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
 /// Waits until `left` more output threads have finished (their pipes closed), for at most
 /// [`DRAIN`]: a process the rank left behind may hold a pipe open forever. `left` counts down.
 fn drain(done: &mpsc::Receiver<u32>, left: &mut usize) {
-    let deadline = Instant::now() + DRAIN;
+    let deadline = dist_backend::deadline_after(Instant::now(), DRAIN);
     while *left > 0 {
         let wait = deadline.saturating_duration_since(Instant::now());
         match done.recv_timeout(wait) {
@@ -407,7 +407,7 @@ fn stop(ranks: &mut [Rank], sig: i32, grace: Duration) -> Vec<u32> {
         // Also the groups of ranks that exited: what they started dies with the job.
         signals::kill_group(r.child.id(), sig);
     }
-    let deadline = Instant::now() + grace;
+    let deadline = dist_backend::deadline_after(Instant::now(), grace);
     loop {
         let mut running = false;
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {

@@ -248,7 +248,7 @@ impl Engine {
                 );
                 return Err(ctx.timeout(missing));
             }
-            let until = *spin_until.get_or_insert(now + self.spin);
+            let until = *spin_until.get_or_insert(dist_backend::deadline_after(now, self.spin));
             if now < until {
                 std::thread::yield_now();
                 continue;

@@ -328,7 +328,7 @@ fn connect_to(
                     .map_err(io(rank, format!("greeting rank {peer} at {addr}")))?;
                 return Ok(s);
             }
-            Err(e) if Instant::now() + delay < deadline => {
+            Err(e) if dist_backend::deadline_after(Instant::now(), delay) < deadline => {
                 tracing::debug!(rank, peer, %addr, error = %e, "connect failed, retrying");
                 thread::sleep(delay);
                 delay = (delay * 2).min(Duration::from_millis(200));
