@@ -107,7 +107,11 @@ where
                     if g.is_none() {
                         *g = Some((
                             Instant::now(),
-                            Error::invalid(rank, "run_world", format!("cannot start its thread: {e}")),
+                            Error::invalid(
+                                rank,
+                                "run_world",
+                                format!("cannot start its thread: {e}"),
+                            ),
                         ));
                     }
                     None
