@@ -69,6 +69,11 @@ fn lost_or_left(ctx: &StepCtx, peer: usize, state: &PeerState) -> Error {
             *culprit,
             format!("rank {peer} reported it lost and aborted the group"),
         ),
+        PeerState::Aborted { .. } => ctx.peer_lost(
+            peer,
+            "it aborted the group because of this rank (a mismatched operation, or a \
+             connection it lost)",
+        ),
         _ => ctx.peer_lost(
             peer,
             "it left the group (destroyed its process group) before this operation",
@@ -103,8 +108,15 @@ impl Engine {
         let _withdraw = self.cma.as_ref().map(Cma::withdrawal);
         let mut mid_frame = vec![false; self.conns.len()];
         let r = self.run_step(ctx, seg, sends, recvs, on_frame, &mut mid_frame);
-        if let Err(Error::PeerLost { peer, .. }) = &r {
-            self.notify_abort(ctx.rank, *peer, &mid_frame);
+        // Every peer must learn that this rank gives up, even one this step does not involve
+        // (it ignores an uninvolved peer's EOF, which may be a clean exit) and one that
+        // caused it.
+        match &r {
+            Err(Error::PeerLost { peer, .. }) => self.notify_abort(ctx.rank, *peer, &mid_frame),
+            Err(Error::Mismatch { theirs, .. }) => {
+                self.notify_abort(ctx.rank, theirs.rank, &mid_frame);
+            }
+            _ => {}
         }
         // Whatever happened, the caller gets its buffers back now: `_withdraw` makes sure no
         // peer may copy them after this. (After the abort notice, so that a peer whose copy
@@ -567,13 +579,13 @@ impl Engine {
         arrived || c.state != PeerState::Open
     }
 
-    /// Best-effort notice to every open peer not in the middle of a frame from us: this rank is
-    /// aborting because it lost `culprit`.
+    /// Best-effort notice to every open peer not in the middle of a frame from us (the culprit
+    /// included, when it is still there, as after a mismatch): this rank is aborting because of
+    /// `culprit`.
     fn notify_abort(&mut self, rank: usize, culprit: usize, mid_frame: &[bool]) {
         let h = close_frame(rank, culprit as u32 + 1);
         for (p, c) in self.conns.iter_mut().enumerate() {
             if let Some(c) = c
-                && p != culprit
                 && c.state == PeerState::Open
                 && !mid_frame.get(p).copied().unwrap_or(true)
                 && (!c.out_mid_frame() || c.flush_out().unwrap_or(false))
