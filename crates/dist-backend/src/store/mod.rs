@@ -22,7 +22,7 @@ pub use error::StoreError;
 pub use file::FileStore;
 pub use hash::HashStore;
 pub use prefix::PrefixStore;
-pub use tcp::{TcpStore, TcpStoreOptions, TcpStoreServer};
+pub use tcp::{ServerLimits, TcpStore, TcpStoreOptions, TcpStoreServer};
 
 /// The instant `d` from now, or `None` (no deadline) when that is past what an [`Instant`] can
 /// hold: `Duration::MAX` means "no timeout", and `Instant::now() + d` would panic on it.

@@ -4,4 +4,4 @@ mod client;
 mod server;
 
 pub use client::{TcpStore, TcpStoreOptions};
-pub use server::TcpStoreServer;
+pub use server::{ServerLimits, TcpStoreServer};

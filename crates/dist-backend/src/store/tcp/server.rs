@@ -1,11 +1,12 @@
 //! [`TcpStoreServer`]: one `mio` event-loop thread serving every client.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use dist_wire::WireError;
 use dist_wire::store::{
@@ -23,16 +24,61 @@ const WAKER: Token = Token(1);
 const FIRST_CLIENT: usize = 2;
 /// torch's libuv server uses the same backlog.
 const BACKLOG: i32 = 16384;
-/// A client whose unread replies pile up beyond this is dropped.
-const MAX_PENDING_OUTPUT: usize = 512 * 1024 * 1024;
+/// Bytes read from a socket at a time (each chunk is decoded before the next is read, so no
+/// connection buffers more than one request and one chunk).
+const READ_CHUNK: usize = 64 * 1024;
+/// How long the event loop waits before accepting again after running out of descriptors.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The resources a [`TcpStoreServer`] may spend on its clients, so that no client, however
+/// broken or hostile, can exhaust its memory or descriptors and lock out the others. Each limit
+/// that is hit closes the offending connection with a `warn` event naming the client and the
+/// limit. Build one as `ServerLimits { field: .., ..ServerLimits::DEFAULT }`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// What one request may hold (key, value and list lengths, whole message).
+    pub decode: Limits,
+    /// Most clients connected at once (default 4096). Past it, a new connection first evicts
+    /// the oldest connection that has not validated yet; if there is none it is refused.
+    pub max_connections: usize,
+    /// Most bytes of partly received requests held for all clients together (default 512 MiB).
+    /// The connection whose bytes would pass it is closed.
+    pub max_buffered_total: usize,
+    /// Most bytes of replies a client has not read yet (default 256 MiB).
+    pub max_pending_output: usize,
+    /// Most bytes a connection may send before its VALIDATE (default 64; VALIDATE is 5).
+    pub max_unvalidated_bytes: usize,
+    /// How long a connection may stay without validating (default 30 s).
+    pub validation_timeout: Duration,
+}
+
+impl ServerLimits {
+    /// The default limits.
+    pub const DEFAULT: ServerLimits = ServerLimits {
+        decode: Limits::DEFAULT,
+        max_connections: 4096,
+        max_buffered_total: 512 * 1024 * 1024,
+        max_pending_output: 256 * 1024 * 1024,
+        max_unvalidated_bytes: 64,
+        validation_timeout: Duration::from_secs(30),
+    };
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits::DEFAULT
+    }
+}
 
 /// A TCPStore server speaking PyTorch's protocol: one thread, one `mio` event loop, any number
 /// of clients. Waiters are kept per key. Dropping the server stops the thread (through a
 /// `mio::Waker`) and closes every connection.
 ///
 /// A client that sends bytes the protocol does not allow (no VALIDATE first, an unknown query,
-/// a length over the [`Limits`], a connection closed mid-request) is disconnected with a
-/// `tracing::warn!` naming the reason; every other client and every key are unaffected.
+/// a length over the [`Limits`], a connection closed mid-request) or passes one of the
+/// [`ServerLimits`] is disconnected with a `tracing::warn!` naming the reason; every other
+/// client and every key are unaffected. Running out of file descriptors evicts connections that
+/// never validated and retries, so well-behaved clients still get in.
 #[derive(Debug)]
 pub struct TcpStoreServer {
     addr: SocketAddr,
@@ -49,18 +95,18 @@ impl TcpStoreServer {
     pub fn start(port: u16) -> Result<Self, StoreError> {
         let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port);
         match bind(v6) {
-            Ok(l) => Self::serve(l, Limits::DEFAULT),
+            Ok(l) => Self::serve(l, ServerLimits::DEFAULT),
             Err(e6) => {
                 tracing::debug!("tcp store: binding {v6} failed ({e6}); trying 0.0.0.0");
                 let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port);
                 let l = bind(v4).map_err(|e| bind_error(v4, e))?;
-                Self::serve(l, Limits::DEFAULT)
+                Self::serve(l, ServerLimits::DEFAULT)
             }
         }
     }
 
-    /// Starts a server on exactly `addr` with the given decoder limits.
-    pub fn start_on(addr: SocketAddr, limits: Limits) -> Result<Self, StoreError> {
+    /// Starts a server on exactly `addr` with the given limits.
+    pub fn start_on(addr: SocketAddr, limits: ServerLimits) -> Result<Self, StoreError> {
         let l = bind(addr).map_err(|e| bind_error(addr, e))?;
         Self::serve(l, limits)
     }
@@ -69,10 +115,10 @@ impl TcpStoreServer {
     /// allows: a launcher (or a test) binds port 0, passes the port on, then hands the socket
     /// over, so that no other process can take the port in between.
     pub fn from_listener(listener: std::net::TcpListener) -> Result<Self, StoreError> {
-        Self::serve(listener, Limits::DEFAULT)
+        Self::serve(listener, ServerLimits::DEFAULT)
     }
 
-    fn serve(listener: std::net::TcpListener, limits: Limits) -> Result<Self, StoreError> {
+    fn serve(listener: std::net::TcpListener, limits: ServerLimits) -> Result<Self, StoreError> {
         let addr = listener
             .local_addr()
             .map_err(|e| io_err("listen", "?".into(), e))?;
@@ -103,6 +149,9 @@ impl TcpStoreServer {
             stop: Arc::clone(&stop),
             clients: Arc::clone(&clients),
             dirty: Vec::new(),
+            unvalidated: VecDeque::new(),
+            buffered_total: 0,
+            accept_again: None,
         };
         let thread = std::thread::Builder::new()
             .name(format!("tcpstore-{}", addr.port()))
@@ -148,6 +197,11 @@ impl Drop for TcpStoreServer {
             tracing::warn!("tcp store: the server thread panicked");
         }
     }
+}
+
+/// `EMFILE`/`ENFILE`: the process or the system has no descriptor left for a new connection.
+fn is_out_of_descriptors(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 fn io_err(op: &'static str, addr: String, source: io::Error) -> StoreError {
@@ -204,6 +258,8 @@ struct Conn {
     stream: TcpStream,
     peer: String,
     dec: RequestDecoder,
+    /// `dec.buffered()` as counted in [`EventLoop::buffered_total`].
+    counted: usize,
     out: Vec<u8>,
     out_pos: usize,
     validated: bool,
@@ -224,20 +280,31 @@ struct EventLoop {
     kv: Kv,
     /// key → connections waiting on it (once per occurrence of the key in their WAIT).
     waiters: HashMap<Vec<u8>, Vec<Token>>,
-    limits: Limits,
+    limits: ServerLimits,
     stop: Arc<AtomicBool>,
     /// `conns.len()`, for [`TcpStoreServer::num_clients`].
     clients: Arc<AtomicUsize>,
     /// Connections with new output to flush.
     dirty: Vec<Token>,
+    /// Connections not validated yet, oldest first, with the time they must have validated by
+    /// (entries of connections that validated or left are skipped when met).
+    unvalidated: VecDeque<(Instant, Token)>,
+    /// Bytes of partly received requests, all connections together.
+    buffered_total: usize,
+    /// Accepting stopped for lack of descriptors; try again at this time (the listener is
+    /// edge-triggered: connections already queued raise no new event).
+    accept_again: Option<Instant>,
 }
 
 impl EventLoop {
     fn run(&mut self) {
         let mut events = Events::with_capacity(1024);
-        let mut scratch = vec![0u8; 64 * 1024];
+        let mut scratch = vec![0u8; READ_CHUNK];
         loop {
-            if let Err(e) = self.poll.poll(&mut events, None) {
+            let timeout = self
+                .next_timer()
+                .map(|at| at.saturating_duration_since(Instant::now()));
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
@@ -262,14 +329,70 @@ impl EventLoop {
                 tracing::debug!("tcp store: server stopping");
                 return;
             }
+            self.expire_unvalidated();
+            if self.accept_again.is_some_and(|at| Instant::now() >= at) {
+                self.accept_again = None;
+                self.accept();
+            }
             self.flush_dirty();
         }
+    }
+
+    /// The earliest of the timers the loop keeps: a validation deadline, an accept retry.
+    fn next_timer(&self) -> Option<Instant> {
+        let validation = self.unvalidated.front().map(|&(at, _)| at);
+        match (validation, self.accept_again) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Closes the connections that did not validate in time.
+    fn expire_unvalidated(&mut self) {
+        let now = Instant::now();
+        while let Some(&(at, t)) = self.unvalidated.front() {
+            if self.conns.get(&t).is_none_or(|c| c.validated) {
+                self.unvalidated.pop_front();
+                continue;
+            }
+            if at > now {
+                break;
+            }
+            self.unvalidated.pop_front();
+            let reason = format!(
+                "no VALIDATE within {:?} of connecting",
+                self.limits.validation_timeout
+            );
+            self.close(t, &reason, true);
+        }
+    }
+
+    /// Closes the oldest connection that has not validated yet, to make room; false if there
+    /// is none.
+    fn evict_unvalidated(&mut self, why: &str) -> bool {
+        while let Some((_, t)) = self.unvalidated.pop_front() {
+            if self.conns.get(&t).is_some_and(|c| !c.validated) {
+                self.close(t, &format!("evicted before validating: {why}"), true);
+                return true;
+            }
+        }
+        false
     }
 
     fn accept(&mut self) {
         loop {
             match self.listener.accept() {
                 Ok((mut stream, peer)) => {
+                    if self.conns.len() >= self.limits.max_connections
+                        && !self.evict_unvalidated("the server is at its connection limit")
+                    {
+                        tracing::warn!(
+                            %peer,
+                            "tcp store: refusing a client: {} clients connected (the limit)",
+                            self.conns.len()
+                        );
+                        continue;
+                    }
                     if let Err(e) = stream.set_nodelay(true) {
                         tracing::debug!("tcp store: TCP_NODELAY on {peer}: {e}");
                     }
@@ -288,7 +411,8 @@ impl EventLoop {
                         Conn {
                             stream,
                             peer: peer.to_string(),
-                            dec: RequestDecoder::new(self.limits),
+                            dec: RequestDecoder::new(self.limits.decode),
+                            counted: 0,
                             out: Vec::new(),
                             out_pos: 0,
                             validated: false,
@@ -296,11 +420,23 @@ impl EventLoop {
                         },
                     );
                     self.clients.store(self.conns.len(), Ordering::Relaxed);
+                    let deadline =
+                        crate::deadline_after(Instant::now(), self.limits.validation_timeout);
+                    self.unvalidated.push_back((deadline, token));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if is_out_of_descriptors(&e) => {
+                    // Make room by dropping a connection that never validated, else back off
+                    // and retry: the pending connections stay in the backlog meanwhile.
+                    if self.evict_unvalidated("the server ran out of file descriptors") {
+                        continue;
+                    }
+                    tracing::warn!("tcp store: accept failed, retrying shortly: {e}");
+                    self.accept_again = Some(crate::deadline_after(Instant::now(), ACCEPT_BACKOFF));
+                    return;
+                }
                 Err(e) => {
-                    // EMFILE and the like: the pending connection stays in the backlog.
                     tracing::warn!("tcp store: accept failed: {e}");
                     return;
                 }
@@ -308,63 +444,94 @@ impl EventLoop {
         }
     }
 
-    /// Reads everything available from `t`, then handles every complete request.
+    /// Reads what `t` has sent, a chunk at a time, handling every complete request after each
+    /// chunk, so that a connection never holds more than one partial request plus a chunk, and
+    /// the budgets of [`ServerLimits`] are checked as the bytes arrive.
     fn read(&mut self, t: Token, scratch: &mut [u8]) {
-        let mut eof = false;
-        {
+        loop {
             let Some(c) = self.conns.get_mut(&t) else {
                 return;
             };
-            loop {
-                match c.stream.read(scratch) {
-                    Ok(0) => {
-                        eof = true;
-                        break;
-                    }
-                    Ok(n) => c.dec.feed(&scratch[..n]),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        let reason = format!("read error: {e}");
-                        self.close(t, &reason, false);
-                        return;
-                    }
+            let n = match c.stream.read(scratch) {
+                Ok(0) => return self.end_of_stream(t),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let reason = format!("read error: {e}");
+                    self.close(t, &reason, false);
+                    return;
                 }
+            };
+            c.dec.feed(&scratch[..n]);
+            if !self.handle_buffered(t) {
+                return;
             }
         }
+    }
+
+    /// Handles every complete request `t` has buffered, then checks what is left against the
+    /// budgets. False when the connection was closed.
+    fn handle_buffered(&mut self, t: Token) -> bool {
         loop {
             let next = match self.conns.get_mut(&t) {
                 Some(c) => c.dec.next_request(),
-                None => return,
+                None => return false,
             };
             match next {
                 Ok(Some(req)) => {
                     if let Err(reason) = self.handle(t, req) {
                         self.close(t, &reason, true);
-                        return;
+                        return false;
                     }
                 }
                 Ok(None) => break,
                 Err(e) => {
                     self.close(t, &format!("undecodable request: {e}"), true);
-                    return;
+                    return false;
                 }
             }
         }
-        if eof {
-            let left = self.conns.get(&t).map_or(0, |c| c.dec.buffered());
-            if left > 0 {
-                let e = WireError::Truncated {
-                    what: "store request",
-                    needed: left + 1,
-                    have: left,
-                };
-                self.close(t, &format!("connection closed mid-request: {e}"), true);
-            } else {
-                // Flush what is left (the client may have only shut down its write side).
-                self.flush(t);
-                self.close(t, "closed by client", false);
-            }
+        let Some(c) = self.conns.get_mut(&t) else {
+            return false;
+        };
+        let held = c.dec.buffered();
+        self.buffered_total = self.buffered_total - c.counted + held;
+        c.counted = held;
+        if !c.validated && held > self.limits.max_unvalidated_bytes {
+            let reason = format!(
+                "{held} bytes sent before VALIDATE (at most {} allowed)",
+                self.limits.max_unvalidated_bytes
+            );
+            self.close(t, &reason, true);
+            return false;
+        }
+        if self.buffered_total > self.limits.max_buffered_total {
+            let reason = format!(
+                "partly received requests of all clients reached {} bytes (limit {}); this \
+                 client holds {held}",
+                self.buffered_total, self.limits.max_buffered_total
+            );
+            self.close(t, &reason, true);
+            return false;
+        }
+        true
+    }
+
+    /// The client closed its side: a partial request left is an error; otherwise flush what
+    /// is owed (it may have only shut down its write side) and drop it.
+    fn end_of_stream(&mut self, t: Token) {
+        let left = self.conns.get(&t).map_or(0, |c| c.dec.buffered());
+        if left > 0 {
+            let e = WireError::Truncated {
+                what: "store request",
+                needed: left + 1,
+                have: left,
+            };
+            self.close(t, &format!("connection closed mid-request: {e}"), true);
+        } else {
+            self.flush(t);
+            self.close(t, "closed by client", false);
         }
     }
 
@@ -373,6 +540,7 @@ impl EventLoop {
         let Some(mut c) = self.conns.remove(&t) else {
             return;
         };
+        self.buffered_total -= c.counted;
         self.clients.store(self.conns.len(), Ordering::Relaxed);
         if warn {
             tracing::warn!(peer = %c.peer, "tcp store: dropping client: {reason}");
@@ -600,8 +768,13 @@ impl EventLoop {
         if c.out_pos == c.out.len() {
             c.out.clear();
             c.out_pos = 0;
-        } else if c.out.len() - c.out_pos > MAX_PENDING_OUTPUT {
-            self.close(t, "client does not read its replies", true);
+        } else if c.out.len() - c.out_pos > self.limits.max_pending_output {
+            let reason = format!(
+                "client does not read its replies ({} bytes pending, limit {})",
+                c.out.len() - c.out_pos,
+                self.limits.max_pending_output
+            );
+            self.close(t, &reason, true);
         } else if c.out_pos > 64 * 1024 {
             c.out.drain(..c.out_pos);
             c.out_pos = 0;

@@ -1,0 +1,218 @@
+//! A TCP store under hostile or broken clients keeps serving the good ones: connections that
+//! never validate are closed, partly sent requests are bounded in memory, and running out of
+//! file descriptors evicts idle unvalidated connections instead of locking everyone out.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use dist_backend::Store;
+use dist_backend::store::{ServerLimits, TcpStore, TcpStoreServer};
+
+/// Long enough never to fire on a loaded machine; the assertions do not depend on it.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+/// True once the server has closed `s` (EOF or reset), waiting at most `CLIENT_TIMEOUT`.
+fn closed_by_server(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(CLIENT_TIMEOUT)).expect("timeout");
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                );
+            }
+        }
+    }
+}
+
+/// True once the server has closed one of `streams`, waiting at most `CLIENT_TIMEOUT`.
+fn any_closed_by_server(streams: &mut [TcpStream]) -> bool {
+    let deadline = std::time::Instant::now() + CLIENT_TIMEOUT;
+    let mut buf = [0u8; 4096];
+    while std::time::Instant::now() < deadline {
+        for s in streams.iter_mut() {
+            s.set_read_timeout(Some(Duration::from_millis(50)))
+                .expect("timeout");
+            match s.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(_) => return true,
+            }
+        }
+    }
+    false
+}
+
+/// A VALIDATE request (query 0, magic 0x3C85F7CE).
+fn validate() -> Vec<u8> {
+    let mut v = vec![0u8];
+    v.extend_from_slice(&0x3C85_F7CEu32.to_le_bytes());
+    v
+}
+
+/// The start of a SET of `key` whose value is announced as `len` bytes.
+fn set_header(key: &[u8], len: u64) -> Vec<u8> {
+    let mut v = vec![1u8];
+    v.extend_from_slice(&(key.len() as u64).to_le_bytes());
+    v.extend_from_slice(key);
+    v.extend_from_slice(&len.to_le_bytes());
+    v
+}
+
+fn good_client_works(port: u16, tag: &str) {
+    let store = TcpStore::connect("127.0.0.1", port, CLIENT_TIMEOUT).expect("good client connects");
+    for i in 0..20i64 {
+        let key = format!("{tag}/{i}");
+        store.set(&key, key.as_bytes()).expect("set");
+        assert_eq!(store.get(&key).expect("get"), key.as_bytes());
+        assert_eq!(store.add(&format!("{tag}/n"), 1).expect("add"), i + 1);
+    }
+}
+
+#[test]
+fn garbage_and_unvalidated_connections_are_closed_while_good_clients_work() {
+    let limits = ServerLimits {
+        validation_timeout: Duration::from_secs(1),
+        ..ServerLimits::DEFAULT
+    };
+    let server = TcpStoreServer::start_on(loopback(), limits).expect("server");
+    let addr = server.local_addr();
+    // Random bytes (query byte 0xAB is no query), a huge length before any VALIDATE, and an
+    // idle connection that never sends anything.
+    let mut garbage = TcpStream::connect(addr).expect("connect");
+    garbage.write_all(&[0xAB; 1000]).expect("write");
+    let mut huge = TcpStream::connect(addr).expect("connect");
+    huge.write_all(&set_header(b"k", u64::MAX)).expect("write");
+    let mut idle = TcpStream::connect(addr).expect("connect");
+    good_client_works(server.port(), "during");
+    assert!(
+        closed_by_server(&mut garbage),
+        "garbage connection left open"
+    );
+    assert!(
+        closed_by_server(&mut huge),
+        "unvalidated huge request left open"
+    );
+    assert!(
+        closed_by_server(&mut idle),
+        "idle unvalidated connection left open"
+    );
+    good_client_works(server.port(), "after");
+}
+
+#[test]
+fn partly_sent_requests_are_bounded_in_memory() {
+    let limits = ServerLimits {
+        max_buffered_total: 4 << 20,
+        ..ServerLimits::DEFAULT
+    };
+    let server = TcpStoreServer::start_on(loopback(), limits).expect("server");
+    let addr = server.local_addr();
+    // Two validated clients each announce a 60 MiB value and send 3 MiB of it, then hold:
+    // together they pass the 4 MiB budget, so the server must close at least one.
+    let chunk = vec![7u8; 3 << 20];
+    let mut holders: Vec<TcpStream> = (0..2)
+        .map(|i| {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            s.write_all(&validate()).expect("validate");
+            s.write_all(&set_header(format!("big{i}").as_bytes(), 60 << 20))
+                .expect("header");
+            // The write fails once the server has closed the connection: that is fine.
+            let _ = s.write_all(&chunk);
+            s
+        })
+        .collect();
+    assert!(
+        any_closed_by_server(&mut holders),
+        "the server kept 6 MiB of partial requests under a 4 MiB budget"
+    );
+    good_client_works(server.port(), "budget");
+}
+
+/// Set by the parent to make `server_with_128_descriptors` serve instead of returning.
+const CHILD_ENV: &str = "DIST_TEST_FD_LIMITED_STORE";
+
+/// The child half of `a_full_descriptor_table_does_not_lock_out_good_clients`: a store server
+/// in a process limited to 128 open files. Prints its port, serves until stdin closes.
+#[test]
+fn server_with_128_descriptors() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let lim = libc::rlimit {
+        rlim_cur: 128,
+        rlim_max: 128,
+    };
+    // SAFETY: setrlimit reads the struct we pass and has no other memory effect.
+    let rc = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+    assert_eq!(rc, 0, "setrlimit");
+    let limits = ServerLimits {
+        validation_timeout: Duration::from_secs(2),
+        ..ServerLimits::DEFAULT
+    };
+    let server = TcpStoreServer::start_on(loopback(), limits).expect("server");
+    println!("PORT {}", server.port());
+    std::io::stdout().flush().expect("flush");
+    let mut sink = String::new();
+    let _ = std::io::stdin().read_to_string(&mut sink);
+}
+
+#[test]
+fn a_full_descriptor_table_does_not_lock_out_good_clients() {
+    let exe = std::env::current_exe().expect("test binary");
+    let mut child = Command::new(exe)
+        .args(["--exact", "server_with_128_descriptors", "--nocapture"])
+        .env(CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("child server");
+    let stdout = child.stdout.take().expect("stdout");
+    // Read the port, then keep draining: the child's test harness prints after it.
+    let (tx, rx) = std::sync::mpsc::channel::<u16>();
+    let drain = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(p) = line
+                .strip_prefix("PORT ")
+                .and_then(|p| p.trim().parse().ok())
+            {
+                let _ = tx.send(p);
+            }
+        }
+    });
+    let port = rx.recv().expect("the child's port");
+    // 200 connections that never validate: more than the child has descriptors.
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let idle: Vec<TcpStream> = (0..200)
+        .filter_map(|_| TcpStream::connect(addr).ok())
+        .collect();
+    assert!(
+        idle.len() >= 128,
+        "only {} idle connections made",
+        idle.len()
+    );
+    good_client_works(port, "crowded");
+    drop(idle);
+    drop(child.stdin.take());
+    let status = child.wait().expect("child exit");
+    drain.join().expect("drain");
+    assert!(status.success(), "child server failed: {status}");
+}
