@@ -171,6 +171,29 @@ fn connect_backend(
     }
 }
 
+/// Ends the creation of a group with an agreement that every rank has finished it: no rank
+/// returns (and so may leave, or exit) while another is still connecting, so none of them
+/// meets a half-built mesh or a store whose host has gone.
+fn agree_connected(
+    store: &dyn Store,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let key = |r: usize| format!("connected/{r}");
+    let store_err = |e| {
+        Error::store(
+            rank,
+            "creating the group: agreeing that every rank finished",
+            e,
+        )
+    };
+    store.set(&key(rank), b"1").map_err(store_err)?;
+    let keys: Vec<String> = (0..world_size).map(key).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    store.wait(&keys, timeout).map_err(store_err)
+}
+
 /// A fingerprint of one collective, compared across ranks at `DIST_DEBUG=DETAIL`.
 type Fingerprint = [u64; 4];
 
@@ -388,6 +411,7 @@ impl ProcessGroup {
         let p2p_backend = connect_backend(&cfg, &format!("{prefix}/p2p"), rank, world_size)?;
         let store: Arc<dyn Store> =
             Arc::new(PrefixStore::new(prefix.clone(), cfg.root_store.clone()));
+        agree_connected(&*store, rank, world_size, cfg.timeout)?;
         let short = prefix.rsplit('/').next().unwrap_or("g").to_owned();
         let no_thread = |what: &str| {
             let context = format!("process group {prefix}: starting its {what} thread");
