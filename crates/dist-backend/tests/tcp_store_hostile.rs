@@ -216,3 +216,44 @@ fn a_full_descriptor_table_does_not_lock_out_good_clients() {
     drain.join().expect("drain");
     assert!(status.success(), "child server failed: {status}");
 }
+
+/// xorshift64*: reproducible random bytes without a dependency.
+fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
+        })
+        .collect()
+}
+
+#[test]
+fn random_bytes_from_many_connections_never_disturb_good_clients() {
+    let server = TcpStoreServer::start_on(loopback(), ServerLimits::DEFAULT).expect("server");
+    let addr = server.local_addr();
+    let port = server.port();
+    std::thread::scope(|s| {
+        for t in 0..16u64 {
+            s.spawn(move || {
+                for i in 0..25u64 {
+                    let seed = t * 1000 + i + 1;
+                    let Ok(mut c) = TcpStream::connect(addr) else {
+                        continue;
+                    };
+                    // Half of them validate first, so the garbage reaches the request decoder.
+                    if seed % 2 == 0 {
+                        let _ = c.write_all(&validate());
+                    }
+                    let len = 1 + (seed as usize * 7919) % 4096;
+                    let _ = c.write_all(&random_bytes(seed, len));
+                    // Dropped here: closed mid-request, or left for the server to close.
+                }
+            });
+        }
+        s.spawn(move || good_client_works(port, "amid-garbage"));
+    });
+    good_client_works(port, "after-garbage");
+}
