@@ -25,7 +25,10 @@ impl DeviceBuffer {
     /// * nothing else writes it (or, for a [`BufRef`], nothing writes it at all) except work
     ///   ordered on `stream` before or after the operation;
     /// * `stream` is a live stream of device `device` (or 0).
-    #[allow(unsafe_code, reason = "the contract above is what a GPU backend relies on")]
+    #[allow(
+        unsafe_code,
+        reason = "the contract above is what a GPU backend relies on"
+    )]
     pub unsafe fn from_raw(ptr: u64, len: usize, device: u32, stream: u64) -> Self {
         DeviceBuffer {
             ptr,

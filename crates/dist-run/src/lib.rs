@@ -42,9 +42,15 @@
 mod agents;
 mod cli;
 mod env;
-#[allow(unsafe_code, reason = "pre_exec for PR_SET_PDEATHSIG, with a SAFETY comment")]
+#[allow(
+    unsafe_code,
+    reason = "pre_exec for PR_SET_PDEATHSIG, with a SAFETY comment"
+)]
 mod group;
-#[allow(unsafe_code, reason = "signal and kill, which libc alone offers; each call has a SAFETY comment")]
+#[allow(
+    unsafe_code,
+    reason = "signal and kill, which libc alone offers; each call has a SAFETY comment"
+)]
 mod signals;
 
 pub use cli::Args;

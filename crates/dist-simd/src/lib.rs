@@ -34,7 +34,10 @@
 #![deny(unsafe_code)]
 mod portable;
 #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
-#[allow(unsafe_code, reason = "the runtime-dispatched kernel calls, each with a SAFETY comment")]
+#[allow(
+    unsafe_code,
+    reason = "the runtime-dispatched kernel calls, each with a SAFETY comment"
+)]
 mod x86;
 
 macro_rules! format_module {
