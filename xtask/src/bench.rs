@@ -2,16 +2,18 @@
 //! torch's Gloo or Open MPI run in the same invocation (every performance claim is made so).
 //!
 //! The rank processes are `crates/dist-gloo/examples/gloo_bench.rs`, built in release mode and
-//! launched here with torchrun's environment; rank 0 prints nccl-tests' table. With `--vs`, the
-//! peer's script from `../shared/anchors/` runs right after with the same ops and sizes, and a
-//! table of both and their ratio follows.
+//! launched through `distrun --master-port 0` (whose store takes a port no other process
+//! holds); rank 0's table is printed without distrun's `[rank 0] ` prefix, the other ranks'
+//! output is dropped. With `--vs`, the peer's script from `../shared/anchors/` runs right
+//! after with the same ops and sizes, and a table of both and their ratio follows.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
-use crate::util::{cargo, project_root, run};
+use crate::util::{cargo, display, project_root, run};
 
 pub(crate) const HELP: &str = "\
 cargo xtask bench <OP>|all|latency [FLAGS]
@@ -178,7 +180,11 @@ fn expect(v: &str, only: &str, flag: &str) -> Result<(), String> {
     }
 }
 
-fn free_port() -> Result<u16, String> {
+/// A port that was free a moment ago, for the torch peer only: its script starts its own
+/// ranks and rendezvous on the port it is given, so another process may take the port before
+/// rank 0 binds it again (the script would then fail, loudly). Our own ranks never do this:
+/// they run under `distrun --master-port 0`.
+fn free_port_for_peer() -> Result<u16, String> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")
         .map_err(|e| format!("finding a free port: {e}"))?;
     l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
@@ -198,56 +204,63 @@ fn sizes_arg(fl: &Flags) -> String {
         .join(",")
 }
 
-/// Runs our ranks; returns the parsed JSON results.
-fn run_ours(fl: &Flags, n: usize, exe: &PathBuf, out: &PathBuf) -> Result<Value, String> {
-    let port = free_port()?;
-    let mut children: Vec<Child> = Vec::new();
-    for rank in 0..n {
-        let mut cmd = Command::new(exe);
-        cmd.args([
-            "--ops",
-            &fl.ops.join(","),
-            "--sizes",
-            &sizes_arg(fl),
-            "-w",
-            &fl.warmup,
-            "-c",
-            &fl.check,
-            "-o",
-            &fl.redop,
-            "-d",
-            &fl.dtype,
-            "-r",
-            &fl.root,
-            "--json",
-        ])
-        .arg(out)
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", n.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("LOCAL_WORLD_SIZE", n.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string());
-        if let Some(i) = &fl.iters {
-            cmd.args(["-n", i]);
-        }
-        if rank != 0 {
-            cmd.stdout(Stdio::null());
-        }
-        children.push(
-            cmd.spawn()
-                .map_err(|e| format!("starting rank {rank}: {e}"))?,
-        );
+/// Runs our ranks under `distrun` (`distrun_exe`), which picks the store's port, stops every
+/// rank when one fails and exits with the first failure's code; returns the parsed JSON
+/// results.
+fn run_ours(
+    fl: &Flags,
+    n: usize,
+    distrun_exe: &Path,
+    exe: &Path,
+    out: &Path,
+) -> Result<Value, String> {
+    let mut cmd = Command::new(distrun_exe);
+    cmd.args([
+        "--nproc-per-node",
+        &n.to_string(),
+        "--master-port",
+        "0",
+        "--",
+    ])
+    .arg(exe)
+    .args([
+        "--ops",
+        &fl.ops.join(","),
+        "--sizes",
+        &sizes_arg(fl),
+        "-w",
+        &fl.warmup,
+        "-c",
+        &fl.check,
+        "-o",
+        &fl.redop,
+        "-d",
+        &fl.dtype,
+        "-r",
+        &fl.root,
+        "--json",
+    ])
+    .arg(out);
+    if let Some(i) = &fl.iters {
+        cmd.args(["-n", i]);
     }
-    let mut failed = None;
-    for (rank, c) in children.iter_mut().enumerate() {
-        let st = c.wait().map_err(|e| e.to_string())?;
-        if !st.success() && failed.is_none() {
-            failed = Some(format!("rank {rank} exited with {st}"));
+    let shown = display(&cmd);
+    let mut job = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("could not start `{shown}`: {e}"))?;
+    // Rank 0 prints the table; distrun prefixes each line with its rank.
+    if let Some(stdout) = job.stdout.take() {
+        for line in BufReader::new(stdout).lines() {
+            let line = line.map_err(|e| format!("reading `{shown}`'s output: {e}"))?;
+            if let Some(l) = line.strip_prefix("[rank 0] ") {
+                println!("{l}");
+            }
         }
     }
-    if let Some(f) = failed {
-        return Err(f);
+    let st = job.wait().map_err(|e| e.to_string())?;
+    if !st.success() {
+        return Err(format!("`{shown}` failed with {st}"));
     }
     let text =
         std::fs::read_to_string(out).map_err(|e| format!("reading {}: {e}", out.display()))?;
@@ -264,7 +277,7 @@ fn run_peer(fl: &Flags, n: usize, peer: &str, out: &PathBuf) -> Result<Value, St
                 "--world-size",
                 &n.to_string(),
                 "--port",
-                &free_port()?.to_string(),
+                &free_port_for_peer()?.to_string(),
             ]);
             c
         }
@@ -360,10 +373,15 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
         "--release",
         "--quiet",
         "-p",
+        "dist-run",
+        "--bin",
+        "distrun",
+        "-p",
         "dist-gloo",
         "--example",
         "gloo_bench",
     ]))?;
+    let distrun = project_root().join("target/release/distrun");
     let exe = project_root().join("target/release/examples/gloo_bench");
     let tmp = std::env::temp_dir();
     for &n in &fl.world_sizes {
@@ -371,7 +389,7 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
             Some(j) => PathBuf::from(format!("{j}.ws{n}.json")),
             None => tmp.join(format!("dist-bench-ours-{}-ws{n}.json", std::process::id())),
         };
-        let ours = run_ours(&fl, n, &exe, &ours_path)?;
+        let ours = run_ours(&fl, n, &distrun, &exe, &ours_path)?;
         if let Some(peer) = &fl.vs {
             let theirs = run_peer(
                 &fl,

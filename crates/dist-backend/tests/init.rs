@@ -46,12 +46,13 @@ fn env_init_rank0_hosts_the_store() {
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
                 info.store.wait(&refs, T).unwrap();
                 let seen = info.store.multi_get(&refs).unwrap();
-                // Keep rank 0 (the server) alive until everyone is done reading.
-                info.store.add("done", 1).unwrap();
+                // Keep rank 0 (the server) alive until everyone is done reading: the last
+                // reader says so, and rank 0 waits for it.
+                if info.store.add("done", 1).unwrap() == world as i64 {
+                    info.store.set("all_done", b"").unwrap();
+                }
                 if rank == 0 {
-                    while info.store.get("done").unwrap() != world.to_string().as_bytes() {
-                        thread::sleep(Duration::from_millis(5));
-                    }
+                    info.store.wait(&["all_done"], T).unwrap();
                 }
                 seen
             })

@@ -102,7 +102,8 @@ fn wait_times_out_naming_the_key(s: &dyn Store) {
     let el = t.elapsed();
     assert!(e.is_timeout(), "{e}");
     assert!(el >= SHORT, "returned after {el:?}");
-    assert!(el < SHORT * 10, "returned after {el:?}");
+    // The wait's own timeout, not the store's (TIMEOUT, 10 s), with seconds of slack.
+    assert!(el < Duration::from_secs(5), "returned after {el:?}");
     let msg = e.to_string();
     assert!(msg.contains("never") && msg.contains("wait"), "{msg}");
     // The store is still usable after a timed-out wait.
@@ -182,6 +183,8 @@ fn get_waits_for_another_thread(handles: Handles) {
     let s = handles();
     let s2 = handles();
     let h = thread::spawn(move || {
+        // Usually sets the key while `get` waits; set first, `get` finds it at once: the
+        // result is the same, so the timing does not matter.
         thread::sleep(Duration::from_millis(50));
         s2.set("late", b"arrived").unwrap();
     });
@@ -193,6 +196,8 @@ fn blocking_pop_gets_item_from_another_thread(handles: Handles) {
     let s = handles();
     let s2 = handles();
     let h = thread::spawn(move || {
+        // Usually pushes while the pop blocks; pushed first, the pop finds it at once: the
+        // result is the same, so the timing does not matter.
         thread::sleep(Duration::from_millis(50));
         s2.queue_push("jobs", b"job").unwrap();
     });

@@ -133,7 +133,8 @@ fn wait_timeout_cancels_and_connection_stays_usable() {
     let t0 = Instant::now();
     let e = c.wait(&["never"], Duration::from_millis(300)).unwrap_err();
     assert!(t0.elapsed() >= Duration::from_millis(300));
-    assert!(t0.elapsed() < Duration::from_secs(3));
+    // The wait's own timeout, not the store's (T, 10 s), with seconds of slack.
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     match &e {
         StoreError::Timeout { op, keys, addr, .. } => {
             assert_eq!(*op, "wait");
@@ -150,6 +151,8 @@ fn wait_timeout_cancels_and_connection_stays_usable() {
     // A wait that another client satisfies.
     let port = server.port();
     let h = thread::spawn(move || {
+        // Usually sets the key while `c` waits; set first, the wait returns at once: either way
+        // it succeeds, so the timing does not matter.
         thread::sleep(Duration::from_millis(100));
         TcpStore::connect("127.0.0.1", port, T)
             .unwrap()
@@ -281,6 +284,8 @@ fn connect_retries_until_the_server_is_up() {
     // connecting (and was refused).
     let (sock, port) = bound_not_listening();
     let h = thread::spawn(move || {
+        // Usually listens after the client was refused a few times; listening first, the
+        // client connects at once: either way it succeeds, so the timing does not matter.
         thread::sleep(Duration::from_millis(300));
         serve_on(sock)
     });
@@ -296,8 +301,14 @@ fn connect_gives_up_after_timeout() {
     let (_sock, port) = bound_not_listening();
     let t0 = Instant::now();
     let e = TcpStore::connect("127.0.0.1", port, Duration::from_millis(300)).unwrap_err();
-    assert!(t0.elapsed() < Duration::from_secs(3));
-    assert!(matches!(e, StoreError::Connect { .. }), "{e}");
+    // It gave up once its 300 ms were spent, not sooner, and did not hang.
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    match &e {
+        StoreError::Connect { waited, .. } => {
+            assert!(*waited >= Duration::from_millis(300), "{e}")
+        }
+        other => panic!("{other}"),
+    }
     assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
 }
 
@@ -369,11 +380,12 @@ fn master_reports_missing_workers() {
 fn server_stops_on_drop() {
     let server = TcpStoreServer::start(0).unwrap();
     let port = server.port();
-    let c = TcpStore::connect("127.0.0.1", port, Duration::from_millis(300)).unwrap();
+    let c = TcpStore::connect("127.0.0.1", port, T).unwrap();
     c.set("a", b"1").unwrap();
     let t0 = Instant::now();
     drop(server);
-    assert!(t0.elapsed() < Duration::from_secs(2));
+    // Dropping wakes the event loop and joins it: no wait for a timeout or a client.
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     assert!(c.get("a").is_err());
 }
 

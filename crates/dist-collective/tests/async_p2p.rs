@@ -3,8 +3,13 @@
 
 use std::time::Duration;
 
+use dist_backend::Store;
+use dist_backend::store::HashStore;
 use dist_collective::testing::{run_world, run_world_with};
 use dist_collective::{Error, OpState, P2pOp, ReduceOp};
+
+/// How long a rank waits for another's signal through a test's own store before failing.
+const GATE: Duration = Duration::from_secs(60);
 
 #[test]
 fn async_forms_return_their_buffers_in_issue_order() {
@@ -49,13 +54,17 @@ fn async_forms_return_their_buffers_in_issue_order() {
 
 #[test]
 fn wait_timeout_and_is_completed() {
+    // Rank 1 joins each op only once rank 0 says (through this store) that it has seen the
+    // op unfinished, so rank 0's waits time out whatever the threads' timing.
+    let gate = HashStore::new(GATE);
     run_world(2, |pg| {
         if pg.rank() == 0 {
-            // Rank 1 joins the all_reduce only after a while: a short wait times out, the
-            // handle stays usable with wait_for, and the op completes.
+            // Rank 1 has not joined the all_reduce: a short wait times out, the handle stays
+            // usable with wait_for, and the op completes.
             let w = pg.all_reduce_async(vec![1u32; 8], ReduceOp::Sum)?;
             assert!(!w.is_completed());
             assert!(!w.wait_for(Duration::from_millis(50)));
+            gate.set("all_reduce_waited", b"").unwrap();
             assert_eq!(w.wait()?, vec![2; 8]);
             let w2 = pg.barrier_async()?;
             let err = w2.wait_timeout(Duration::from_millis(30)).unwrap_err();
@@ -63,15 +72,16 @@ fn wait_timeout_and_is_completed() {
                 matches!(err, Error::WaitTimeout { op: "barrier", .. }),
                 "{err}"
             );
+            gate.set("barrier_waited", b"").unwrap();
             // The barrier still completes in the background; the next op sees a sane group.
             let mut x = [5u8];
             pg.broadcast(&mut x, 1)?;
             assert_eq!(x, [7]);
         } else {
-            std::thread::sleep(Duration::from_millis(200));
+            gate.wait(&["all_reduce_waited"], GATE).unwrap();
             let mut v = vec![1u32; 8];
             pg.all_reduce(&mut v, ReduceOp::Sum)?;
-            std::thread::sleep(Duration::from_millis(100));
+            gate.wait(&["barrier_waited"], GATE).unwrap();
             pg.barrier()?;
             let mut x = [7u8];
             pg.broadcast(&mut x, 1)?;
@@ -242,12 +252,18 @@ fn p2p_does_not_wait_for_collectives() {
 
 #[test]
 fn unmatched_recv_times_out_naming_the_peer() {
+    // Rank 0 keeps its group (and so its connections) until rank 1's receive has returned,
+    // so that it fails by timing out, not by seeing rank 0 leave.
+    let gate = HashStore::new(GATE);
     let err = run_world_with(2, Duration::from_millis(300), |pg| {
         if pg.rank() == 1 {
             let mut x = [0u8];
-            pg.recv(&mut x, 0, 9)?;
+            let r = pg.recv(&mut x, 0, 9);
+            gate.set("recv_returned", b"").unwrap();
+            r?;
+        } else {
+            gate.wait(&["recv_returned"], GATE).unwrap();
         }
-        std::thread::sleep(Duration::from_millis(600));
         Ok(())
     })
     .unwrap_err();

@@ -238,12 +238,15 @@ fn monitored_barrier_names_missing_ranks() {
     let out = run_world(3, |pg| {
         // Everyone arrives: fine.
         pg.monitored_barrier(Duration::from_secs(5), true)?;
-        // Rank 2 skips the second one.
+        // Rank 2 skips the second one. Ranks 0 and 1 give it 1 s; rank 1 then waits for rank
+        // 0's verdict up to 2 × 1 s + 1 s after its own arrival, which rank 0 cannot miss
+        // unless it arrives seconds late.
         let r = if pg.rank() == 2 {
+            // Only a late rank's look: rank 2 never arrives, so the timing does not matter.
             std::thread::sleep(Duration::from_millis(400));
             None
         } else {
-            Some(pg.monitored_barrier(Duration::from_millis(150), true))
+            Some(pg.monitored_barrier(Duration::from_secs(1), true))
         };
         Ok(r.map(|r| r.unwrap_err().to_string()))
     })

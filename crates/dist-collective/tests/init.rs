@@ -1,20 +1,13 @@
 //! init_process_group through each init method, the default group, re-init over one store,
 //! and the DIST_DEBUG=DETAIL fingerprint check.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dist_backend::store::HashStore;
+use dist_backend::init::InitConfig;
+use dist_backend::store::{HashStore, TcpStoreServer};
 use dist_collective::testing::run_world_opts;
 use dist_collective::{DebugLevel, Error, InitOptions, ReduceOp, new_process_group};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn sum_over(w: usize, make: impl Fn(usize) -> InitOptions + Sync) -> Vec<u32> {
     std::thread::scope(|s| {
@@ -36,15 +29,27 @@ fn sum_over(w: usize, make: impl Fn(usize) -> InitOptions + Sync) -> Vec<u32> {
 
 #[test]
 fn tcp_file_and_store_init() {
-    let port = free_port();
     let t = Duration::from_secs(20);
-    let url = format!("tcp://127.0.0.1:{port}");
+    // tcp://: the store's server is bound to port 0 before its port goes into the URL (a port
+    // found free and bound again later could be taken in between). Rank 0 serves the store on
+    // it, as `tcp://` makes rank 0 do, and ranks 1 and 2 join through the URL.
+    let server = TcpStoreServer::start(0).unwrap();
+    let url = format!("tcp://127.0.0.1:{}", server.port());
+    let server = Mutex::new(Some(server));
     assert_eq!(
-        sum_over(3, |r| InitOptions::new()
-            .init_method(url.clone())
-            .rank(r)
-            .world_size(3)
-            .timeout(t)),
+        sum_over(3, |r| {
+            let opts = InitOptions::new().rank(r).world_size(3).timeout(t);
+            if r == 0 {
+                let server = server.lock().unwrap().take().unwrap();
+                let info = InitConfig::resolve(&|_| None, Some(0), Some(3))
+                    .unwrap()
+                    .connect_with_server(server, t)
+                    .unwrap();
+                opts.store(info.store)
+            } else {
+                opts.init_method(url.clone())
+            }
+        }),
         vec![6; 3]
     );
     let dir = std::env::temp_dir().join(format!("dist-collective-init-{}", std::process::id()));

@@ -26,8 +26,10 @@ pub struct Args {
     /// Address of node 0, as the other nodes (and the ranks) reach it.
     #[arg(long, default_value = "127.0.0.1")]
     pub master_addr: String,
-    /// Port of the rendezvous store on node 0. 0 picks a free port (one node only); the
-    /// default is 0 on one node and 29500 on several.
+    /// Port of the rendezvous store on node 0. 0 picks a free port, which node 0 prints
+    /// (`store at ADDR:PORT`): with several nodes, only node 0 may be given 0, and the other
+    /// nodes must be given the port it printed. The default is 0 on one node and 29500 on
+    /// several.
     #[arg(long)]
     pub master_port: Option<u16>,
     /// Restart the whole job up to this many times after a rank fails.
@@ -58,7 +60,7 @@ pub struct Args {
 }
 
 impl Args {
-    /// Checks what clap cannot: the node rank fits, and several nodes agree on a fixed port.
+    /// Checks what clap cannot: the node rank fits, and only node 0 picks a free port.
     pub fn validate(&self) -> Result<(), String> {
         if self.node_rank >= self.nnodes {
             return Err(format!(
@@ -66,12 +68,12 @@ impl Args {
                 self.node_rank, self.nnodes
             ));
         }
-        if self.nnodes > 1 && self.master_port == Some(0) {
-            return Err(
-                "--master-port 0 (a free port) works on one node only: the other nodes could not \
-                 know which port node 0 picked; give a fixed port"
-                    .to_owned(),
-            );
+        if self.node_rank > 0 && self.master_port == Some(0) {
+            return Err(format!(
+                "--master-port 0 (a free port) is for node 0 only: node {} must be given the port \
+                 node 0 picked (node 0 prints it: `store at ADDR:PORT`)",
+                self.node_rank
+            ));
         }
         if self.nproc_per_node.checked_mul(self.nnodes).is_none() {
             return Err("--nproc-per-node × --nnodes is too large".to_owned());
@@ -119,7 +121,20 @@ mod tests {
         assert!(parse(&["--grace-period", "-1", "--", "x"]).is_err());
         let a = parse(&["--nnodes", "2", "--node-rank", "2", "--", "x"]).unwrap();
         assert!(a.validate().unwrap_err().contains("--node-rank 2"));
+        // Node 0 may pick a free port; the others must be told it.
         let a = parse(&["--nnodes", "2", "--master-port", "0", "--", "x"]).unwrap();
-        assert!(a.validate().unwrap_err().contains("one node only"));
+        a.validate().unwrap();
+        let a = parse(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            "0",
+            "--",
+            "x",
+        ])
+        .unwrap();
+        assert!(a.validate().unwrap_err().contains("node 0 only"));
     }
 }

@@ -17,7 +17,9 @@
 //!   protocol) for the whole job, so every rank, rank 0 included, connects to it as a client
 //!   (`dist_backend::init` honours `TORCHELASTIC_USE_AGENT_STORE`, as torch does, and puts the
 //!   keys of restart `n` under `/worker/attempt_<n>`). `--master-port 0`, the default on one node,
-//!   lets the server pick a free port, so two jobs on one machine never collide.
+//!   lets the server pick a free port, so two jobs on one machine never collide. With several
+//!   nodes, node 0 may be given `--master-port 0` too: it prints the port it picked
+//!   (`distrun: ... store at ADDR:PORT` on stderr), and the other nodes must be given that port.
 //! * Each line a child prints, on stdout or stderr, is printed on the same stream of `distrun`
 //!   prefixed with `[rank R] `. With `--tee` (or `--log-dir`) it is also written, unprefixed, to
 //!   `<log-dir>/attempt_<n>/rank_<r>/{stdout,stderr}.log`.

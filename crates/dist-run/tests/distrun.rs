@@ -159,6 +159,8 @@ fn output_lines_are_prefixed_by_rank() {
 
 #[test]
 fn first_failure_stops_the_others() {
+    // Rank 1's `sleep 0.2` only spaces its two lines; the others sleep far longer than the
+    // test takes, so rank 1 fails first whatever the timing.
     let start = Instant::now();
     let out = run(&[
         "--nproc-per-node",
@@ -190,8 +192,13 @@ fn first_failure_stops_the_others() {
 
 #[test]
 fn ranks_that_ignore_sigterm_are_killed_after_the_grace_period() {
+    // Rank 0 crashes only once rank 1 has said (with a file) that it ignores SIGTERM, so rank
+    // 1 is stopped by the SIGKILL after the grace period, not by SIGTERM. Rank 0 gives up
+    // waiting after about 20 s, which fails the time bound below rather than hanging.
+    let dir = std::env::temp_dir().join(format!("distrun-test-{}-sigterm", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
     let start = Instant::now();
-    let out = run(&[
+    let out = distrun(&[
         "--nproc-per-node",
         "2",
         "--grace-period",
@@ -199,8 +206,15 @@ fn ranks_that_ignore_sigterm_are_killed_after_the_grace_period() {
         "--",
         "sh",
         "-c",
-        "if [ $RANK = 0 ]; then sleep 0.3; kill -SEGV $$; fi; trap '' TERM; sleep 60",
-    ]);
+        "if [ $RANK = 0 ]; then i=0; \
+         while [ ! -e \"$TEST_DIR/trapped\" ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done; \
+         kill -SEGV $$; fi; \
+         trap '' TERM; touch \"$TEST_DIR/trapped\"; sleep 60",
+    ])
+    .env("TEST_DIR", &dir)
+    .output()
+    .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(start.elapsed() < Duration::from_secs(15));
     // A signal is reported by name, and the exit code is 128 + its number.
     assert_eq!(out.status.code(), Some(128 + 11), "{out:?}");
@@ -286,15 +300,12 @@ fn port_zero_gives_concurrent_jobs_their_own_store() {
     assert_eq!(ports.len(), 2, "two jobs, two ports: {ports:?}");
 }
 
-#[test]
-fn two_nodes_rendezvous_and_share_a_failure() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let node = |rank: &str, cmd: &[String]| {
+/// Runs `cmd` as a job of two nodes with two ranks each, and returns each node's output.
+/// Node 0 is given `--master-port 0`, so its store takes a port no other process holds, and
+/// prints it; node 1 is started with that port once node 0 has printed it.
+fn two_nodes(cmd: &[String]) -> [Output; 2] {
+    use std::io::{BufRead, BufReader, Read};
+    let node = |rank: &str, port: &str| {
         let mut c = distrun(&[
             "--nnodes",
             "2",
@@ -303,7 +314,7 @@ fn two_nodes_rendezvous_and_share_a_failure() {
             "--nproc-per-node",
             "2",
             "--master-port",
-            &port,
+            port,
             "--rdzv-timeout",
             "20",
             "--",
@@ -314,10 +325,38 @@ fn two_nodes_rendezvous_and_share_a_failure() {
             .stderr(Stdio::piped());
         c.spawn().unwrap()
     };
-    let nodes = [node("1", &worker_cmd()), node("0", &worker_cmd())];
+    let mut node0 = node("0", "0");
+    let mut stderr0 = BufReader::new(node0.stderr.take().unwrap());
+    // `distrun: 2 rank(s) on node 0 of 2 (world size 4), store at 127.0.0.1:PORT`
+    let mut head = String::new();
+    let port = loop {
+        let mut line = String::new();
+        let n = stderr0.read_line(&mut line).unwrap();
+        assert_ne!(n, 0, "node 0 ended before naming its store's port: {head}");
+        head.push_str(&line);
+        if let Some((_, at)) = line.split_once("store at ") {
+            break at.trim().rsplit_once(':').unwrap().1.to_owned();
+        }
+    };
+    assert_ne!(port, "0", "{head}");
+    let rest0 = std::thread::spawn(move || {
+        let mut rest = String::new();
+        stderr0.read_to_string(&mut rest).unwrap();
+        rest
+    });
+    let node1 = std::thread::spawn({
+        let node1 = node("1", &port);
+        move || node1.wait_with_output().unwrap()
+    });
+    let mut out0 = node0.wait_with_output().unwrap();
+    out0.stderr = (head + &rest0.join().unwrap()).into_bytes();
+    [out0, node1.join().unwrap()]
+}
+
+#[test]
+fn two_nodes_rendezvous_and_share_a_failure() {
     let mut all = BTreeMap::new();
-    for n in nodes {
-        let out = n.wait_with_output().unwrap();
+    for out in two_nodes(&worker_cmd()) {
         assert!(out.status.success(), "{out:?}");
         all.extend(rendezvous_lines(&out));
     }
@@ -328,11 +367,7 @@ fn two_nodes_rendezvous_and_share_a_failure() {
     let sh = |s: &str| vec!["sh".to_owned(), "-c".to_owned(), s.to_owned()];
     let script = "if [ $RANK = 3 ]; then exit 4; fi; sleep 60";
     let start = Instant::now();
-    let nodes = [node("0", &sh(script)), node("1", &sh(script))];
-    let outs: Vec<Output> = nodes
-        .into_iter()
-        .map(|n| n.wait_with_output().unwrap())
-        .collect();
+    let outs = two_nodes(&sh(script));
     assert!(start.elapsed() < Duration::from_secs(15));
     for out in &outs {
         assert_eq!(out.status.code(), Some(4), "{out:?}");

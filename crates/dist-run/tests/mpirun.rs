@@ -1,10 +1,16 @@
 //! Our binaries run unchanged under Open MPI's `mpirun`: `dist_backend::init`'s `env://` path
-//! reads the `OMPI_COMM_WORLD_*` variables, and rank 0 hosts the store at the exported
-//! `MASTER_ADDR:MASTER_PORT`. Skipped (with a message) where `mpirun` is not installed; CI does
-//! not install it (`apt-get install openmpi-bin` does).
+//! reads the `OMPI_COMM_WORLD_*` variables and joins the store at the exported
+//! `MASTER_ADDR:MASTER_PORT`. The test process serves that store itself, on a port it bound as
+//! port 0 (so no other process can have taken it), and exports
+//! `TORCHELASTIC_USE_AGENT_STORE=True` so that rank 0 joins it as a client, as under a launcher
+//! that serves the store (rank 0 serving the store itself is covered in `dist-backend`'s
+//! `tests/init.rs`). Skipped (with a message) where `mpirun` is not installed; CI does not
+//! install it (`apt-get install openmpi-bin` does).
 
 use std::process::Command;
 use std::time::Duration;
+
+use dist_backend::store::TcpStoreServer;
 
 /// A rank under mpirun: this test binary re-run with `DIST_MPI_TEST_WORKER` set.
 #[test]
@@ -18,13 +24,6 @@ fn mpi_worker() {
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     info.store.set(&keys[info.rank], b"here").unwrap();
     info.store.wait(&refs, Duration::from_secs(20)).unwrap();
-    // Keep rank 0 (the server) up until every rank has seen every key.
-    info.store.add("done", 1).unwrap();
-    if info.rank == 0 {
-        while info.store.add("done", 0).unwrap() < info.world_size as i64 {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
     println!(
         "MPI rank={} world={} local_rank={} local_world={} launcher={}",
         info.rank, info.world_size, info.local_rank, info.local_world_size, info.launcher
@@ -46,31 +45,25 @@ fn env_init_reads_open_mpi_variables_under_mpirun() {
         );
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // The store lives here until mpirun has returned, so no rank has to outlive the others.
+    let server = TcpStoreServer::start(0).unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new("mpirun");
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
         .args(["-x", "MASTER_ADDR=127.0.0.1"])
         .arg("-x")
-        .arg(format!("MASTER_PORT={port}"))
+        .arg(format!("MASTER_PORT={}", server.port()))
+        .args(["-x", "TORCHELASTIC_USE_AGENT_STORE=True"])
+        .args(["-x", "TORCHELASTIC_RESTART_COUNT=0"])
         .args(["-x", "DIST_MPI_TEST_WORKER=1"])
         .arg(exe)
         .args(["mpi_worker", "--exact", "--nocapture", "--test-threads=1"]);
     // torchrun's variables would take precedence over Open MPI's.
-    for v in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "TORCHELASTIC_USE_AGENT_STORE",
-    ] {
+    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] {
         cmd.env_remove(v);
     }
     let out = cmd.output().expect("run mpirun");
+    drop(server);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
