@@ -3,13 +3,47 @@
 //! store traffic while collectives keep completing.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use dist_backend::store::HashStore;
 use dist_backend::{Store, StoreError};
 use dist_collective::testing::{run_world_opts, run_world_with};
 use dist_collective::{Error, InitOptions, ReduceOp, new_process_group};
+
+/// A barrier for the test's own ranks that gives up (panicking the rank, which `run_world`
+/// reports) instead of hanging when a rank never arrives because it failed earlier.
+struct Barrier {
+    n: usize,
+    arrived: Mutex<usize>,
+    cv: Condvar,
+}
+
+impl Barrier {
+    fn new(n: usize) -> Self {
+        Barrier {
+            n,
+            arrived: Mutex::new(0),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn wait(&self) {
+        let mut arrived = self.arrived.lock().unwrap_or_else(|e| e.into_inner());
+        *arrived += 1;
+        self.cv.notify_all();
+        let (arrived, timeout) = self
+            .cv
+            .wait_timeout_while(arrived, Duration::from_secs(120), |a| *a < self.n)
+            .unwrap_or_else(|e| e.into_inner());
+        assert!(
+            !timeout.timed_out(),
+            "test barrier: only {} of {} ranks arrived",
+            *arrived,
+            self.n
+        );
+    }
+}
 
 /// Short enough to keep the tests quick, long enough that a loaded CI box finishes the
 /// collectives that are meant to succeed.
