@@ -163,6 +163,9 @@ pub(crate) struct Agent {
     readers: Mutex<Vec<JoinHandle<()>>>,
     readers_left: Mutex<usize>,
     readers_cv: Condvar,
+    /// Pool and control threads not yet returned.
+    threads_alive: Mutex<usize>,
+    threads_cv: Condvar,
     lost_any: AtomicBool,
 }
 
@@ -353,6 +356,8 @@ impl Agent {
             readers: Mutex::new(Vec::new()),
             readers_left: Mutex::new(read_halves.len()),
             readers_cv: Condvar::new(),
+            threads_alive: Mutex::new(0),
+            threads_cv: Condvar::new(),
             lost_any: AtomicBool::new(false),
         });
         let spawn_err = |what: &'static str| {
@@ -367,12 +372,17 @@ impl Agent {
         let mut threads = Vec::new();
         for i in 0..agent.opts.num_worker_threads {
             let a = agent.clone();
+            *lock(&agent.threads_alive) += 1;
             let spawned = std::thread::Builder::new()
                 .name(format!("rpc-pool-{i}"))
-                .spawn(move || a.pool_loop());
+                .spawn(move || {
+                    a.clone().pool_loop();
+                    a.thread_exited();
+                });
             match spawned {
                 Ok(h) => threads.push(h),
                 Err(e) => {
+                    agent.thread_exited();
                     *lock(&agent.threads) = threads;
                     agent.close();
                     return Err(spawn_err("starting a pool thread")(e));
@@ -380,12 +390,16 @@ impl Agent {
             }
         }
         let a = agent.clone();
+        *lock(&agent.threads_alive) += 1;
         match std::thread::Builder::new()
             .name("rpc-control".into())
-            .spawn(move || a.control_loop(ctl_rx))
-        {
+            .spawn(move || {
+                a.clone().control_loop(ctl_rx);
+                a.thread_exited();
+            }) {
             Ok(h) => threads.push(h),
             Err(e) => {
+                agent.thread_exited();
                 *lock(&agent.threads) = threads;
                 agent.close();
                 return Err(spawn_err("starting the control thread")(e));
@@ -450,6 +464,12 @@ impl Agent {
             owned_rrefs: self.owners.len(),
             rrefs_deleted: self.owners.deleted(),
         }
+    }
+
+    fn thread_exited(&self) {
+        let mut n = lock(&self.threads_alive);
+        *n = n.saturating_sub(1);
+        self.threads_cv.notify_all();
     }
 
     fn new_id(&self) -> GlobalId {
@@ -1660,10 +1680,29 @@ impl Agent {
                 self.busy_done();
             }
         }
-        for h in std::mem::take(&mut *lock(&self.threads)) {
-            if h.thread().id() != me {
-                let _ = h.join();
+        // A handler that never returns must not hold shutdown forever: past the deadline its
+        // thread is detached (and logged) instead of joined.
+        let deadline = deadline_after(Instant::now(), self.opts.shutdown_timeout);
+        let all_exited = {
+            let mut n = lock(&self.threads_alive);
+            while *n > 0 && Instant::now() < deadline {
+                n = self
+                    .threads_cv
+                    .wait_timeout(n, deadline.saturating_duration_since(Instant::now()))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
             }
+            *n == 0
+        };
+        let handles = std::mem::take(&mut *lock(&self.threads));
+        if all_exited {
+            for h in handles {
+                if h.thread().id() != me {
+                    let _ = h.join();
+                }
+            }
+        } else {
+            tracing::warn!(worker = %self.label, "a handler did not return before the shutdown timeout; its thread is left running");
         }
         // Drop the sockets now rather than with the last `Arc` (an RRef may keep it).
         for p in self.peers.iter().flatten() {
