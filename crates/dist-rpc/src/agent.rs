@@ -531,6 +531,10 @@ impl Agent {
 
     /// Writes one frame to `to` (to this worker itself: handles it in place). The blob is
     /// written straight from the caller's slice, after the header, with no copy.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the frame's fields, passed by reference so the blob is never copied"
+    )]
     fn send(
         self: &Arc<Self>,
         to: usize,
@@ -1323,9 +1327,9 @@ impl Agent {
                 forks,
                 cell,
             } => {
-                let out = self.invoke(&meta.func, input, forks).and_then(|o| match o {
-                    Output::Value(v) => Ok(v),
-                    Output::Bytes(b) => Ok(Arc::new(b) as Arc<dyn ErasedValue>),
+                let out = self.invoke(&meta.func, input, forks).map(|o| match o {
+                    Output::Value(v) => v,
+                    Output::Bytes(b) => Arc::new(b) as Arc<dyn ErasedValue>,
                 });
                 let waiters = {
                     let mut st = lock(&cell.state);

@@ -103,10 +103,10 @@ impl<R> RpcFuture<R> {
             Some(o) => (self.decode)(&self.agent, self.peer, &self.func, o),
             None => {
                 // The reply may land between the timeout and this removal: it then wins.
-                if !self.agent.forget_call(self.call_id) {
-                    if let Some(o) = self.slot.wait(Instant::now()) {
-                        return (self.decode)(&self.agent, self.peer, &self.func, o);
-                    }
+                if !self.agent.forget_call(self.call_id)
+                    && let Some(o) = self.slot.wait(Instant::now())
+                {
+                    return (self.decode)(&self.agent, self.peer, &self.func, o);
                 }
                 Err(Error::Timeout {
                     worker: self.agent.label().to_owned(),

@@ -25,7 +25,7 @@ fn proc_status(field: &str) -> u64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     s.lines()
         .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().split_whitespace().next()?.parse().ok())
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
 }
 
