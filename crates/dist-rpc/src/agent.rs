@@ -23,6 +23,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use dist_backend::exit::{ExitStage, at_exit};
 use dist_backend::store::PrefixStore;
 use dist_backend::{Store, StoreError, deadline_after};
 use serde::Serialize;
@@ -123,6 +124,23 @@ enum Life {
     ShuttingDown,
     Closed,
 }
+
+/// Every agent of this process, for the exit hook.
+static LIVE: Mutex<Vec<Weak<Agent>>> = Mutex::new(Vec::new());
+
+/// At process exit, agents never shut down say goodbye (a local shutdown), so their peers see
+/// an exit, not a crash: calls to this worker then fail at once with `PeerShutDown`.
+fn shutdown_all_at_exit() {
+    let live = std::mem::take(&mut *lock(&LIVE));
+    for a in live.iter().filter_map(Weak::upgrade) {
+        if *lock(&a.life) == Life::Running {
+            let _ = a.shutdown(false);
+        }
+    }
+}
+
+/// How long the worker serving the store waits for the others to leave once a peer is lost.
+const LOST_LEAVE_WAIT: Duration = Duration::from_secs(10);
 
 thread_local! {
     /// Set on pool threads: a handler must not shut down the agent that runs it.
@@ -422,6 +440,12 @@ impl Agent {
             }
         }
         *lock(&agent.readers) = readers;
+        {
+            let mut live = lock(&LIVE);
+            live.retain(|w| w.strong_count() > 0);
+            live.push(Arc::downgrade(&agent));
+        }
+        at_exit(ExitStage::Groups, shutdown_all_at_exit);
         tracing::debug!(worker = %label, world_size, "rpc agent up");
         Ok(agent)
     }
@@ -1565,7 +1589,7 @@ impl Agent {
             let now = Instant::now();
             let slice = deadline
                 .saturating_duration_since(now)
-                .min(Duration::from_millis(200));
+                .clamp(Duration::from_millis(1), Duration::from_millis(200));
             match self.store.wait(&refs, slice) {
                 Ok(()) => break,
                 Err(StoreError::Timeout { .. }) => {}
@@ -1732,6 +1756,12 @@ impl Agent {
         let keys: Vec<String> = (0..self.workers.len())
             .map(|r| format!("left/{r}"))
             .collect();
+        // A crashed worker never leaves: wait for it only briefly.
+        let deadline = if self.lost_any.load(Ordering::SeqCst) {
+            deadline.min(deadline_after(Instant::now(), LOST_LEAVE_WAIT))
+        } else {
+            deadline
+        };
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         self.store
             .wait(&refs, deadline.saturating_duration_since(Instant::now()))

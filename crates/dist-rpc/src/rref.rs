@@ -291,6 +291,9 @@ struct OwnerEntry {
 pub(crate) struct Deleted {
     /// The cell, now `Gone`; fetches that were waiting must be failed.
     pub(crate) waiters: Vec<(usize, u64)>,
+    /// The value, dropped by the caller once no lock is held: it may hold RRefs, whose
+    /// release takes the table's lock again.
+    pub(crate) _value: CellState,
 }
 
 /// The owner's table of values, keyed by RRef id.
@@ -357,12 +360,16 @@ impl Owners {
         self.deleted.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(%rref, "owner deletes an RRef no user holds");
         let mut st = e.cell.state.lock().unwrap_or_else(|p| p.into_inner());
-        let waiters = match std::mem::replace(&mut *st, CellState::Gone) {
-            CellState::Pending(w) => w,
-            _ => Vec::new(),
+        let (waiters, value) = match std::mem::replace(&mut *st, CellState::Gone) {
+            CellState::Pending(w) => (w, CellState::Gone),
+            other => (Vec::new(), other),
         };
+        drop(st);
         e.cell.ready.notify_all();
-        Some(Deleted { waiters })
+        Some(Deleted {
+            waiters,
+            _value: value,
+        })
     }
 
     /// The cell of `rref` for a fetch; a placeholder when the fetch overtook the creation.

@@ -50,6 +50,7 @@ fn worker() {
         "killed" => killed(&rpc, rank),
         "shutdown_inflight" => shutdown_inflight(&rpc, rank),
         "burst" => burst(&rpc, rank),
+        "exit_without_shutdown" => exit_without_shutdown(&rpc, rank),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -216,6 +217,29 @@ fn burst(rpc: &Rpc, rank: usize) {
             proc_status("VmHWM:")
         ));
     }
+}
+
+fn exit_without_shutdown(rpc: &Rpc, rank: usize) {
+    if rank == 1 {
+        // Returns (and the process exits) without shutdown: the exit hook says goodbye.
+        return;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut ok = 0u64;
+    let e = loop {
+        match rpc.rpc_sync::<_, i64>("w1", "add", &(1, 2)) {
+            Ok(v) => {
+                assert_eq!(v, 3);
+                ok += 1;
+            }
+            Err(e) => break e,
+        }
+        assert!(Instant::now() < deadline, "w1 never went away");
+    };
+    // An exit is not a crash: the peer is shut down, not lost.
+    assert!(matches!(e, Error::PeerShutDown { .. }), "{e}");
+    say(&format!("RESULT calls before the exit={ok}; then: {e}"));
+    rpc.shutdown_now().unwrap();
 }
 
 /// A job of worker processes; kills whatever still runs when dropped.
@@ -433,4 +457,11 @@ fn ten_thousand_concurrent_calls_from_three_processes_use_a_fixed_pool() {
         })
         .sum();
     assert_eq!(completed, 10_000);
+}
+
+#[test]
+fn a_worker_that_exits_without_shutdown_is_seen_as_shut_down_not_lost() {
+    let (status, lines) = Job::start("exit_without_shutdown", 2).finish(|_, _, _| {});
+    assert_all_ok(&status, &lines);
+    assert_eq!(results(&lines, 0).len(), 1, "{}", show(&lines));
 }
