@@ -5,8 +5,9 @@
 //! Threads and what they may do:
 //! * a **reader** per peer reads frames and does only non-blocking work: completing calls,
 //!   queueing jobs, and the RRef bookkeeping (so that the owner sees one peer's RRef messages
-//!   in the order that peer sent them). It never writes to a socket, so two readers can never
-//!   wait on each other's full socket buffers.
+//!   in the order that peer sent them). It never writes to a socket (but for the 32-byte
+//!   answer to a peer's goodbye, which that peer reads until it sees our end close), so two
+//!   readers can never wait on each other's full socket buffers.
 //! * the **pool** (`num_worker_threads`, fixed) runs handlers and writes their replies.
 //! * the **control** thread writes what no caller thread should wait for: fork deletions
 //!   (sent when an `RRef` is dropped) and replies to fetches that waited for a value.
@@ -326,6 +327,19 @@ impl Agent {
             match s {
                 None => peers.push(None),
                 Some(stream) => {
+                    // A peer that stops reading (stopped, swapped out) cannot hold a writer,
+                    // and the callers queued behind it, forever: a write that cannot finish
+                    // within the call timeout breaks the connection.
+                    let write_timeout = (opts.rpc_timeout < Duration::from_secs(86_400 * 365))
+                        .then(|| opts.rpc_timeout.max(Duration::from_millis(1)));
+                    stream
+                        .set_write_timeout(write_timeout)
+                        .map_err(|source| Error::Io {
+                            worker: label.clone(),
+                            peer: workers[r].to_string(),
+                            op: "setting the write timeout",
+                            source,
+                        })?;
                     let read = stream.try_clone().map_err(|source| Error::Io {
                         worker: label.clone(),
                         peer: workers[r].to_string(),
@@ -702,6 +716,8 @@ impl Agent {
         self.busy_add(1);
         self.sent.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.send(to, kind, call_id, meta, body, blob, func) {
+            // Never delivered: it must not count as sent, or shutdown would wait for it.
+            self.sent.fetch_sub(1, Ordering::Relaxed);
             self.forget_call(call_id);
             self.release_tokens(forks);
             return Err(e);
@@ -830,6 +846,7 @@ impl Agent {
         let mine = self.adopt(token);
         self.sent.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.send(to, Kind::Remote, 0, &meta, &body, &[], func) {
+            self.sent.fetch_sub(1, Ordering::Relaxed);
             // The owner never heard of it: nothing to release there.
             mine.released.store(true, Ordering::SeqCst);
             self.release_tokens(&forks);
@@ -934,7 +951,7 @@ impl Agent {
         } else {
             let meta = encode_meta(&RRefMeta { token: child });
             self.sent.fetch_add(1, Ordering::Relaxed);
-            self.send(
+            if let Err(e) = self.send(
                 t.owner,
                 Kind::ForkNotify,
                 0,
@@ -942,7 +959,10 @@ impl Agent {
                 &[],
                 &[],
                 "RRef fork notice",
-            )?;
+            ) {
+                self.sent.fetch_sub(1, Ordering::Relaxed);
+                return Err(e);
+            }
         }
         Ok(child)
     }
@@ -1448,6 +1468,7 @@ impl Agent {
                         &[],
                         "RRef deletion",
                     ) {
+                        self.sent.fetch_sub(1, Ordering::Relaxed);
                         tracing::debug!(worker = %self.label, error = %e, "could not tell the owner of a released RRef");
                     }
                 }
@@ -1609,6 +1630,19 @@ impl Agent {
                     reason,
                 });
             }
+            // A peer that said goodbye without publishing this round left without a graceful
+            // shutdown (`shutdown_now`, or exit): it will never publish.
+            for (r, key) in refs.iter().enumerate() {
+                if self.peer_state(r) == Some(PeerState::ShutDown)
+                    && !self.store.check(&[key]).unwrap_or(true)
+                {
+                    return Err(Error::PeerShutDown {
+                        worker: self.label.clone(),
+                        peer: self.worker(r).to_string(),
+                        func: "shutdown".into(),
+                    });
+                }
+            }
             if Instant::now() >= deadline {
                 let missing: Vec<&str> = refs
                     .iter()
@@ -1627,6 +1661,11 @@ impl Agent {
             op: "reading during shutdown",
             source,
         })
+    }
+
+    fn peer_state(&self, r: usize) -> Option<PeerState> {
+        let p = self.peers.get(r)?.as_ref()?;
+        Some(lock(&p.state).clone())
     }
 
     fn first_lost(&self) -> Option<(usize, String)> {
@@ -1876,9 +1915,17 @@ fn connect_mesh(
     };
     for (r, p) in published.iter().enumerate().take(rank) {
         let who = format!("{} (rank {r})", p.name);
-        let addr = format!("{}:{}", p.host, p.port);
+        let ip: IpAddr = p.host.parse().map_err(|_| Error::InvalidArgument {
+            worker: label.to_owned(),
+            op: "init_rpc",
+            what: format!("{who} published the address {:?}, not an IP", p.host),
+        })?;
+        let addr = SocketAddr::new(ip, p.port);
         let stream = loop {
-            match TcpStream::connect(&addr) {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            match TcpStream::connect_timeout(&addr, left) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() >= deadline => return Err(io(who, "connecting")(e)),
                 // A listener's backlog may be full for a moment while a big job starts.
@@ -1938,9 +1985,10 @@ fn connect_mesh(
         stream
             .set_nodelay(true)
             .map_err(io(peer.clone(), "setting TCP_NODELAY"))?;
+        // A stranger that connects and says nothing holds init up for a bounded time only.
         let left = deadline
             .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
+            .clamp(Duration::from_millis(1), Duration::from_secs(30));
         stream
             .set_read_timeout(Some(left))
             .map_err(io(peer.clone(), "setting a read timeout"))?;

@@ -85,6 +85,17 @@ impl<R> std::fmt::Debug for RpcFuture<R> {
     }
 }
 
+impl<R> Drop for RpcFuture<R> {
+    /// A call no one waits for any more leaves the table at once (its reply, if it comes, is
+    /// discarded), so it cannot keep this worker busy until shutdown's timeout. The callee
+    /// still finishes it, and shutdown still waits for that.
+    fn drop(&mut self) {
+        if !self.slot.is_done() {
+            self.agent.forget_call(self.call_id);
+        }
+    }
+}
+
 impl<R> RpcFuture<R> {
     /// Whether the outcome has arrived (`wait` would not block).
     pub fn is_completed(&self) -> bool {
@@ -99,6 +110,10 @@ impl<R> RpcFuture<R> {
     /// Waits for the result: the callee's value, its error ([`Error::Remote`]), or
     /// [`Error::Timeout`] / [`Error::PeerLost`] / [`Error::PeerShutDown`].
     pub fn wait(self) -> Result<R> {
+        self.wait_ref()
+    }
+
+    fn wait_ref(&self) -> Result<R> {
         match self.slot.wait(self.deadline) {
             Some(o) => (self.decode)(&self.agent, self.peer, &self.func, o),
             None => {

@@ -239,7 +239,9 @@ fn exit_without_shutdown(rpc: &Rpc, rank: usize) {
     // An exit is not a crash: the peer is shut down, not lost.
     assert!(matches!(e, Error::PeerShutDown { .. }), "{e}");
     say(&format!("RESULT calls before the exit={ok}; then: {e}"));
-    rpc.shutdown_now().unwrap();
+    // A graceful shutdown cannot wait for a worker that left without one: it says so at once.
+    let e = rpc.shutdown().unwrap_err();
+    assert!(matches!(&e, Error::PeerShutDown { peer, .. } if peer == "w1 (rank 1)"), "{e}");
 }
 
 /// A job of worker processes; kills whatever still runs when dropped.
