@@ -241,7 +241,10 @@ fn exit_without_shutdown(rpc: &Rpc, rank: usize) {
     say(&format!("RESULT calls before the exit={ok}; then: {e}"));
     // A graceful shutdown cannot wait for a worker that left without one: it says so at once.
     let e = rpc.shutdown().unwrap_err();
-    assert!(matches!(&e, Error::PeerShutDown { peer, .. } if peer == "w1 (rank 1)"), "{e}");
+    assert!(
+        matches!(&e, Error::PeerShutDown { peer, .. } if peer == "w1 (rank 1)"),
+        "{e}"
+    );
 }
 
 /// A job of worker processes; kills whatever still runs when dropped.
