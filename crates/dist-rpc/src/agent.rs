@@ -243,7 +243,6 @@ impl Agent {
         if opts.num_worker_threads == 0 {
             return Err(invalid("num_worker_threads must be at least 1".into()));
         }
-        let store: Arc<dyn Store> = Arc::new(PrefixStore::new("rpc", store));
         let store_err = |op: &'static str| {
             let label = label.clone();
             move |source: StoreError| Error::Store {
@@ -252,6 +251,12 @@ impl Agent {
                 source,
             }
         };
+        // The n-th init of each rank meets the n-th init of every other under `rpc/<n>/`, so
+        // a job that shuts RPC down and starts it again never reads the keys of the last one.
+        let generation = store
+            .add(&format!("rpc/inits/{rank}"), 1)
+            .map_err(store_err("counting this rank's inits"))?;
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("rpc/{generation}"), store));
         let deadline = deadline_after(Instant::now(), opts.init_timeout);
         let ip = opts.listen_ip.unwrap_or_else(local_ip);
         // Bound to port 0 and published: the port is ours from bind until we drop it.

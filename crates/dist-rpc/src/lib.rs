@@ -34,13 +34,23 @@
 //! # Transport
 //!
 //! Each worker binds a listener on port 0 and publishes the bound address in the job's store
-//! (the same `env://` store as process groups, under the prefix `rpc/`); then every worker
+//! (the same `env://` store as process groups, under the prefix `rpc/<n>/` for the n-th init);
+//! then every worker
 //! dials each lower rank, so every pair shares one TCP connection, used in both directions. On
 //! it travel frames of the protocol in `frame.rs`: a fixed header (magic, version, kind, call
 //! id, three section lengths) and the sections (JSON meta, JSON body, raw blob). Decoding
 //! checks every length before allocating and never panics. Each connection has one reader
 //! thread, which never writes; a fixed pool of `num_worker_threads` threads (16 by default,
 //! as in torch) runs the handlers, so a burst of calls queues instead of spawning threads.
+//!
+//! A job that also makes a process group under plain `env://` (rank 0 serving the store)
+//! must share one store between the two: make it with `dist_backend::init::init_from_url`
+//! and pass it to both (`InitOptions::store`, [`RpcOptions::store`]). Under `distrun` or
+//! torchrun the launcher serves the store and each init may connect on its own.
+//!
+//! Handlers run on the fixed pool. A handler that makes a blocking call of its own holds its
+//! pool thread meanwhile, so a cycle of such calls larger than the pools can wait until the
+//! calls time out (as in torch); prefer `rpc_async` chains for deep call graphs.
 //!
 //! # Failures
 //!
@@ -383,6 +393,12 @@ impl Rpc {
         F: Fn(A) -> std::result::Result<R, String> + Send + Sync + 'static,
     {
         self.agent.handlers().register(name, f);
+    }
+
+    /// The handler table this worker serves (shared: a handler added here is seen by calls
+    /// that arrive later).
+    pub fn handlers(&self) -> &Handlers {
+        self.agent.handlers()
     }
 
     /// Calls `func` on `to` and waits for its result, within the default timeout.

@@ -316,3 +316,30 @@ fn ten_thousand_concurrent_calls_from_three_workers_run_on_a_bounded_pool() {
     assert_eq!(s.pool_threads, 16);
     assert!(s.peak_running <= 16, "{s:?}");
 }
+
+#[test]
+fn rpc_can_be_started_again_after_shutdown_over_the_same_store() {
+    let store = std::sync::Arc::new(dist_backend::store::HashStore::new(Duration::from_secs(60)));
+    let out: Vec<i64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|r| {
+                let store = store.clone();
+                s.spawn(move || {
+                    let mut got = 0;
+                    for round in 0..3i64 {
+                        let opts = RpcOptions::new()
+                            .store(store.clone())
+                            .handlers(common::handlers());
+                        let rpc =
+                            dist_rpc::init_rpc(&format!("w{r}"), Some(r), Some(2), opts).unwrap();
+                        got += rpc.rpc_sync::<_, i64>(1 - r, "add", &(round, 10)).unwrap();
+                        rpc.shutdown().unwrap();
+                    }
+                    got
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(out, vec![33, 33]);
+}
