@@ -179,6 +179,10 @@ impl<T> Serialize for RRef<T> {
             let mut stack = c.borrow_mut();
             match stack.last_mut() {
                 Some(Ctx::Encode { agent, dest, forks }) => {
+                    if self.fork.released.load(Ordering::SeqCst) {
+                        // Its owner may already have deleted the value (shutdown released it).
+                        return Err("this RRef was released at shutdown".to_owned());
+                    }
                     if !Arc::ptr_eq(agent, &self.fork.agent) {
                         return Err(
                             "an RRef of another RPC agent cannot be sent by this one".to_owned()
