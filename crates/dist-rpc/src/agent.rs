@@ -1522,8 +1522,14 @@ impl Agent {
         }
         let deadline = deadline_after(Instant::now(), self.opts.shutdown_timeout);
         let res = if graceful {
-            self.release_all_forks();
-            self.quiesce(deadline)
+            // First every worker finishes its work (handlers may still hold and pass on
+            // RRefs they received); only then are the RRefs user code still holds released,
+            // and their deletions in turn waited for.
+            let mut round = 0;
+            self.quiesce(deadline, &mut round).and_then(|()| {
+                self.release_all_forks();
+                self.quiesce(deadline, &mut round)
+            })
         } else {
             Ok(())
         };
@@ -1549,9 +1555,11 @@ impl Agent {
     /// (sent, processed) totals; the job is quiet when the sums are equal and unchanged from
     /// the round before (counters only grow, so unchanged sums mean no worker did anything
     /// between its two snapshots: Mattern's four-counter termination detection).
-    fn quiesce(self: &Arc<Self>, deadline: Instant) -> Result<()> {
+    fn quiesce(self: &Arc<Self>, deadline: Instant, next_round: &mut u64) -> Result<()> {
         let mut prev: Option<(u64, u64)> = None;
-        for round in 0u64.. {
+        loop {
+            let round = *next_round;
+            *next_round += 1;
             self.wait_idle(deadline)?;
             let mine = format!(
                 "{},{}",
@@ -1583,7 +1591,6 @@ impl Agent {
             }
             prev = Some((s, p));
         }
-        Ok(())
     }
 
     /// Waits until this worker has nothing in flight.

@@ -91,8 +91,10 @@
 //!    the same connection, and so on up to the creator's fork, registered by the creation
 //!    itself. A fetch or notice that overtakes the creation makes a placeholder entry, which
 //!    is not deleted before the creation arrives.
-//! 5. **Shutdown** releases every fork this worker still holds (as torch deletes all user
-//!    RRefs), then waits for quiescence (below). Forks held by a worker that crashed are never
+//! 5. **Shutdown** waits until every worker is quiet (below), then releases every fork this
+//!    worker's user code still holds (as torch deletes all user RRefs), then waits for quiet
+//!    again, so those deletions are processed before the connections close. Releasing only
+//!    once no handler runs matters: a handler may be passing on the RRef it received. Forks held by a worker that crashed are never
 //!    released (torch leaves crashes out of scope too).
 //!
 //! `to_here` sends a `Fetch` to the owner, answered once the value exists (the owner parks
@@ -101,11 +103,12 @@
 //!
 //! # Shutdown
 //!
-//! [`Rpc::shutdown`] is torch's graceful shutdown. Through the store, every worker repeats a
-//! round: wait until it has nothing in flight (calls awaiting replies, queued or running
+//! [`Rpc::shutdown`] is torch's graceful shutdown. Quiet is detected through the store: every
+//! worker repeats a round: wait until it has nothing in flight (calls awaiting replies, queued or running
 //! handlers, queued RRef messages), then publish how many requests it has sent and processed.
 //! When the sums over all workers are equal and unchanged since the previous round, no
-//! worker has work left and none is on the way; then each says goodbye on every connection,
+//! worker has work left and none is on the way. After the second quiet (the RRef release
+//! above between the two), each worker says goodbye on every connection,
 //! stops its threads, and records leaving in the store (the worker that serves the store
 //! waits until all have left). A peer lost meanwhile fails the shutdown at once.
 //! [`Rpc::shutdown_now`] does only the local part (torch's `graceful=False`).
