@@ -1039,7 +1039,9 @@ impl Agent {
             // Into reserved capacity through `take`: the kernel fills the buffer directly,
             // with no zeroing pass first (what a 1 MiB argument would otherwise pay).
             let read = |r: &mut BufReader<TcpStream>, n: u64| -> std::io::Result<Vec<u8>> {
-                let mut v = Vec::with_capacity(n as usize);
+                // Capacity up front only up to 64 MiB: a header may lie about its length, and
+                // bytes that really arrive grow the buffer as they come.
+                let mut v = Vec::with_capacity(n.min(64 << 20) as usize);
                 r.by_ref().take(n).read_to_end(&mut v)?;
                 if v.len() as u64 != n {
                     return Err(std::io::ErrorKind::UnexpectedEof.into());
