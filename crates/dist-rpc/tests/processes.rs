@@ -406,6 +406,7 @@ fn a_worker_killed_with_sigkill_fails_every_pending_call_to_it_at_once() {
         assert!(status[r].success(), "w{r}: {}\n{}", status[r], show(&lines));
         let res = results(&lines, r);
         assert_eq!(res.len(), 4, "{}", show(&lines));
+        eprintln!("killed, w{r}: {res:?}");
         for l in &res[..3] {
             let ms: u64 = l.split_whitespace().nth(1).unwrap().parse().unwrap();
             // "At once": the connection's end, far inside the 60 s call timeout.
