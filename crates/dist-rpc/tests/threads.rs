@@ -343,3 +343,61 @@ fn rpc_can_be_started_again_after_shutdown_over_the_same_store() {
     });
     assert_eq!(out, vec![33, 33]);
 }
+
+#[test]
+fn many_rrefs_relayed_concurrently_between_four_workers_are_each_freed_exactly_once() {
+    let per = 24usize;
+    let n = 40u64;
+    let want: u64 = (0..n).sum();
+    let tag = |w: usize, k: usize| format!("stress-{w}-{k}");
+    // Each hop's handler blocks on the next hop, holding a pool thread: with 4 chains in
+    // flight per worker (16 in all, at most 2 hops of a chain on one worker) and a creation
+    // job each, 48 threads can never all be blocked (a bigger burst of blocking nested calls
+    // can exhaust any fixed pool, in torch as here).
+    let opts = RpcOptions::new().num_worker_threads(48);
+    let out = thread_world(4, opts, |rpc| {
+        let w = rpc.worker_info().id;
+        for batch in (0..per).collect::<Vec<_>>().chunks(4) {
+            let mut inflight = Vec::new();
+            for &k in batch {
+                // Owners rotate over every worker, this one included.
+                let owner = (w + 1 + k) % 4;
+                let r: RRef<Tracked> = rpc.remote(owner, "make_tracked", &(tag(w, k), n)).unwrap();
+                let path = vec![(w + 2) % 4, (w + 3) % 4, owner];
+                let fut = rpc
+                    .rpc_async::<_, (u64, RRef<Tracked>)>((w + 1) % 4, "relay", &(r.clone(), path))
+                    .unwrap();
+                // Half the creators drop their own reference while the forks are in flight.
+                inflight.push((if k % 2 == 0 { None } else { Some(r) }, fut));
+            }
+            for (r, fut) in inflight {
+                let (sum, back) = fut.wait().unwrap();
+                assert_eq!(sum, want);
+                if let Some(r) = r {
+                    assert_eq!(back.id(), r.id());
+                }
+            }
+        }
+        // Every reference is gone (none stashed): owners delete without shutdown's help.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while rpc.stats().owned_rrefs > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "w{w} still owns {:?}",
+                rpc.stats()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let deleted_before_shutdown = rpc.stats().rrefs_deleted;
+        rpc.shutdown().unwrap();
+        (deleted_before_shutdown, rpc.stats().rrefs_deleted)
+    });
+    let total: u64 = out.iter().map(|o| o.0).sum();
+    assert_eq!(total, 4 * per as u64, "{out:?}");
+    assert!(out.iter().all(|o| o.0 == o.1), "{out:?}");
+    for w in 0..4 {
+        for k in 0..per {
+            assert_eq!(drops(&tag(w, k)), 1, "{}", tag(w, k));
+        }
+    }
+}

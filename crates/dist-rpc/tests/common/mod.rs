@@ -160,6 +160,28 @@ pub(crate) fn handlers() -> Handlers {
         }
         Ok(sum)
     });
+    // Passes the RRef along `path` (each hop a new fork), the last hop fetches the value;
+    // every hop returns the sum and the RRef it was given (an RRef inside a result).
+    h.register_with(
+        "relay",
+        |rpc: &Rpc, (r, path): (RRef<Tracked>, Vec<usize>)| {
+            let sum = match path.split_first() {
+                None => r
+                    .to_here()
+                    .map_err(|e| e.to_string())?
+                    .data
+                    .iter()
+                    .sum::<u64>(),
+                Some((next, rest)) => {
+                    let (sum, _back): (u64, RRef<Tracked>) = rpc
+                        .rpc_sync(*next, "relay", &(r.clone(), rest.to_vec()))
+                        .map_err(|e| e.to_string())?;
+                    sum
+                }
+            };
+            Ok((sum, r))
+        },
+    );
     // Returns an RRef it received (an RRef travelling inside a result).
     h.register("bounce_rref", |r: RRef<Tracked>| Ok(r));
     h.register("pid", |(): ()| Ok(std::process::id()));
