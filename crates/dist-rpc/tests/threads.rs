@@ -378,9 +378,14 @@ fn many_rrefs_relayed_concurrently_between_four_workers_are_each_freed_exactly_o
                 }
             }
         }
-        // Every reference is gone (none stashed): owners delete without shutdown's help.
+        // Every reference is gone (none stashed): owners delete without shutdown's help,
+        // once the other workers' chains (which create values here too) are done.
+        let mine = (0..4)
+            .flat_map(|c| (0..per).map(move |k| (c + 1 + k) % 4))
+            .filter(|&o| o == w)
+            .count() as u64;
         let deadline = Instant::now() + Duration::from_secs(60);
-        while rpc.stats().owned_rrefs > 0 {
+        while rpc.stats().owned_rrefs > 0 || rpc.stats().rrefs_deleted < mine {
             assert!(
                 Instant::now() < deadline,
                 "w{w} still owns {:?}",
