@@ -406,3 +406,22 @@ fn many_rrefs_relayed_concurrently_between_four_workers_are_each_freed_exactly_o
         }
     }
 }
+
+#[test]
+fn a_dropped_future_and_a_shutdown_inside_a_handler_do_not_hang_shutdown() {
+    let out = thread_world(2, RpcOptions::new(), |rpc| {
+        if rpc.worker_info().id == 0 {
+            let key = "dropped-future".to_owned();
+            // Fire and forget: the call stays in flight on w1 until released.
+            drop(rpc.rpc_async::<_, String>("w1", "block", &key).unwrap());
+            wait_entered(&key, 1);
+            rpc.rpc_sync::<_, ()>("w1", "release", &key).unwrap();
+            let msg: String = rpc.rpc_sync("w1", "shutdown_inside", &()).unwrap();
+            assert!(msg.contains("called from inside an RPC handler"), "{msg}");
+        }
+        rpc.shutdown().unwrap();
+        rpc.stats().calls_served
+    });
+    // w1 served block, release and shutdown_inside: the dropped call ran to its end.
+    assert_eq!(out, vec![0, 3]);
+}
