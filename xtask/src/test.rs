@@ -15,7 +15,8 @@ Runs the multi-rank programs as real processes through distrun, default world si
     hello_all_reduce, subgroups (even sizes), ping_pong (size 2),
     gloo_bench (every op at 4 B, 4 KiB + 4, 1 MiB + 4, results checked),
     ddp-train (20 steps, parameters checked identical),
-    final_broadcast (1 MiB broadcast, then every rank returns from main without teardown)
+    final_broadcast (1 MiB broadcast, then every rank returns from main without teardown),
+    param_server (dist-rpc: 1 server, n - 1 trainers, convergence checked)
 ";
 
 /// One multi-rank program: its path, arguments and extra environment.
@@ -52,6 +53,8 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
         "dist-collective",
         "-p",
         "dist-gloo",
+        "-p",
+        "dist-rpc",
         // Target flags select only what they name, in every package given: `--bins` too, or
         // `distrun` and `ddp-train` would be whatever an earlier build left.
         "--bins",
@@ -87,6 +90,8 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
             job(bin.join("ddp-train"), &[], vec![("DDP_TRAIN_STEPS", "20")]),
             // Ranks return from main with no teardown call, as soon as their part is done.
             job(ex.join("final_broadcast"), &[], vec![]),
+            // RPC: a parameter server and n - 1 trainers; it checks that training converged.
+            job(ex.join("param_server"), &[], vec![]),
         ];
         if n % 2 == 0 {
             jobs.push(job(ex.join("subgroups"), &[], vec![]));

@@ -18,6 +18,9 @@ pub enum Error {
     /// From DDP and the other parallelism layers (`dist::parallel`).
     #[error(transparent)]
     Parallel(#[from] dist_parallel::Error),
+    /// From remote calls and remote references (`dist::rpc`).
+    #[error(transparent)]
+    Rpc(#[from] dist_rpc::Error),
     /// From a backend used directly (`dist::backend::Backend`) or init (`dist::backend::init`).
     #[error(transparent)]
     Backend(#[from] dist_backend::Error),

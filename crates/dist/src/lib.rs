@@ -11,9 +11,10 @@
 //! | [`backend`] | `dist-backend` | the [`Backend`] contract, rendezvous [`Store`]s, `env://` init |
 //! | [`gloo`] | `dist-gloo` | the pure-Rust CPU backend (in progress) |
 //! | [`collective`] | `dist-collective` | process groups, typed collectives, async [`Work`], sub-groups, [`DeviceMesh`] |
+//! | [`parallel`] | `dist-parallel` | DDP: bucketed gradient all-reduce overlapped with backward |
+//! | [`rpc`] | `dist-rpc` | remote calls by name, remote references (`RRef`), graceful shutdown |
 //!
-//! The GPU backend (`dist-nccl`), data-parallel training (`dist-parallel`) and RPC
-//! (`dist-rpc`) are planned and will join this list as modules.
+//! The GPU backend (`dist-nccl`) is planned and will join this list as a module.
 //!
 //! The flat names read like `import torch.distributed as dist`:
 //!
@@ -82,6 +83,13 @@ pub use dist_collective as collective;
 pub use dist_parallel as parallel;
 
 pub use dist_parallel::{Ddp, DdpOptions, ParamInfo};
+
+/// Remote procedure calls and remote references, after `torch.distributed.rpc`: `init_rpc`,
+/// `rpc_sync`/`rpc_async`/`remote` by function name, `RRef` with distributed reference
+/// counting, graceful `shutdown`.
+///
+/// Re-export of the `dist-rpc` crate.
+pub use dist_rpc as rpc;
 
 pub use dist_collective::testing::run_world;
 pub use dist_collective::{
