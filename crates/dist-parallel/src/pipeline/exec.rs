@@ -112,6 +112,48 @@ pub struct Pipeline<S> {
     failed: bool,
 }
 
+/// A posted send or receive: the position and action it belongs to, and its handle.
+type Pending = (usize, Action, Work<Vec<f32>>);
+
+/// Once one operation of the group's point-to-point engine fails (a peer lost), gloo refuses
+/// every later one with `Aborted`, whose cause is only text. When `e` names no culprit, the
+/// operation that failed first is among this step's other sends and receives, already
+/// complete: report that one instead, so the error names the rank that died.
+fn root_cause(
+    e: Error,
+    recvs: &mut HashMap<(usize, usize, usize), Pending>,
+    sends: &mut Vec<Pending>,
+) -> Error {
+    if e.failed_rank().is_some() {
+        return e;
+    }
+    let Error::Pipeline { rank, step, .. } = e else {
+        return e;
+    };
+    let done: Vec<Pending> = recvs
+        .drain()
+        .map(|(_, p)| p)
+        .chain(sends.drain(..))
+        .filter(|(_, _, w)| w.is_completed())
+        .collect();
+    for (position, action, w) in done {
+        if let Err(source) = w.wait() {
+            let cause = Error::Pipeline {
+                rank,
+                step,
+                position,
+                action,
+                what: "a send or receive of this step",
+                source,
+            };
+            if cause.failed_rank().is_some() {
+                return cause;
+            }
+        }
+    }
+    e
+}
+
 /// Tag kinds: the activation into a stage, the gradient of a stage's output.
 const ACT: usize = 0;
 const GRAD: usize = 1;
@@ -302,7 +344,7 @@ impl<S: Stage> Pipeline<S> {
             }
         };
         // Every receive this step implies, posted now so that no sender ever waits on us.
-        let mut recvs: HashMap<(usize, usize, usize), Work<Vec<f32>>> = HashMap::new();
+        let mut recvs: HashMap<(usize, usize, usize), Pending> = HashMap::new();
         for (pos, &a) in actions.iter().enumerate() {
             let (s, mb) = (a.stage(), a.mb());
             let (kind, from, len) = match a {
@@ -319,12 +361,12 @@ impl<S: Stage> Pipeline<S> {
                 .pg
                 .irecv(vec![0f32; len], peer, self.tag(kind, s, mb))
                 .map_err(comm(pos, a, "posting a receive"))?;
-            recvs.insert((kind, s, mb), w);
+            recvs.insert((kind, s, mb), (pos, a, w));
         }
         // Data handed between stages on this rank, and the last stage's loss gradients.
         let mut acts: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
         let mut grads: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
-        let mut sends: Vec<(usize, Action, Work<Vec<f32>>)> = Vec::new();
+        let mut sends: Vec<Pending> = Vec::new();
         let mut out = PipelineStep::default();
         let mut loss_sum = 0.0f32;
         let scale = 1.0 / m as f32;
@@ -349,7 +391,7 @@ impl<S: Stage> Pipeline<S> {
                 if let Some(v) = map.remove(&(s, mb)) {
                     return Ok(v);
                 }
-                let Some(w) = recvs.remove(&(kind, s, mb)) else {
+                let Some((_, _, w)) = recvs.remove(&(kind, s, mb)) else {
                     return Err(stage_err("its input was never produced".into()));
                 };
                 let t = Instant::now();
@@ -358,9 +400,13 @@ impl<S: Stage> Pipeline<S> {
                 } else {
                     "receiving its output gradient"
                 };
-                let v = w.wait().map_err(comm(pos, a, what))?;
-                out.wait += t.elapsed();
-                Ok(v)
+                match w.wait() {
+                    Ok(v) => {
+                        out.wait += t.elapsed();
+                        Ok(v)
+                    }
+                    Err(e) => Err(root_cause(comm(pos, a, what)(e), &mut recvs, &mut sends)),
+                }
             };
             match a {
                 Action::Forward { .. } => {
@@ -430,8 +476,12 @@ impl<S: Stage> Pipeline<S> {
             }
         }
         let t = Instant::now();
-        for (pos, a, w) in sends {
-            w.wait().map_err(comm(pos, a, "completing a send"))?;
+        while !sends.is_empty() {
+            let (pos, a, w) = sends.remove(0);
+            if let Err(e) = w.wait() {
+                let e = comm(pos, a, "completing a send")(e);
+                return Err(root_cause(e, &mut recvs, &mut sends));
+            }
         }
         out.wait += t.elapsed();
         if self.local[n - 1].is_some() {
