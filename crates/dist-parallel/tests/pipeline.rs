@@ -116,6 +116,9 @@ fn reference() -> Vec<(Vec<f32>, Vec<f32>)> {
     params
 }
 
+/// One buffer per layer of a stage.
+type Layers = Vec<Vec<f32>>;
+
 /// Consecutive layers as one pipeline stage, over micro-batches of `rows` samples.
 struct MlpStage {
     first: usize,
@@ -126,7 +129,7 @@ struct MlpStage {
     /// Per micro-batch: every layer's input, then the stage's output.
     saved: HashMap<usize, Vec<Vec<f32>>>,
     /// Per micro-batch, between I and W: the layer inputs and pre-activation gradients.
-    pending: HashMap<usize, (Vec<Vec<f32>>, Vec<Vec<f32>>)>,
+    pending: HashMap<usize, (Layers, Layers)>,
     /// Fail the forward call with this index (counted over the stage's life).
     fail_at: Option<usize>,
     forwards: usize,
@@ -361,7 +364,7 @@ fn train(schedule: &Schedule) -> Vec<(Vec<f32>, Vec<f32>)> {
             losses.push(out.loss);
             pipe.stages_mut().iter_mut().for_each(|s| s.inner.sgd());
         }
-        let stages: Vec<(usize, Vec<Vec<f32>>, Vec<Vec<f32>>)> = schedule
+        let stages: Vec<(usize, Layers, Layers)> = schedule
             .stages_of(rank)
             .into_iter()
             .zip(pipe.stages())

@@ -188,7 +188,7 @@ fn every_generator_validates_for_many_shapes() {
                         assert!(r.busy.iter().all(|&b| close(b, (2 * v * m) as f64)));
                     }
                     // Only sizes that do not split into equal rounds are refused.
-                    Err(Error::ScheduleConfig { .. }) => assert_ne!(m % (m / p).max(1), 0),
+                    Err(Error::ScheduleConfig { .. }) => assert!(!m.is_multiple_of((m / p).max(1))),
                     Err(e) => panic!("p={p} v={v} m={m}: {e}"),
                 }
             }

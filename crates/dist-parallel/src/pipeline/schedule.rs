@@ -223,7 +223,7 @@ impl Schedule {
     ) -> Result<Schedule> {
         check_sizes("interleaved_1f1b", ranks, microbatches, virtual_stages)?;
         let rounds = (microbatches / ranks).max(1);
-        if microbatches % rounds != 0 {
+        if !microbatches.is_multiple_of(rounds) {
             return Err(Error::ScheduleConfig {
                 schedule: "interleaved_1f1b",
                 reason: format!(
