@@ -69,7 +69,8 @@ fn interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1() {
 
 #[test]
 fn zero_bubble_h1_beats_1f1b_and_matches_the_paper() {
-    // F = I = W: ZB-H1's bubble is (p-1)(F+B-W), a third of 1F1B's (p-1)(F+B).
+    // F = I = W (B = I + W): the paper's ZB-H1 bubble is (p-1)(T_F + T_B - T_W), its T_B
+    // being our input half I, a third of 1F1B's (p-1)(F + I + W).
     let cost = StageCost::new(1.0, 2.0, 1.0);
     for p in 2..=8 {
         for m in [p, p + 1, 2 * p, 4 * p] {
@@ -324,4 +325,29 @@ fn hand_written_schedules_run_through_the_simulator() {
     // Rank 1 runs F0 B0 back to back as soon as F0 arrives at t=1; rank 0's B0 can start at 3.
     assert!(close(r.makespan, 8.0), "{}", r.makespan);
     assert_eq!(r.peak_activations, vec![3, 1]);
+}
+
+#[test]
+fn latency_lands_on_the_critical_path_of_each_schedule() {
+    let cost = StageCost::new(1.0, 2.0, 1.0);
+    for (p, m) in [(2, 4), (4, 8)] {
+        let s = Schedule::gpipe(p, m).unwrap();
+        // GPipe: the forward wave crosses p-1 links, the backward wave p-1 more.
+        let r = s.simulate_with_latency(&vec![cost; p], 0.5).unwrap();
+        let base = s.simulate_uniform(cost).unwrap();
+        assert!(close(
+            r.makespan,
+            base.makespan + 2.0 * (p - 1) as f64 * 0.5
+        ));
+        // Stages on one rank hand over for free: one rank, no latency at all.
+        let one = Schedule::interleaved_1f1b(1, 4, m).unwrap();
+        let r = one.simulate_with_latency(&[cost; 4], 10.0).unwrap();
+        assert!(close(r.makespan, (4 * m) as f64 * 3.0));
+    }
+    assert!(
+        Schedule::gpipe(2, 2)
+            .unwrap()
+            .simulate_with_latency(&[cost; 2], -1.0)
+            .is_err()
+    );
 }

@@ -490,7 +490,7 @@ impl Schedule {
             }
         }
         // Every local order is now consistent; what is left is the cross-rank order.
-        sim::run(self, None).map(drop)
+        sim::run(self, None, 0.0).map(drop)
     }
 }
 

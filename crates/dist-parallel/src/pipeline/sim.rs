@@ -65,6 +65,13 @@ impl Schedule {
     /// Simulates one step with `costs[s]` the cost of stage `s` (one entry per stage) and
     /// instantaneous communication.
     pub fn simulate(&self, costs: &[StageCost]) -> Result<SimReport> {
+        self.simulate_with_latency(costs, 0.0)
+    }
+
+    /// [`Schedule::simulate`] where data crossing ranks arrives `latency` after it was
+    /// produced (stages on one rank hand over at once): the schedules differ in how much of
+    /// it lands on their critical path.
+    pub fn simulate_with_latency(&self, costs: &[StageCost], latency: f64) -> Result<SimReport> {
         let bad = |reason: String| Error::ScheduleConfig {
             schedule: "simulate",
             reason,
@@ -86,7 +93,12 @@ impl Schedule {
                 "stage {s}: costs must be finite, non-negative and weight ≤ backward: {c:?}"
             )));
         }
-        run(self, Some(costs))
+        if !(latency.is_finite() && latency >= 0.0) {
+            return Err(bad(format!(
+                "latency must be finite and non-negative: {latency}"
+            )));
+        }
+        run(self, Some(costs), latency)
     }
 
     /// [`Schedule::simulate`] with every stage costing the same.
@@ -98,7 +110,7 @@ impl Schedule {
 /// Replays the schedule; unit costs when `costs` is `None` (validation only needs the order).
 /// A deadlock is [`Error::InvalidSchedule`] naming the first stuck rank, its position and
 /// action, and what it waits for.
-pub(crate) fn run(s: &Schedule, costs: Option<&[StageCost]>) -> Result<SimReport> {
+pub(crate) fn run(s: &Schedule, costs: Option<&[StageCost]>, latency: f64) -> Result<SimReport> {
     let (p, n, m) = (s.num_ranks(), s.num_stages(), s.num_microbatches());
     let unit = StageCost::new(1.0, 2.0, 1.0);
     let cost = |a: &Action| costs.and_then(|c| c.get(a.stage())).unwrap_or(&unit).of(a);
@@ -113,10 +125,17 @@ pub(crate) fn run(s: &Schedule, costs: Option<&[StageCost]>) -> Result<SimReport
     // downstream input gradient (local prerequisites are guaranteed by validation order).
     let ready = |a: &Action, fin_f: &[Option<f64>], fin_b: &[Option<f64>]| -> Option<f64> {
         let (st, mb) = (a.stage(), a.mb());
+        let hop = |other: usize| {
+            if s.rank_of(other) == s.rank_of(st) {
+                0.0
+            } else {
+                latency
+            }
+        };
         match a {
-            Action::Forward { .. } if st > 0 => fin_f[idx(st - 1, mb)],
+            Action::Forward { .. } if st > 0 => Some(fin_f[idx(st - 1, mb)]? + hop(st - 1)),
             Action::Backward { .. } | Action::BackwardInput { .. } if st + 1 < n => {
-                let up = fin_b[idx(st + 1, mb)]?;
+                let up = fin_b[idx(st + 1, mb)]? + hop(st + 1);
                 Some(up.max(fin_f[idx(st, mb)].unwrap_or(0.0)))
             }
             _ => Some(0.0),
