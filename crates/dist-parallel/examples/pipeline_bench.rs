@@ -112,6 +112,9 @@ fn latency(pg: &ProcessGroup) -> Result<f64, dist_parallel::Error> {
     Ok(half[0])
 }
 
+/// One rank's per-step times in ms: step (max over ranks), waiting, computing.
+type RankTimes = (Vec<f64>, Vec<f64>, Vec<f64>);
+
 /// One rank: `steps` timed steps (after two warm-up steps); the step times (max over ranks)
 /// and this rank's time spent waiting for data and computing.
 fn rank_main(
@@ -120,7 +123,7 @@ fn rank_main(
     cost: StageCost,
     spin: bool,
     steps: usize,
-) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>), dist_parallel::Error> {
+) -> Result<RankTimes, dist_parallel::Error> {
     let rank = pg.rank();
     let stages = schedule
         .stages_of(rank)
@@ -184,7 +187,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
-    let mut runs: Vec<Vec<(Vec<f64>, Vec<f64>, Vec<f64>)>> = vec![Vec::new(); schedules.len()];
+    let mut runs: Vec<Vec<RankTimes>> = vec![Vec::new(); schedules.len()];
     for _ in 0..rounds {
         for (i, (schedule, v)) in schedules.iter().enumerate() {
             let cost = StageCost::new(F / v, B / v, W / v);
