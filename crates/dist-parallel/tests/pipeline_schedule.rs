@@ -351,3 +351,21 @@ fn latency_lands_on_the_critical_path_of_each_schedule() {
             .is_err()
     );
 }
+
+#[test]
+fn absurd_sizes_are_errors_not_hangs_or_panics() {
+    for r in [
+        Schedule::gpipe(usize::MAX, 2),
+        Schedule::one_f_one_b(2, usize::MAX),
+        Schedule::interleaved_1f1b(4, usize::MAX / 2, 8),
+        Schedule::zero_bubble_h1(1 << 40, 1 << 40),
+    ] {
+        assert!(matches!(r, Err(Error::ScheduleConfig { .. })), "{r:?}");
+    }
+    // A hand-written list claiming usize::MAX micro-batches is missing the second one.
+    let (rank, pos, action, _) = invalid(Schedule::parse("big", vec![0], usize::MAX, "0F0 0B0"));
+    assert_eq!(
+        (rank, pos, action),
+        (0, 2, Action::Forward { stage: 0, mb: 1 })
+    );
+}

@@ -1,6 +1,7 @@
 //! Schedules as data: [`Action`], [`Schedule`] (validated on construction) and the generators
 //! for GPipe, 1F1B, interleaved 1F1B and ZB-H1.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -387,9 +388,9 @@ impl Schedule {
                 "stage {s} is mapped to rank {r}, but the schedule has {p} ranks"
             )));
         }
-        // Where each (stage, mb)'s F, B, I and W sit in their rank's list.
-        let idx = |s: usize, mb: usize| s * m + mb;
-        let mut seen: [Vec<Option<usize>>; 4] = std::array::from_fn(|_| vec![None; n * m]);
+        // Where each (stage, mb)'s F, B, I and W sit in their rank's list. A map, not a dense
+        // table: `m` is the caller's number and may be absurd; the lists' lengths are real.
+        let mut seen: HashMap<(usize, usize), [Option<usize>; 4]> = HashMap::new();
         for (r, list) in self.actions.iter().enumerate() {
             for (pos, &a) in list.iter().enumerate() {
                 let bad = |reason: String| Error::InvalidSchedule {
@@ -411,15 +412,15 @@ impl Schedule {
                         self.stage_to_rank[s]
                     )));
                 }
-                let i = idx(s, mb);
-                let [f, b, inp, w] = &mut seen;
+                let e = seen.entry((s, mb)).or_default();
+                let [f, b, inp, _] = *e;
                 let (slot, name) = match a {
-                    Action::Forward { .. } => (&mut *f, "forward"),
-                    Action::Backward { .. } => (&mut *b, "backward"),
-                    Action::BackwardInput { .. } => (&mut *inp, "input backward"),
-                    Action::BackwardWeight { .. } => (&mut *w, "weight backward"),
+                    Action::Forward { .. } => (0, "forward"),
+                    Action::Backward { .. } => (1, "backward"),
+                    Action::BackwardInput { .. } => (2, "input backward"),
+                    Action::BackwardWeight { .. } => (3, "weight backward"),
                 };
-                if let Some(q) = slot[i] {
+                if let Some(q) = e[slot] {
                     return Err(bad(format!(
                         "duplicate: this micro-batch's {name} already runs at position {q}"
                     )));
@@ -427,12 +428,12 @@ impl Schedule {
                 match a {
                     Action::Forward { .. } => {}
                     Action::Backward { .. } | Action::BackwardInput { .. } => {
-                        if let Some(q) = b[i].or(inp[i]) {
+                        if let Some(q) = b.or(inp) {
                             return Err(bad(format!(
                                 "duplicate: this micro-batch's backward already runs at position {q}"
                             )));
                         }
-                        if f[i].is_none() {
+                        if f.is_none() {
                             return Err(bad(
                                 "backward before its forward (no earlier forward of this stage \
                                  and micro-batch on this rank)"
@@ -441,38 +442,33 @@ impl Schedule {
                         }
                     }
                     Action::BackwardWeight { .. } => {
-                        if let Some(q) = b[i] {
+                        if let Some(q) = b {
                             return Err(bad(format!(
                                 "the full backward at position {q} already computed the weight \
                                  gradient"
                             )));
                         }
-                        if inp[i].is_none() {
+                        if inp.is_none() {
                             return Err(
                                 bad("weight backward before its input backward (I)".into()),
                             );
                         }
                     }
                 }
-                let [f, b, inp, w] = &mut seen;
-                match a {
-                    Action::Forward { .. } => f[i] = Some(pos),
-                    Action::Backward { .. } => b[i] = Some(pos),
-                    Action::BackwardInput { .. } => inp[i] = Some(pos),
-                    Action::BackwardWeight { .. } => w[i] = Some(pos),
-                }
+                e[slot] = Some(pos);
             }
         }
-        let [f, b, inp, w] = &seen;
+        // Stops at the first gap, which comes within the first `seen.len() + 1` pairs: never
+        // a walk over an absurd `n · m`.
         for s in 0..n {
             let r = self.stage_to_rank[s];
             for mb in 0..m {
-                let i = idx(s, mb);
-                let missing = if f[i].is_none() {
+                let [f, b, inp, w] = seen.get(&(s, mb)).copied().unwrap_or_default();
+                let missing = if f.is_none() {
                     Some((Action::Forward { stage: s, mb }, "forward"))
-                } else if b[i].is_none() && inp[i].is_none() {
+                } else if b.is_none() && inp.is_none() {
                     Some((Action::Backward { stage: s, mb }, "backward"))
-                } else if inp[i].is_some() && w[i].is_none() {
+                } else if inp.is_some() && w.is_none() {
                     Some((Action::BackwardWeight { stage: s, mb }, "weight backward"))
                 } else {
                     None
@@ -495,6 +491,20 @@ impl Schedule {
 }
 
 fn check_sizes(schedule: &'static str, ranks: usize, microbatches: usize, v: usize) -> Result<()> {
+    // Up to three actions per (stage, micro-batch), and the executor's point-to-point tags
+    // are 32-bit: refuse what could not run anyway instead of trying to allocate it.
+    let actions = ranks
+        .checked_mul(v)
+        .and_then(|x| x.checked_mul(microbatches))
+        .and_then(|x| x.checked_mul(4));
+    if actions.is_none_or(|x| x > u32::MAX as usize) {
+        return Err(Error::ScheduleConfig {
+            schedule,
+            reason: format!(
+                "{ranks} ranks × {v} stages per rank × {microbatches} micro-batches is too large"
+            ),
+        });
+    }
     if ranks == 0 || microbatches == 0 || v == 0 {
         return Err(Error::ScheduleConfig {
             schedule,
