@@ -6,9 +6,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use dist_collective::DeviceMesh;
 use dist_collective::testing::{run_world, run_world_with};
-use dist_parallel::Error;
 use dist_parallel::pipeline::{Pipeline, Schedule, Stage, StageResult};
+use dist_parallel::{Ddp, DdpOptions, Error, ParamInfo};
 
 /// Layer widths: 8 layers, so that 2, 4 and 8 stages each get whole layers.
 const DIMS: [usize; 9] = [6, 8, 7, 8, 9, 8, 7, 8, 4];
@@ -330,6 +331,20 @@ fn stages_for(schedule: &Schedule, rank: usize) -> Vec<Sized> {
         .collect()
 }
 
+/// [`MlpStage`]'s parameters for DDP: each layer's weight and bias.
+fn param_infos(st: &MlpStage) -> Vec<ParamInfo> {
+    (0..st.w.len())
+        .flat_map(|k| {
+            let (i, o) = st.dims(k);
+            let l = st.first + k;
+            [
+                ParamInfo::new(format!("layer{l}.weight"), &[o, i]),
+                ParamInfo::new(format!("layer{l}.bias"), &[o]),
+            ]
+        })
+        .collect()
+}
+
 /// Mean squared error over a micro-batch, against its rows of the targets.
 fn mse(targets: &[f32]) -> impl FnMut(usize, &[f32], &mut [f32]) -> StageResult<f32> + '_ {
     move |mb, y, g| {
@@ -618,5 +633,110 @@ fn setup_disagreements_fail_every_rank() {
             "rank 0 could not"
         };
         assert!(e.to_string().contains(want), "{e}");
+    }
+}
+
+/// Pipeline × data parallel on a 2-D mesh: 2 replicas of a 2-stage pipeline, each replica on
+/// half of the batch, each stage's gradients averaged over its replicas by DDP. Ten steps
+/// match one process on the whole batch.
+#[test]
+fn pipeline_times_ddp_on_a_mesh_matches_one_process() {
+    const DP: usize = 2;
+    const PP: usize = 2;
+    let want = reference();
+    for schedule in [
+        Schedule::one_f_one_b(PP, 4).unwrap(),
+        Schedule::zero_bubble_h1(PP, 2).unwrap(),
+        Schedule::interleaved_1f1b(PP, 2, 4).unwrap(),
+    ] {
+        let (xs, ys) = batch();
+        let per_rank = run_world(DP * PP, |pg| {
+            // Row-major: ranks 0, 1 form replica 0's pipeline, ranks 2, 3 replica 1's.
+            let mesh = DeviceMesh::new(&pg, &[("dp", DP), ("pp", PP)])?;
+            let (replica, pp_rank) = (mesh.coordinate()[0], mesh.coordinate()[1]);
+            let half = BATCH / DP;
+            let xs = &xs[replica * half * DIMS[0]..(replica + 1) * half * DIMS[0]];
+            let ys = &ys[replica * half * DIMS[LAYERS]..(replica + 1) * half * DIMS[LAYERS]];
+            let rows = half / schedule.num_microbatches();
+            let n = schedule.num_stages();
+            let stages: Vec<Sized> = schedule
+                .stages_of(pp_rank)
+                .into_iter()
+                .map(|s| Sized {
+                    inner: MlpStage::new(layers_of(s, n)),
+                    rows,
+                })
+                .collect();
+            let mut pipe = ok(Pipeline::new(
+                mesh.dim("pp").clone(),
+                schedule.clone(),
+                stages,
+            ));
+            // One DDP per local stage, over the stage's replicas.
+            let mut ddps: Vec<Ddp> = pipe
+                .stages_mut()
+                .iter_mut()
+                .map(|st| {
+                    let infos = param_infos(&st.inner);
+                    let MlpStage { w, b, .. } = &mut st.inner;
+                    let mut values: Vec<&mut [f32]> = w
+                        .iter_mut()
+                        .zip(b.iter_mut())
+                        .flat_map(|(w, b)| [w.as_mut_slice(), b.as_mut_slice()])
+                        .collect();
+                    ok(Ddp::new(
+                        mesh.dim("dp").clone(),
+                        infos,
+                        DdpOptions::default(),
+                        &mut values,
+                    ))
+                })
+                .collect();
+            let mut loss = mse(ys);
+            for _ in 0..STEPS {
+                ok(pipe.step(xs, &mut loss));
+                for (st, ddp) in pipe.stages_mut().iter_mut().zip(&mut ddps) {
+                    let MlpStage { gw, gb, .. } = &mut st.inner;
+                    let mut grads: Vec<&mut [f32]> = gw
+                        .iter_mut()
+                        .zip(gb.iter_mut())
+                        .flat_map(|(w, b)| [w.as_mut_slice(), b.as_mut_slice()])
+                        .collect();
+                    // As a backward pass would: last parameter first.
+                    for i in (0..grads.len()).rev() {
+                        ok(ddp.mark_ready(i, grads[i]));
+                    }
+                    ok(ddp.finish(&mut grads));
+                    st.inner.sgd();
+                }
+            }
+            let stages: Vec<(usize, Layers, Layers)> = schedule
+                .stages_of(pp_rank)
+                .into_iter()
+                .zip(pipe.stages())
+                .map(|(s, st)| (s, st.inner.w.clone(), st.inner.b.clone()))
+                .collect();
+            Ok(stages)
+        })
+        .unwrap();
+        let n = schedule.num_stages();
+        for (rank, stages) in per_rank.into_iter().enumerate() {
+            for (s, w, b) in stages {
+                for (k, (w, b)) in w.iter().zip(&b).enumerate() {
+                    let (ww, wb) = &want[layers_of(s, n).start + k];
+                    let worst = w
+                        .iter()
+                        .chain(b)
+                        .zip(ww.iter().chain(wb))
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
+                    assert!(
+                        worst <= 1e-5,
+                        "{} rank {rank} stage {s}: max |Δparam| = {worst}",
+                        schedule.name()
+                    );
+                }
+            }
+        }
     }
 }

@@ -14,6 +14,12 @@
 //! * **The executor** ([`Pipeline`]): runs any schedule over a process group with the user's
 //!   [`Stage`]s and a [`Loss`] on the last stage.
 //!
+//! Pipeline × data parallelism composes through a 2-D [`DeviceMesh`](dist_collective::DeviceMesh):
+//! `DeviceMesh::new(&pg, &[("dp", d), ("pp", p)])`, the pipeline over `mesh.dim("pp")` (each
+//! replica's own pipeline, fed its share of the batch), and one [`Ddp`](crate::Ddp) per local
+//! stage over `mesh.dim("dp")` that averages the stage's accumulated gradients across its
+//! replicas after each step (`tests/pipeline.rs` checks it against one process).
+//!
 //! ```
 //! use dist_collective::testing::run_world;
 //! use dist_parallel::pipeline::{Pipeline, Schedule, Stage, StageResult};
