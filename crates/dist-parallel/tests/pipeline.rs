@@ -3,6 +3,8 @@
 //! or leaves mid-schedule makes every other rank fail naming it; set-up disagreements fail
 //! every rank.
 
+mod common;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -475,6 +477,21 @@ fn hand_written_schedule_matches_one_process() {
     )
     .unwrap();
     assert_matches_reference(&s, &reference());
+}
+
+/// One executor runs any valid list: random per-rank orders (random stage placement,
+/// whole and split backwards mixed, stages of one rank handing over in memory) train to the
+/// same parameters as one process.
+#[test]
+fn random_schedules_match_one_process() {
+    let want = reference();
+    for seed in 0..8u64 {
+        let mut rng = common::Rng::new(seed ^ 0x5eed);
+        let p = 2 + rng.below(3);
+        let n = [4, 8][rng.below(2)];
+        let m = [1, 2, 4, 8][rng.below(4)];
+        assert_matches_reference(&common::random_schedule(seed, p, n, m), &want);
+    }
 }
 
 /// Short group timeout: a failure must surface as an error naming the culprit, long before.

@@ -2,6 +2,8 @@
 //! the simulator against the closed-form bubble and memory formulas, and the validator on
 //! malformed lists.
 
+mod common;
+
 use dist_parallel::Error;
 use dist_parallel::pipeline::{Action, Schedule, StageCost};
 
@@ -368,4 +370,47 @@ fn absurd_sizes_are_errors_not_hangs_or_panics() {
         (rank, pos, action),
         (0, 2, Action::Forward { stage: 0, mb: 1 })
     );
+}
+
+/// Any sequential order cut into per-rank lists validates, simulates to a makespan no shorter
+/// than a rank's work, and loses validity when any one action is removed: the error names
+/// that action's stage and micro-batch.
+#[test]
+fn random_schedules_validate_and_any_deletion_is_named() {
+    for seed in 0..200u64 {
+        let mut rng = common::Rng::new(seed ^ 0xabc);
+        let p = 1 + rng.below(4);
+        let n = p + rng.below(2 * p);
+        let m = 1 + rng.below(5);
+        let s = common::random_schedule(seed, p, n, m);
+        let r = s.simulate_uniform(StageCost::new(1.0, 2.0, 1.0)).unwrap();
+        let most_busy = r.busy.iter().copied().fold(0.0, f64::max);
+        assert!(r.makespan >= most_busy - 1e-9);
+        let total: f64 = r.busy.iter().sum();
+        assert!(close(total, (n * m) as f64 * 3.0), "seed {seed}");
+        // Delete one action at random.
+        let rank = (0..p)
+            .cycle()
+            .skip(rng.below(p))
+            .find(|&q| !s.actions(q).is_empty())
+            .unwrap();
+        let pos = rng.below(s.actions(rank).len());
+        let gone = s.actions(rank)[pos];
+        let lists: Vec<Vec<Action>> = (0..p)
+            .map(|q| {
+                let mut l = s.actions(q).to_vec();
+                if q == rank {
+                    l.remove(pos);
+                }
+                l
+            })
+            .collect();
+        let stage_to_rank = (0..n).map(|st| s.rank_of(st).unwrap()).collect();
+        let (_, _, action, reason) = invalid(Schedule::new("cut", stage_to_rank, m, lists));
+        assert_eq!(
+            (action.stage(), action.mb()),
+            (gone.stage(), gone.mb()),
+            "seed {seed}: removed {gone}, error names {action}: {reason}"
+        );
+    }
 }
