@@ -99,6 +99,12 @@ pub struct PipelineStep {
 /// timeout; a peer that dies fails the step with an error naming it
 /// ([`Error::failed_rank`]). After a failed step the group and the pipeline must be
 /// re-created; dropping the pipeline (its group) is what tells the other ranks.
+///
+/// Memory: the activations a stage keeps between forward and backward follow the schedule
+/// ([`SimReport::peak_activations`](super::SimReport::peak_activations): at most `p` for
+/// 1F1B); the receive buffers, posted at the start of the step so that no rank's
+/// point-to-point engine ever waits on a receive not yet posted, are one per incoming
+/// message of the step (`m` per neighbouring stage and direction).
 #[derive(Debug)]
 pub struct Pipeline<S> {
     pg: ProcessGroup,
