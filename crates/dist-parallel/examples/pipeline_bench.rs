@@ -2,10 +2,13 @@
 //!
 //! ```sh
 //! cargo run --release -p dist-parallel --example pipeline_bench
+//! # or one process per rank:
+//! cargo build --release -p dist-parallel --example pipeline_bench -p dist-run
+//! ./target/release/distrun --nproc-per-node 4 -- ./target/release/examples/pipeline_bench
 //! ```
 //!
-//! Four ranks (threads, each with its own process group over loopback TCP), eight
-//! micro-batches. Each stage stands for accelerator work: it sleeps for its cost (forward 4 ms,
+//! Four ranks (threads, each with its own process group over loopback TCP, or processes under
+//! a launcher), eight micro-batches. Each stage stands for accelerator work: it sleeps for its cost (forward 4 ms,
 //! backward 8 ms of which the weight gradient is 4 ms, per stage of a 4-stage model; half of
 //! that per virtual stage of the interleaved 8-stage model), so the rank's thread is idle
 //! while "the device" computes, as with a GPU, and the schedule's bubbles are what the step
@@ -24,7 +27,7 @@
 use std::time::{Duration, Instant};
 
 use dist_collective::testing::run_world;
-use dist_collective::{ProcessGroup, ReduceOp};
+use dist_collective::{InitOptions, ProcessGroup, ReduceOp, init_process_group};
 use dist_parallel::pipeline::{Pipeline, Schedule, Stage, StageCost, StageResult};
 
 const P: usize = 4;
@@ -156,64 +159,113 @@ fn rank_main(
     ))
 }
 
+/// One run of one schedule: the step times, and waiting and computing per rank per step
+/// (means over ranks and steps).
+struct Run {
+    times: Vec<f64>,
+    wait: f64,
+    compute: f64,
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// A run from every rank's times (threads: all of them are here).
+fn summarise(per_rank: &[RankTimes]) -> Run {
+    Run {
+        times: per_rank.first().map(|r| r.0.clone()).unwrap_or_default(),
+        wait: mean(&per_rank.iter().map(|r| mean(&r.1)).collect::<Vec<_>>()),
+        compute: mean(&per_rank.iter().map(|r| mean(&r.2)).collect::<Vec<_>>()),
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(d)
+    };
     let spin = std::env::var("PIPE_BENCH_MODE").is_ok_and(|m| m == "spin");
-    let steps: usize = std::env::var("PIPE_BENCH_STEPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(12);
+    let steps = env("PIPE_BENCH_STEPS", 12);
+    // Rounds interleave the schedules, so that a change in the host's load hits all alike.
+    let rounds = env("PIPE_BENCH_ROUNDS", 3);
     let schedules = [
         (Schedule::gpipe(P, M)?, 1.0),
         (Schedule::one_f_one_b(P, M)?, 1.0),
         (Schedule::interleaved_1f1b(P, 2, M)?, 2.0),
         (Schedule::zero_bubble_h1(P, M)?, 1.0),
     ];
+    // Under a launcher (distrun, torchrun) this process is one rank; alone, ranks are threads.
+    let world = if std::env::var("WORLD_SIZE").is_ok() {
+        let pg = init_process_group(InitOptions::new().init_method("env://"))?;
+        if pg.size() != P {
+            return Err(format!("run with {P} ranks (--nproc-per-node {P})").into());
+        }
+        Some(pg)
+    } else {
+        None
+    };
+    let lat = match &world {
+        Some(pg) => latency(pg)?,
+        None => run_world(2, |pg| Ok(latency(&pg)))?
+            .into_iter()
+            .next()
+            .ok_or("no rank")??,
+    };
+    let mut runs: Vec<Vec<Run>> = (0..schedules.len()).map(|_| Vec::new()).collect();
+    for _ in 0..rounds {
+        for (i, (schedule, v)) in schedules.iter().enumerate() {
+            let cost = StageCost::new(F / v, B / v, W / v);
+            let run = match &world {
+                Some(pg) => {
+                    let (times, waits, computes) =
+                        rank_main(pg.clone(), schedule, cost, spin, steps)?;
+                    let mut sums = [mean(&waits), mean(&computes)];
+                    pg.all_reduce(&mut sums, ReduceOp::Sum)?;
+                    Run {
+                        times,
+                        wait: sums[0] / P as f64,
+                        compute: sums[1] / P as f64,
+                    }
+                }
+                None => summarise(
+                    &run_world(P, |pg| Ok(rank_main(pg, schedule, cost, spin, steps)))?
+                        .into_iter()
+                        .collect::<Result<Vec<_>, _>>()?,
+                ),
+            };
+            runs[i].push(run);
+        }
+    }
+    if world.as_ref().is_some_and(|pg| pg.rank() != 0) {
+        return Ok(());
+    }
     println!(
-        "p = {P}, m = {M}, per stage F = {F} ms, B = {B} ms (W = {W} ms), {} \
-         ({steps} steps per run, runs of all schedules interleaved)",
-        if spin { "spinning" } else { "sleeping" }
+        "p = {P}, m = {M}, per stage F = {F} ms, B = {B} ms (W = {W} ms), {}, ranks as {} \
+         ({rounds} runs of {steps} steps each, the schedules' runs interleaved)",
+        if spin { "spinning" } else { "sleeping" },
+        if world.is_some() {
+            "processes"
+        } else {
+            "threads"
+        }
     );
-    let lat = run_world(2, |pg| Ok(latency(&pg)))?
-        .into_iter()
-        .next()
-        .ok_or("no rank")??;
     println!("one-way latency of one {WIDTH}-float message: {lat:.3} ms");
     println!(
         "| schedule | peak act. | simulated step (ms) | simulated bubble | simulated with latency (ms) | measured step, median (ms) | min (ms) | measured bubble (median) | compute/rank (ms) | wait/rank (ms) |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    // Rounds interleave the schedules, so that a change in the host's load hits all alike.
-    let rounds: usize = std::env::var("PIPE_BENCH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
-    let mut runs: Vec<Vec<RankTimes>> = vec![Vec::new(); schedules.len()];
-    for _ in 0..rounds {
-        for (i, (schedule, v)) in schedules.iter().enumerate() {
-            let cost = StageCost::new(F / v, B / v, W / v);
-            let per_rank = run_world(P, |pg| Ok(rank_main(pg, schedule, cost, spin, steps)))?
-                .into_iter()
-                .collect::<Result<Vec<_>, _>>()?;
-            runs[i].extend(per_rank);
-        }
-    }
-    for ((schedule, v), per_rank) in schedules.iter().zip(&runs) {
+    for ((schedule, v), runs) in schedules.iter().zip(&runs) {
         let cost = StageCost::new(F / v, B / v, W / v);
         let sim = schedule.simulate_uniform(cost)?;
         let sim_lat = schedule.simulate_with_latency(&vec![cost; schedule.num_stages()], lat)?;
-        // Rank 0's copies of the step times (every rank holds the same maxima).
-        let mut times: Vec<f64> = per_rank
-            .iter()
-            .step_by(P)
-            .flat_map(|r| r.0.iter().copied())
-            .collect();
+        let mut times: Vec<f64> = runs.iter().flat_map(|r| r.times.iter().copied()).collect();
         times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
-        let min = times[0];
+        let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+        let min = times.first().copied().unwrap_or(f64::NAN);
         let busy_per_rank = M as f64 * (F + B);
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let wait = per_rank.iter().map(|r| mean(&r.1)).sum::<f64>() / per_rank.len() as f64;
-        let compute = per_rank.iter().map(|r| mean(&r.2)).sum::<f64>() / per_rank.len() as f64;
         println!(
             "| {} | {} | {:.1} | {:.3} | {:.1} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} |",
             schedule.name(),
@@ -224,8 +276,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             median,
             min,
             1.0 - busy_per_rank / median,
-            compute,
-            wait
+            mean(&runs.iter().map(|r| r.compute).collect::<Vec<_>>()),
+            mean(&runs.iter().map(|r| r.wait).collect::<Vec<_>>()),
         );
     }
     Ok(())
