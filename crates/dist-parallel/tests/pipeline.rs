@@ -757,3 +757,122 @@ fn pipeline_times_ddp_on_a_mesh_matches_one_process() {
         }
     }
 }
+
+/// The candle adapter: the same MLP as candle blocks, cut at split points, trains to the
+/// same parameters as the hand-written reference.
+#[cfg(feature = "candle")]
+mod candle_stages {
+    use super::*;
+    use candle_core::{Device, Tensor, Var};
+    use dist_parallel::pipeline::{CandleBlock, CandleStage, split_blocks};
+
+    fn blocks() -> candle_core::Result<Vec<CandleBlock>> {
+        (0..LAYERS)
+            .map(|l| {
+                let (w, b) = init(l);
+                let w = Var::from_vec(w, (DIMS[l + 1], DIMS[l]), &Device::Cpu)?;
+                let b = Var::from_vec(b, DIMS[l + 1], &Device::Cpu)?;
+                // Clones share the variables' storage, so SGD updates reach the closure.
+                let (wt, bt) = (w.as_tensor().clone(), b.as_tensor().clone());
+                let tanh = is_tanh(l);
+                let module = move |x: &Tensor| {
+                    let z = x.matmul(&wt.t()?)?.broadcast_add(&bt)?;
+                    if tanh { z.tanh() } else { Ok(z) }
+                };
+                Ok(CandleBlock::new(module, vec![w, b]))
+            })
+            .collect()
+    }
+
+    fn stages(schedule: &Schedule, rank: usize) -> Vec<CandleStage> {
+        let n = schedule.num_stages();
+        let per = LAYERS / n;
+        let points: Vec<usize> = (1..n).map(|i| i * per).collect();
+        let rows = BATCH / schedule.num_microbatches();
+        let pieces = ok(split_blocks(blocks().unwrap(), &points));
+        let mine = schedule.stages_of(rank);
+        pieces
+            .into_iter()
+            .enumerate()
+            .filter(|(s, _)| mine.contains(s))
+            .map(|(s, piece)| {
+                let (first, last) = (s * per, (s + 1) * per);
+                CandleStage::new(
+                    piece,
+                    &[rows, DIMS[first]],
+                    &[rows, DIMS[last]],
+                    Device::Cpu,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn candle_stages_match_one_process() {
+        let want = reference();
+        let (xs, ys) = batch();
+        for schedule in [
+            Schedule::gpipe(2, 4).unwrap(),
+            Schedule::one_f_one_b(4, 8).unwrap(),
+            Schedule::interleaved_1f1b(2, 2, 4).unwrap(),
+        ] {
+            let n = schedule.num_stages();
+            let per_rank = run_world(schedule.num_ranks(), |pg| {
+                let rank = pg.rank();
+                let mut pipe = ok(Pipeline::new(pg, schedule.clone(), stages(&schedule, rank)));
+                let mut loss = mse(&ys);
+                for _ in 0..STEPS {
+                    ok(pipe.step(&xs, &mut loss));
+                    for st in pipe.stages_mut() {
+                        st.sgd_step(f64::from(LR)).unwrap();
+                    }
+                }
+                let params: Vec<(usize, Vec<Vec<f32>>)> = schedule
+                    .stages_of(rank)
+                    .into_iter()
+                    .zip(pipe.stages())
+                    .map(|(s, st)| {
+                        let v = st
+                            .vars()
+                            .map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>())
+                            .collect::<candle_core::Result<Vec<_>>>()
+                            .unwrap();
+                        (s, v)
+                    })
+                    .collect();
+                Ok(params)
+            })
+            .unwrap();
+            for (s, vars) in per_rank.into_iter().flatten() {
+                for (k, pair) in vars.chunks(2).enumerate() {
+                    let l = s * (LAYERS / n) + k;
+                    let got = pair[0].iter().chain(&pair[1]);
+                    let worst = got
+                        .zip(want[l].0.iter().chain(&want[l].1))
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
+                    assert!(worst <= 1e-5, "{} layer {l}: {worst}", schedule.name());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn candle_stages_refuse_zero_bubble_at_setup() {
+        let schedule = Schedule::zero_bubble_h1(2, 2).unwrap();
+        let errs = run_world(2, |pg| {
+            let rank = pg.rank();
+            Ok(Pipeline::new(pg, schedule.clone(), stages(&schedule, rank)).err())
+        })
+        .unwrap();
+        for e in errs {
+            assert!(matches!(e, Some(Error::PipelineSetup { .. })), "{e:?}");
+        }
+        assert!(split_blocks(vec![1, 2, 3], &[2, 1]).is_err());
+        assert!(split_blocks(vec![1, 2, 3], &[3]).is_err());
+        assert_eq!(
+            split_blocks(vec![1, 2, 3, 4], &[1, 3]).unwrap(),
+            vec![vec![1], vec![2, 3], vec![4]]
+        );
+    }
+}

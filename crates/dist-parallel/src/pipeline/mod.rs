@@ -20,6 +20,10 @@
 //! stage over `mesh.dim("dp")` that averages the stage's accumulated gradients across its
 //! replicas after each step (`tests/pipeline.rs` checks it against one process).
 //!
+//! With the `candle` feature, `split_blocks` cuts a model given as a list of blocks at
+//! split points and `CandleStage` turns each piece into a [`Stage`] (candle's autograd does
+//! the backward).
+//!
 //! ```
 //! use dist_collective::testing::run_world;
 //! use dist_parallel::pipeline::{Pipeline, Schedule, Stage, StageResult};
@@ -58,10 +62,14 @@
 //! assert_eq!(gw, vec![7.5, 5.0]);
 //! ```
 
+#[cfg(feature = "candle")]
+mod candle;
 mod exec;
 mod schedule;
 mod sim;
 
+#[cfg(feature = "candle")]
+pub use candle::{CandleBlock, CandleStage, split_blocks};
 pub use exec::{Loss, PIPELINE_TAG_BASE, Pipeline, PipelineStep, Stage, StageError, StageResult};
 pub use schedule::{Action, Schedule};
 pub use sim::{SimReport, StageCost};
