@@ -3,7 +3,9 @@
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything DDP can fail with.
+use crate::pipeline::{Action, StageError};
+
+/// Everything DDP and pipelines can fail with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -40,4 +42,99 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A pipeline schedule is malformed: the action at `position` of rank `rank`'s list is
+    /// wrong (for a missing action, `position` is the end of the list of the rank that should
+    /// run it). Found before anything runs.
+    #[error(
+        "invalid pipeline schedule: rank {rank}, position {position}, action {action}: {reason}"
+    )]
+    InvalidSchedule {
+        /// The rank whose list is wrong.
+        rank: usize,
+        /// Index in that rank's list.
+        position: usize,
+        /// The wrong (or missing) action.
+        action: Action,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A schedule generator or the simulator got impossible sizes or costs.
+    #[error("pipeline schedule {schedule}: {reason}")]
+    ScheduleConfig {
+        /// The generator or function.
+        schedule: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Ranks disagree at pipeline set-up (schedule, stage count or sizes); every rank fails.
+    #[error("rank {rank}: pipeline set-up: {reason}")]
+    PipelineSetup {
+        /// This rank.
+        rank: usize,
+        /// What disagrees, naming the rank at fault.
+        reason: String,
+    },
+    /// Moving a pipeline step's activations or gradients failed; `source` names the peer
+    /// (see [`Error::failed_rank`]).
+    #[error("rank {rank}: pipeline step {step}, position {position} ({action}): {what}: {source}")]
+    Pipeline {
+        /// This rank.
+        rank: usize,
+        /// The step (counted from 0 by this pipeline).
+        step: u64,
+        /// Index of the action in this rank's list.
+        position: usize,
+        /// The action.
+        action: Action,
+        /// What it was doing.
+        what: &'static str,
+        /// The collective error.
+        #[source]
+        source: dist_collective::Error,
+    },
+    /// A stage or loss function of this rank failed.
+    #[error(
+        "rank {rank}: pipeline step {step}, position {position} ({action}): stage failed: {source}"
+    )]
+    Stage {
+        /// This rank.
+        rank: usize,
+        /// The step.
+        step: u64,
+        /// Index of the action in this rank's list.
+        position: usize,
+        /// The action.
+        action: Action,
+        /// The stage's error.
+        #[source]
+        source: StageError,
+    },
+}
+
+impl Error {
+    /// The rank whose failure caused this error, when it is known: this rank for a failed
+    /// stage; the lost peer for a communication error (gloo passes the original culprit
+    /// along, so a rank two hops away still names the rank that died); the first peer that
+    /// did not deliver for a timeout.
+    pub fn failed_rank(&self) -> Option<usize> {
+        match self {
+            Error::Stage { rank, .. } => Some(*rank),
+            Error::Pipeline { source, .. } | Error::Collective(source) => culprit(source),
+            _ => None,
+        }
+    }
+}
+
+fn culprit(e: &dist_collective::Error) -> Option<usize> {
+    use dist_backend::Error as B;
+    use dist_collective::Error as C;
+    match e {
+        C::Backend(B::PeerLost { peer, .. }) => Some(*peer),
+        C::Backend(B::Timeout { missing_peers, .. })
+        | C::CollectiveTimeout {
+            source: B::Timeout { missing_peers, .. },
+            ..
+        } => missing_peers.first().copied(),
+        _ => None,
+    }
 }

@@ -1,5 +1,7 @@
-//! Parallelism layers over `dist-collective`. Today: [`Ddp`], distributed data parallelism in
-//! the manner of torch's `DistributedDataParallel`.
+//! Parallelism layers over `dist-collective`: [`Ddp`], distributed data parallelism in the
+//! manner of torch's `DistributedDataParallel`, and [`pipeline`], pipeline parallelism
+//! (schedules as data, a validator and simulator, and an executor) in the manner of
+//! `torch.distributed.pipelining`.
 //!
 //! The core is framework-agnostic: a model is described by its parameters ([`ParamInfo`]:
 //! name and shape), and DDP reads gradients from, and writes averaged gradients back to,
@@ -33,6 +35,7 @@
 #![forbid(unsafe_code)]
 mod ddp;
 mod error;
+pub mod pipeline;
 
 pub use ddp::bucket::{BucketLayout, BucketSpec};
 pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};

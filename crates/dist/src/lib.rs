@@ -77,7 +77,8 @@ pub use dist_gloo as gloo;
 /// Re-export of the `dist-collective` crate.
 pub use dist_collective as collective;
 
-/// Parallelism layers: DDP (bucketed, overlapped gradient all-reduce and its hooks).
+/// Parallelism layers: DDP (bucketed, overlapped gradient all-reduce and its hooks) and
+/// pipeline parallelism (`parallel::pipeline`: schedules, simulator, executor).
 ///
 /// Re-export of the `dist-parallel` crate.
 pub use dist_parallel as parallel;
