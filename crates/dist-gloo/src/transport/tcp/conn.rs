@@ -4,14 +4,17 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 
-use dist_wire::{CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef, WireError};
+use dist_wire::{
+    CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef, WireError,
+};
 
 /// Staging buffer size: small frames and headers are read through it, many per syscall.
 const STAGING: usize = 64 << 10;
 /// Largest frame kept in the stash; a bigger length is taken as corruption, not allocated.
 const MAX_STASHED_FRAME: u64 = 256 << 20;
 
-/// What is known of the peer's side of the connection.
+/// What is known of the peer's side of the connection. The first thing learnt sticks: a peer
+/// that aborted and then exited is remembered for its abort notice, not for the EOF after it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum PeerState {
     /// Connected.
@@ -20,11 +23,9 @@ pub(super) enum PeerState {
     Left,
     /// The connection ended without `Close`, or broke.
     Lost(String),
-    /// The peer aborted after losing rank `culprit` (it said so in its `Close`).
-    Aborted {
-        /// The rank the peer lost.
-        culprit: usize,
-    },
+    /// The peer aborted the group and said why in its `Close` (never
+    /// [`CloseReason::Goodbye`]).
+    Aborted(CloseReason),
 }
 
 /// The payload of a stashed frame.
@@ -63,18 +64,6 @@ pub(super) struct Conn {
     /// Acknowledgements waiting to be written, and how much of them is written.
     out: Vec<u8>,
     out_done: usize,
-}
-
-impl PeerState {
-    /// The state a `Close` frame with `tag` announces.
-    pub(super) fn closed(tag: u32) -> Self {
-        match tag {
-            0 => PeerState::Left,
-            t => PeerState::Aborted {
-                culprit: (t - 1) as usize,
-            },
-        }
-    }
 }
 
 impl Conn {
@@ -139,6 +128,23 @@ impl Conn {
                 self.start += HEADER_LEN;
                 self.acked += 1;
                 continue;
+            }
+            if h.op == CollectiveOp::Close {
+                // Read whole (its payload is at most `MAX_CLOSE_PAYLOAD` bytes, which the
+                // decoder checked), so that the reason is known the moment the frame is.
+                let len = HEADER_LEN + h.payload_len as usize;
+                match self.fill(len)? {
+                    Io::WouldBlock => return Ok(Io::WouldBlock),
+                    Io::Ready(false) => return Ok(Io::Ready(None)),
+                    Io::Ready(true) => {}
+                }
+                let payload = &self.staging[self.start + HEADER_LEN..self.start + len];
+                let reason = CloseReason::decode(&h, payload);
+                self.start += len;
+                return Ok(Io::Ready(Some(reason.map(|r| {
+                    self.closed(r);
+                    (h, None)
+                }))));
             }
             if h.flags & FrameHeader::REMOTE == 0 {
                 self.start += HEADER_LEN;
@@ -254,9 +260,8 @@ impl Conn {
             match self.read_header() {
                 Ok(Io::WouldBlock) => return,
                 Ok(Io::Ready(None)) => return self.eof(),
-                Ok(Io::Ready(Some(Ok((h, _))))) if h.op == CollectiveOp::Close => {
-                    self.state = PeerState::closed(h.tag)
-                }
+                // `read_header` noted why in `state`; nothing follows a `Close` but the EOF.
+                Ok(Io::Ready(Some(Ok((h, _))))) if h.op == CollectiveOp::Close => {}
                 Ok(Io::Ready(Some(Ok(frame)))) => {
                     if let Err(why) = self.begin_stash(frame) {
                         self.state = PeerState::Lost(why);
@@ -264,27 +269,36 @@ impl Conn {
                     }
                 }
                 Ok(Io::Ready(Some(Err(e)))) => {
-                    self.state =
-                        PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
-                    return;
+                    return self.lose(format!("it sent bytes that are not a frame: {e}"));
                 }
                 Err(e) => return self.broken(&e),
             }
         }
     }
 
-    pub(super) fn eof(&mut self) {
+    /// Notes the reason of the peer's `Close` frame, unless something was learnt before.
+    pub(super) fn closed(&mut self, reason: CloseReason) {
         if self.state == PeerState::Open {
-            self.state = PeerState::Lost(
-                "its connection closed without a goodbye (the process exited or crashed)".into(),
-            );
+            self.state = match reason {
+                CloseReason::Goodbye => PeerState::Left,
+                other => PeerState::Aborted(other),
+            };
         }
     }
 
-    pub(super) fn broken(&mut self, e: &io::Error) {
+    /// Notes that the connection is unusable for `why`, unless something was learnt before.
+    pub(super) fn lose(&mut self, why: String) {
         if self.state == PeerState::Open {
-            self.state = PeerState::Lost(format!("connection error: {e}"));
+            self.state = PeerState::Lost(why);
         }
+    }
+
+    pub(super) fn eof(&mut self) {
+        self.lose("its connection closed without a goodbye (the process exited or crashed)".into());
+    }
+
+    pub(super) fn broken(&mut self, e: &io::Error) {
+        self.lose(format!("connection error: {e}"));
     }
 
     pub(super) fn has_partial(&self) -> bool {
@@ -299,6 +313,26 @@ impl Conn {
             ..*h
         };
         self.out.extend_from_slice(&ack.encode());
+    }
+
+    /// Queues an abort notice: after `rest`, the unwritten remainder of the data frame this
+    /// rank was in the middle of sending (a frame cut short would make the peer read the
+    /// notice as payload), and after the acknowledgements already queued, in wire order.
+    pub(super) fn queue_notice(&mut self, rest: &[u8], notice: &[u8]) {
+        let pending = &self.out[self.out_done..];
+        // A half-written acknowledgement and a half-written data frame exclude each other: a
+        // frame starts only once the acknowledgements are out.
+        let (first, second) = if self.out_mid_frame() {
+            (pending, rest)
+        } else {
+            (rest, pending)
+        };
+        let mut out = Vec::with_capacity(first.len() + second.len() + notice.len());
+        out.extend_from_slice(first);
+        out.extend_from_slice(second);
+        out.extend_from_slice(notice);
+        self.out = out;
+        self.out_done = 0;
     }
 
     /// The stream and the bytes queued for it but not yet written (when closing).
