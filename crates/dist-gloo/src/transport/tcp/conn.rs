@@ -367,3 +367,118 @@ impl Conn {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::net::{TcpListener, TcpStream};
+
+    use dist_wire::{DType, NO_ROOT};
+
+    use super::*;
+
+    /// A connected pair over loopback: this side as a `Conn`, the other as a blocking stream.
+    fn pair() -> (Conn, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let other = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (mine, _) = l.accept().expect("accept");
+        mine.set_nonblocking(true).expect("nonblocking");
+        (Conn::new(mio::net::TcpStream::from_std(mine)), other)
+    }
+
+    fn header(seq: u64) -> FrameHeader {
+        FrameHeader {
+            op: CollectiveOp::AllReduce,
+            dtype: DType::F32,
+            reduce: 0,
+            group: 1,
+            sender: 0,
+            seq,
+            count: 4,
+            root: NO_ROOT,
+            tag: 0,
+            offset: 0,
+            payload_len: 16,
+            flags: 0,
+            splits: 0,
+        }
+    }
+
+    /// Reads exactly `n` bytes from `s`.
+    fn read_n(s: &mut TcpStream, n: usize) -> Vec<u8> {
+        let mut b = vec![0u8; n];
+        s.read_exact(&mut b).expect("read");
+        b
+    }
+
+    #[test]
+    fn a_notice_goes_after_the_rest_of_a_half_sent_frame_and_the_queued_acks() {
+        let (mut c, mut other) = pair();
+        c.queue_ack(&header(1));
+        let rest = b"rest of a frame".to_vec();
+        let notice = CloseReason::Lost { culprit: 3 }.encode(0);
+        c.queue_notice(&rest, &notice);
+        assert!(c.flush_out().expect("flush"));
+        let got = read_n(&mut other, rest.len() + HEADER_LEN + notice.len());
+        assert_eq!(&got[..rest.len()], &rest[..]);
+        let ack = FrameHeader::decode(&got[rest.len()..]).expect("an ack");
+        assert_eq!((ack.flags, ack.seq), (FrameHeader::ACK, 1));
+        assert_eq!(&got[rest.len() + HEADER_LEN..], &notice[..]);
+    }
+
+    #[test]
+    fn a_half_written_ack_is_finished_before_the_notice() {
+        let (mut c, mut other) = pair();
+        c.queue_ack(&header(1));
+        // As if the socket had taken 10 bytes of the ack.
+        c.out_done = 10;
+        let notice = CloseReason::Goodbye.encode(0);
+        c.queue_notice(&[], &notice);
+        assert!(c.flush_out().expect("flush"));
+        let got = read_n(&mut other, HEADER_LEN - 10 + notice.len());
+        assert_eq!(&got[..HEADER_LEN - 10], &header_ack(1)[10..]);
+        assert_eq!(&got[HEADER_LEN - 10..], &notice[..]);
+    }
+
+    fn header_ack(seq: u64) -> [u8; HEADER_LEN] {
+        FrameHeader {
+            flags: FrameHeader::ACK,
+            payload_len: 0,
+            ..header(seq)
+        }
+        .encode()
+    }
+
+    #[test]
+    fn what_a_peer_said_first_sticks_over_its_eof_and_later_frames() {
+        let (mut c, mut other) = pair();
+        let found = header(7);
+        let met = FrameHeader {
+            sender: 2,
+            count: 5,
+            ..found
+        };
+        let notice = CloseReason::Mismatch {
+            culprit: 2,
+            found,
+            met,
+        };
+        other.write_all(&notice.encode(1)).expect("write");
+        other
+            .write_all(&CloseReason::Goodbye.encode(1))
+            .expect("write");
+        drop(other);
+        // The whole notice may take a few reads to arrive; the EOF comes after it.
+        for _ in 0..1_000_000 {
+            c.drain();
+            if c.state != PeerState::Open {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        assert_eq!(c.state, PeerState::Aborted(notice));
+        c.drain();
+        c.eof();
+        assert_eq!(c.state, PeerState::Aborted(notice));
+    }
+}
