@@ -64,6 +64,9 @@ pub(super) struct Conn {
     /// Acknowledgements waiting to be written, and how much of them is written.
     out: Vec<u8>,
     out_done: usize,
+    /// An abort notice was queued for the peer: closing must not reset the connection before
+    /// the peer has read it (see `Engine::close`).
+    pub(super) notified: bool,
 }
 
 impl Conn {
@@ -80,6 +83,7 @@ impl Conn {
             acked: 0,
             out: Vec::new(),
             out_done: 0,
+            notified: false,
         }
     }
 
@@ -333,6 +337,7 @@ impl Conn {
         out.extend_from_slice(notice);
         self.out = out;
         self.out_done = 0;
+        self.notified = true;
     }
 
     /// The stream and the bytes queued for it but not yet written (when closing).

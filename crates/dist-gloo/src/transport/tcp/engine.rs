@@ -701,8 +701,11 @@ impl Engine {
         let mut streams = Vec::new();
         for (peer, slot) in self.conns.iter_mut().enumerate() {
             let Some(c) = slot.take() else { continue };
+            // A notice already handed to the kernel may still sit in its send queue (the peer's
+            // window full): a close with unread input would reset the connection and lose it,
+            // so every notified peer gets the lingering close too.
             let say_bye = if self.aborted {
-                c.state == PeerState::Open && c.has_out()
+                c.state == PeerState::Open && (c.has_out() || c.notified)
             } else {
                 matches!(c.state, PeerState::Open | PeerState::Left)
             };
