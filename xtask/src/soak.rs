@@ -36,8 +36,9 @@ Soak and fault-injection runs; prints a markdown table and exits non-zero if any
                  every survivor must error within 1 s, naming the dead rank
   stall          SIGSTOP of a random rank, group timeout --stall-timeout: every survivor must
                  error within timeout + 1 s, naming the stalled rank
-  mismatch       ranks 0 and 1 call a different collective (count or op) than ranks 2..: every
-                 rank must error (never hang); whether ranks 0 and 1 say mismatch is recorded
+  mismatch       ranks 0 and 1 call a different collective (count, op or root) than ranks 2..:
+                 every rank must error (never hang, never return Ok), saying mismatch and naming
+                 a rank it disagrees with (`met rank N`)
   store-garbage  random bytes and huge length prefixes sent to the rendezvous store from
                  several connections while the job runs: the job must exit 0
 
@@ -454,8 +455,6 @@ struct Run {
     /// Errors that named the culprit, of those judged.
     named: usize,
     judged: usize,
-    /// Observations that are not failures (a mismatch error that does not say so).
-    notes: Vec<String>,
     tail: Vec<String>,
 }
 
@@ -524,23 +523,6 @@ impl Row {
                 "{named}/{judged} ({:.0}%)",
                 100.0 * named as f64 / judged as f64
             )
-        }
-    }
-
-    /// The first notes of the scenario's runs.
-    fn print_notes(&self) {
-        let notes: Vec<(usize, &String)> = self
-            .runs
-            .iter()
-            .enumerate()
-            .flat_map(|(i, r)| r.notes.iter().map(move |n| (i, n)))
-            .take(SHOWN_FAILURES)
-            .collect();
-        for (i, n) in notes {
-            println!("\n--- {} run {}: note", self.name, i + 1);
-            for (j, line) in n.lines().enumerate() {
-                println!("{}{line}", if j == 0 { "  * " } else { "      " });
-            }
         }
     }
 
@@ -713,7 +695,7 @@ fn signal_run(p: &Progs, fl: &Flags, rng: &mut Rng, dir: &Path, sig: &str) -> Ru
 fn mismatch_run(p: &Progs, fl: &Flags, rng: &mut Rng, dir: &Path) -> Run {
     let n = fl.world_size;
     let mut run = Run::default();
-    let kind = if rng.below(2) == 0 { "count" } else { "op" };
+    let kind = ["count", "op", "root"][rng.below(3) as usize];
     let at = 2 + rng.below(30);
     let env = [
         ("SOAK_MISMATCH_KIND", kind.to_string()),
@@ -739,16 +721,15 @@ fn mismatch_run(p: &Progs, fl: &Flags, rng: &mut Rng, dir: &Path) -> Run {
                 if let Some(f) = fault {
                     run.times_ms.push((t - f) as f64 / 1000.0);
                 }
-                if r < 2 {
-                    run.judged += 1;
-                    if says_mismatch(&text) {
-                        run.named += 1;
-                    } else {
-                        run.notes.push(format!(
-                            "rank {r}'s error does not say mismatch ({kind} mismatch at \
-                             iteration {at}): {text}"
-                        ));
-                    }
+                // Every rank, not only the two that called something else, must be told why.
+                run.judged += 1;
+                if says_mismatch(&text) && !blamed(&text).is_empty() {
+                    run.named += 1;
+                } else {
+                    run.problems.push(format!(
+                        "rank {r}'s error does not say mismatch naming the other side ({kind} \
+                         mismatch at iteration {at}): {text}"
+                    ));
                 }
             }
             None if job.exited() => run.problems.push(format!(
@@ -990,7 +971,6 @@ pub(crate) fn run_soak(args: &[String]) -> Result<(), String> {
             row.runs.push(r);
         }
         row.print_failures();
-        row.print_notes();
         rows.push(row);
     }
     let _ = std::fs::remove_dir(&root);
@@ -1015,7 +995,7 @@ pub(crate) fn run_soak(args: &[String]) -> Result<(), String> {
         "\nmedian/max: the run time of the main job; for the faults, the time from the fault to \
          each survivor's error\n(kill, stall: from just before the signal is sent; mismatch: from \
          when the last rank entered the mismatched collective).\nmismatch: the last column counts \
-         the errors of ranks 0 and 1 that say mismatch. Seed {}.",
+         the errors (of every rank) that say mismatch and name the other side. Seed {}.",
         fl.seed
     );
     let bad: usize = rows.iter().map(|r| r.failures() + r.hangs()).sum();
@@ -1061,6 +1041,10 @@ mod tests {
             "rank 0 all_reduce #5 (f32 × 3) met rank 2 all_reduce #5 (f32 × 4)"
         ));
         assert!(!says_mismatch("rank 2: peer rank 0 was lost"));
+        let told = "rank 3: all_reduce #5 aborted by a mismatch that rank 2 reported: rank 1 \
+                    all_reduce #5 (f32 × 3, SUM) met rank 0 all_reduce #5 (f32 × 4, SUM)";
+        assert!(says_mismatch(told));
+        assert_eq!(blamed(told), vec![0]);
     }
 
     #[test]

@@ -3,14 +3,15 @@
 use std::fmt;
 use std::time::Duration;
 
-use dist_wire::{CollectiveOp, DType, FrameHeader, WireError};
+use dist_wire::{CollectiveOp, DType, FrameHeader, NO_ROOT, ReduceOp, WireError};
 
 use crate::StoreError;
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// One rank's view of one operation: `rank 1 all_reduce #12 (f32 × 1000)`.
+/// One rank's view of one operation: `rank 1 all_reduce #12 (f32 × 1000, SUM)`, with every
+/// argument that must be the same on all ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OpDesc {
     /// The rank.
@@ -23,6 +24,12 @@ pub struct OpDesc {
     pub dtype: DType,
     /// Element count.
     pub count: u64,
+    /// Reduce op wire code (see [`ReduceOp::code`]), for ops that reduce.
+    pub reduce: Option<u8>,
+    /// Root rank, for rooted ops.
+    pub root: Option<usize>,
+    /// Fingerprint of the split sizes ([`dist_wire::splits_fingerprint`]), 0 when none.
+    pub splits: u32,
 }
 
 impl From<&FrameHeader> for OpDesc {
@@ -33,6 +40,9 @@ impl From<&FrameHeader> for OpDesc {
             seq: h.seq,
             dtype: h.dtype,
             count: h.count,
+            reduce: h.op.reduces().then_some(h.reduce),
+            root: (h.root != NO_ROOT).then_some(h.root as usize),
+            splits: h.splits,
         }
     }
 }
@@ -41,9 +51,22 @@ impl fmt::Display for OpDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "rank {} {} #{} ({} × {})",
+            "rank {} {} #{} ({} × {}",
             self.rank, self.op, self.seq, self.dtype, self.count
-        )
+        )?;
+        if let Some(code) = self.reduce {
+            match ReduceOp::code_name(code) {
+                Some(name) => write!(f, ", {name}")?,
+                None => write!(f, ", reduce op {code}")?,
+            }
+        }
+        if let Some(root) = self.root {
+            write!(f, ", root {root}")?;
+        }
+        if self.splits != 0 {
+            write!(f, ", split sizes #{:08x}", self.splits)?;
+        }
+        f.write_str(")")
     }
 }
 
@@ -82,14 +105,35 @@ pub enum Error {
         /// Ranks that had not delivered.
         missing_peers: Vec<usize>,
     },
-    /// Two ranks called different operations (or the same one with different dtype, count or
-    /// sequence number).
+    /// Two ranks called different operations (or the same one with a different dtype, count,
+    /// reduce op, root, split sizes or sequence number), as this rank found itself.
     #[error("{ours} met {theirs}")]
     Mismatch {
         /// What this rank called.
         ours: OpDesc,
         /// What the peer called.
         theirs: OpDesc,
+    },
+    /// Another rank found a mismatch (two ranks calling different operations or passing
+    /// different arguments) and aborted the group; this rank learnt it from an abort notice.
+    /// `found` (whose `rank` found it) and `met` are the two sides.
+    #[error(
+        "rank {rank}: {op} #{seq} aborted by a mismatch that rank {reporter} reported: {found} met {met}"
+    )]
+    MismatchReported {
+        /// This rank.
+        rank: usize,
+        /// The operation this rank was in (or starting) when it heard.
+        op: CollectiveOp,
+        /// Its sequence number.
+        seq: u64,
+        /// The rank whose abort notice said so: the one that found it (`found.rank`), or one
+        /// that passed its notice on.
+        reporter: usize,
+        /// One side: what the rank that found the mismatch called.
+        found: OpDesc,
+        /// The other side: what the rank it disagreed with called.
+        met: OpDesc,
     },
     /// The caller passed something invalid.
     #[error("rank {rank}: invalid argument to {op}: {reason}")]

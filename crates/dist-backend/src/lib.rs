@@ -17,11 +17,15 @@
 //! against the world size, reduce op against dtype. A backend re-checks the invariants its own
 //! memory safety depends on (buffer lengths) and returns [`Error::InvalidArgument`] rather than
 //! panicking. What only the peers can know (that every rank called the same op with the same
-//! dtype and count) is checked by the backend on the wire and reported as [`Error::Mismatch`].
+//! dtype, count, reduce op, root and split sizes) is checked by the backend on the wire and
+//! reported as [`Error::Mismatch`] on the rank that finds it, and as
+//! [`Error::MismatchReported`] on every other rank of the group (a backend tells them), so no
+//! rank returns Ok from, or waits out the timeout of, a collective its peers disagree on.
 //!
 //! **Which errors are possible.** Every operation may return `InvalidArgument`, `Mismatch`,
-//! `PeerLost` (a peer's connection closed or reset), `Timeout` (a peer did not deliver within
-//! [`OpOptions::timeout`]), `Unsupported` (see [`Capabilities`]) and `Io`.
+//! `MismatchReported`, `PeerLost` (a peer's connection closed or reset, seen by this rank or
+//! reported by another), `Timeout` (a peer did not deliver within [`OpOptions::timeout`]),
+//! `Unsupported` (see [`Capabilities`]) and `Io`.
 //!
 //! **What "returns" means.** For host buffers an operation returns when it is complete on this
 //! rank: the output holds the result and the input may be reused. For device buffers

@@ -21,7 +21,8 @@
 //! `SOAK_SECONDS` (how long the loop runs before the program exits 0: 4 s for
 //! `store-garbage`, else 120 s), `SOAK_MISMATCH_AT` (the iteration of the mismatch, default 5),
 //! `SOAK_MISMATCH_KIND` (`count`: ranks 0 and 1 all-reduce a different element count, each
-//! its own; `op`: ranks 0 and 1 broadcast where the others all-reduce).
+//! its own; `op`: ranks 0 and 1 broadcast where the others all-reduce; `root`: every rank
+//! broadcasts, ranks 0 and 1 from root 1, the others from root 0).
 //!
 //! The program ignores SIGTERM: `distrun` sends it to the surviving ranks as soon as one rank
 //! fails, and the survivors must live long enough to report their own error.
@@ -111,6 +112,7 @@ fn mismatched(pg: &ProcessGroup, buf: &mut [f32], kind: &str) -> Result<(), Stri
     let rank = pg.rank();
     let r = match (rank, kind) {
         (0 | 1, "op") => pg.broadcast(buf, 0),
+        (_, "root") => pg.broadcast(buf, usize::from(rank < 2)),
         (0 | 1, _) => {
             // Each of ranks 0 and 1 its own count, different from everyone's.
             let mut other = vec![1.0f32; COUNT + 1 + rank];

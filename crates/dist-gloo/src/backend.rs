@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dist_backend::{Backend, BufMut, BufRef, Capabilities, Error, OpOptions, Result, Store};
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
-use crate::algo::{Op, allreduce, bcast, blocks_of, ring, rooted};
+use crate::algo::{Op, agree, allreduce, bcast, blocks_of, ring, rooted};
 use crate::transport::mem::MemTransport;
 use crate::transport::tcp::{MeshOptions, TcpTransport};
 use crate::transport::{StepCtx, Transport};
@@ -240,8 +240,9 @@ impl GlooBackend {
     }
 
     /// Runs one operation: refuses if the group is aborted, assigns the next sequence number,
-    /// and aborts the group if the operation fails (its connections are then in an unknown
-    /// state, as in Gloo).
+    /// has every rank agree on a rooted op's arguments first (see [`agree`]), and aborts the
+    /// group if the operation fails (its connections are then in an unknown state, as in
+    /// Gloo). `splits` are the per-rank element counts every rank must pass alike, if any.
     #[allow(
         clippy::too_many_arguments,
         reason = "one call site per operation, each naming every field"
@@ -253,6 +254,7 @@ impl GlooBackend {
         count: usize,
         reduce: Option<ReduceOp>,
         root: Option<usize>,
+        splits: Option<&[usize]>,
         opts: &OpOptions,
         f: impl FnOnce(&Op<'_>, &mut Vec<u64>) -> Result<R>,
     ) -> Result<R> {
@@ -279,15 +281,21 @@ impl GlooBackend {
         let mut ctx = StepCtx::new(self.rank, self.group, name, seq, dtype, opts.timeout);
         ctx.reduce = reduce.map_or(0, |r| r.code());
         ctx.root = root.map_or(NO_ROOT, |r| r as u32);
+        ctx.splits = splits.map_or(0, dist_wire::splits_fingerprint);
         let o = Op {
             t: &*self.transport,
             ctx,
             count: count as u64,
         };
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let res = f(&o, &mut scratch);
+        let res = if name.rooted() {
+            agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
+        } else {
+            f(&o, &mut scratch)
+        };
         if let Err(e) = &res {
             tracing::warn!(rank = self.rank, error = %e, "operation failed; the group is aborted");
+            self.transport.abort();
             let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
             p.get_or_insert_with(|| e.to_string());
         }
@@ -337,15 +345,24 @@ impl Backend for GlooBackend {
         let data = self.host(name, buf)?;
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
         self.check_reduce(name, op, dtype)?;
-        self.run(name, dtype, count, Some(op), None, opts, |o, scratch| {
-            self.prepare(o, op, data)?;
-            if data.len() <= self.small_bytes || count < self.world_size {
-                allreduce::recursive_doubling(o, data, op, scratch)?;
-                self.finalize(o, op, data)
-            } else {
-                allreduce::ring(o, data, op, scratch)
-            }
-        })
+        self.run(
+            name,
+            dtype,
+            count,
+            Some(op),
+            None,
+            None,
+            opts,
+            |o, scratch| {
+                self.prepare(o, op, data)?;
+                if data.len() <= self.small_bytes || count < self.world_size {
+                    allreduce::recursive_doubling(o, data, op, scratch)?;
+                    self.finalize(o, op, data)
+                } else {
+                    allreduce::ring(o, data, op, scratch)
+                }
+            },
+        )
     }
 
     fn broadcast(
@@ -359,7 +376,7 @@ impl Backend for GlooBackend {
         let data = self.host(name, buf)?;
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
         self.check_rank(name, "root", root)?;
-        self.run(name, dtype, count, None, Some(root), opts, |o, _| {
+        self.run(name, dtype, count, None, Some(root), None, opts, |o, _| {
             if self.world_size == 1 {
                 Ok(())
             } else {
@@ -397,6 +414,7 @@ impl Backend for GlooBackend {
             count,
             Some(op),
             Some(root),
+            None,
             opts,
             |o, scratch| {
                 self.prepare(o, op, data)?;
@@ -428,11 +446,20 @@ impl Backend for GlooBackend {
         self.check_len(name, "the input", input.len(), dtype, counts[self.rank])?;
         let total: usize = counts.iter().sum();
         self.check_len(name, "the output", output.len(), dtype, total)?;
-        self.run(name, dtype, total, None, None, opts, |o, _| {
-            let blocks = blocks_of(counts, dtype.size());
-            output[blocks[self.rank].clone()].copy_from_slice(input);
-            ring::all_gather(o, output, &blocks)
-        })
+        self.run(
+            name,
+            dtype,
+            total,
+            None,
+            None,
+            Some(counts),
+            opts,
+            |o, _| {
+                let blocks = blocks_of(counts, dtype.size());
+                output[blocks[self.rank].clone()].copy_from_slice(input);
+                ring::all_gather(o, output, &blocks)
+            },
+        )
     }
 
     fn reduce_scatter(
@@ -451,18 +478,27 @@ impl Backend for GlooBackend {
         self.check_len(name, "the input", input.len(), dtype, total)?;
         self.check_len(name, "the output", output.len(), dtype, counts[self.rank])?;
         self.check_reduce(name, op, dtype)?;
-        self.run(name, dtype, total, Some(op), None, opts, |o, scratch| {
-            let blocks = blocks_of(counts, dtype.size());
-            if let ReduceOp::PremulSum(_) = op {
-                // The scale must be applied to a copy: the input is the caller's.
-                let mut work = input.to_vec();
-                self.prepare(o, op, &mut work)?;
-                ring::reduce_scatter_into(o, &work, output, &blocks, op, scratch)?;
-            } else {
-                ring::reduce_scatter_into(o, input, output, &blocks, op, scratch)?;
-            }
-            self.finalize(o, op, output)
-        })
+        self.run(
+            name,
+            dtype,
+            total,
+            Some(op),
+            None,
+            Some(counts),
+            opts,
+            |o, scratch| {
+                let blocks = blocks_of(counts, dtype.size());
+                if let ReduceOp::PremulSum(_) = op {
+                    // The scale must be applied to a copy: the input is the caller's.
+                    let mut work = input.to_vec();
+                    self.prepare(o, op, &mut work)?;
+                    ring::reduce_scatter_into(o, &work, output, &blocks, op, scratch)?;
+                } else {
+                    ring::reduce_scatter_into(o, input, output, &blocks, op, scratch)?;
+                }
+                self.finalize(o, op, output)
+            },
+        )
     }
 
     fn all_to_all(
@@ -501,7 +537,7 @@ impl Backend for GlooBackend {
                 ),
             ));
         }
-        self.run(name, dtype, 0, None, None, opts, |o, _| {
+        self.run(name, dtype, 0, None, None, None, opts, |o, _| {
             rooted::all_to_all(o, input, output, send_counts, recv_counts)
         })
     }
@@ -541,7 +577,7 @@ impl Backend for GlooBackend {
             }
             (None, false) => None,
         };
-        self.run(name, dtype, count, None, Some(root), opts, |o, _| {
+        self.run(name, dtype, count, None, Some(root), None, opts, |o, _| {
             rooted::gather(o, input, output, root)
         })
     }
@@ -575,7 +611,7 @@ impl Backend for GlooBackend {
             }
             (None, false) => None,
         };
-        self.run(name, dtype, count, None, Some(root), opts, |o, _| {
+        self.run(name, dtype, count, None, Some(root), None, opts, |o, _| {
             rooted::scatter(o, input, output, root)
         })
     }
@@ -585,6 +621,7 @@ impl Backend for GlooBackend {
             CollectiveOp::Barrier,
             DType::U8,
             0,
+            None,
             None,
             None,
             opts,
@@ -600,7 +637,7 @@ impl Backend for GlooBackend {
             return Err(self.invalid(name, "a rank cannot send to itself".into()));
         }
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
-        self.run(name, dtype, count, None, None, opts, |o, _| {
+        self.run(name, dtype, count, None, None, None, opts, |o, _| {
             o.step(&[o.send(dst, data, opts.tag)], &mut [])
         })
     }
@@ -613,7 +650,7 @@ impl Backend for GlooBackend {
             return Err(self.invalid(name, "a rank cannot receive from itself".into()));
         }
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
-        self.run(name, dtype, count, None, None, opts, |o, _| {
+        self.run(name, dtype, count, None, None, None, opts, |o, _| {
             o.step(&[], &mut [o.recv(src, data, opts.tag)])
         })
     }
@@ -640,8 +677,10 @@ impl Backend for GlooBackend {
         let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
         if p.is_none() {
             *p = Some("the group was destroyed".into());
-            // Under the lock, so no operation starts on connections being closed.
-            self.transport.close();
         }
+        // Also once aborted: closing then delivers the abort notices the failed step could not
+        // write at once, rather than leave them to die with the process. Under the lock, so no
+        // operation starts on connections being closed; a second close finds none left.
+        self.transport.close();
     }
 }

@@ -14,9 +14,12 @@
 //!   gather; all_gather and reduce_scatter (equal and uneven): ring; all_to_all, gather,
 //!   scatter: direct, all transfers in flight at once; barrier: dissemination.
 //!
-//! Every frame carries a [`dist_wire::FrameHeader`]; ranks that call different operations fail
-//! with [`dist_backend::Error::Mismatch`] naming both sides. A peer whose process dies makes
-//! every rank still waiting on the group fail with `PeerLost`; one that stalls, with `Timeout`
+//! Every frame carries a [`dist_wire::FrameHeader`]; ranks that call different operations (or
+//! pass different arguments, the root included: rooted operations agree on them first) fail
+//! with [`dist_backend::Error::Mismatch`] naming both sides, and the rank that finds it tells
+//! every other rank, whose error is [`dist_backend::Error::MismatchReported`]. A peer whose
+//! process dies makes every rank still waiting on the group fail with `PeerLost` naming it
+//! (the first rank to see it tells the others whom to blame); one that stalls, with `Timeout`
 //! naming the op, its sequence number and the ranks that did not deliver.
 //!
 //! ```

@@ -25,6 +25,7 @@ fn codec(c: &mut Criterion) {
         offset: 4096,
         payload_len: 1 << 20,
         flags: 0,
+        splits: 0,
     };
     c.bench_function("frame_header/encode", |b| {
         b.iter(|| black_box(black_box(&h).encode()))

@@ -18,7 +18,8 @@
 //! | 40..48 | offset in bytes of this chunk within the op's buffer |
 //! | 48..56 | payload length in bytes (of the data, wherever it lies) |
 //! | 56 | flags: [`FrameHeader::REMOTE`], [`FrameHeader::ACK`] |
-//! | 57..64 | reserved, zero |
+//! | 57..61 | split-sizes fingerprint ([`splits_fingerprint`]; 0 when the op has none) |
+//! | 61..64 | reserved, zero |
 //!
 //! A frame's payload normally follows its header. A [`FrameHeader::REMOTE`] frame carries a
 //! [`PayloadRef`] (16 bytes) instead: the receiver copies the data straight out of the
@@ -26,8 +27,15 @@
 //! with an [`FrameHeader::ACK`] frame once it has the whole message, after which the sender may
 //! reuse its buffer.
 //!
-//! The receiver compares op, dtype, count and sequence number with what it expects, so two ranks
-//! that disagree fail fast with both sides named instead of exchanging garbage.
+//! The receiver compares op, dtype, count, reduce op, root, split sizes and sequence number with
+//! what it expects, so two ranks that disagree fail fast with both sides named instead of
+//! exchanging garbage.
+//!
+//! A [`CollectiveOp::Close`] frame is not data: it says why the sender leaves the group, as a
+//! [`CloseReason`] (a clean goodbye, or an abort naming the rank to blame and the cause). Its
+//! `tag` is 0 for a goodbye and `culprit + 1` for an abort, its `count` the cause code
+//! ([`CloseReason::LOST`], [`CloseReason::MISMATCH`]), and an abort for a mismatch carries the
+//! two headers that disagreed as its payload ([`MAX_CLOSE_PAYLOAD`] bytes at most).
 
 use std::fmt;
 
@@ -36,13 +44,16 @@ use crate::{DType, WireError};
 /// Frame magic: `b"DST1"` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DST1");
 /// The protocol version this build speaks.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Encoded size of a [`FrameHeader`].
 pub const HEADER_LEN: usize = 64;
 /// Encoded size of a [`PayloadRef`].
 pub const PAYLOAD_REF_LEN: usize = 16;
 /// Root/peer value meaning "no root".
 pub const NO_ROOT: u32 = u32::MAX;
+/// The largest payload a [`CollectiveOp::Close`] frame may carry: the two headers of a
+/// mismatch. A longer one is rejected by [`FrameHeader::decode`], before anything is read.
+pub const MAX_CLOSE_PAYLOAD: usize = 2 * HEADER_LEN;
 
 /// The operation a frame belongs to, named as torch names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -114,6 +125,39 @@ impl CollectiveOp {
     pub fn from_code(code: u8) -> Option<Self> {
         Self::ALL.get(usize::from(code)).copied()
     }
+
+    /// Whether the op takes a reduce op (which then must be the same on every rank).
+    pub const fn reduces(self) -> bool {
+        matches!(
+            self,
+            CollectiveOp::AllReduce | CollectiveOp::Reduce | CollectiveOp::ReduceScatter
+        )
+    }
+
+    /// Whether the op takes a root (which then must be the same on every rank).
+    pub const fn rooted(self) -> bool {
+        matches!(
+            self,
+            CollectiveOp::Broadcast
+                | CollectiveOp::Reduce
+                | CollectiveOp::Gather
+                | CollectiveOp::Scatter
+        )
+    }
+}
+
+/// A fingerprint of per-rank element counts (`all_gather`/`reduce_scatter` split sizes) for
+/// [`FrameHeader::splits`]: FNV-1a over the counts, never 0 (0 means "no split sizes"), so
+/// that ranks passing different split sizes with the same total are caught on the first frame.
+pub fn splits_fingerprint(counts: &[usize]) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for c in counts {
+        for b in (*c as u64).to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    let folded = (h ^ (h >> 32)) as u32;
+    folded.max(1)
 }
 
 impl fmt::Display for CollectiveOp {
@@ -150,6 +194,8 @@ pub struct FrameHeader {
     pub payload_len: u64,
     /// [`FrameHeader::REMOTE`] and [`FrameHeader::ACK`] bits; 0 for an ordinary frame.
     pub flags: u8,
+    /// [`splits_fingerprint`] of the op's per-rank split sizes, 0 when it has none.
+    pub splits: u32,
 }
 
 impl FrameHeader {
@@ -188,6 +234,7 @@ impl FrameHeader {
         b[40..48].copy_from_slice(&self.offset.to_le_bytes());
         b[48..56].copy_from_slice(&self.payload_len.to_le_bytes());
         b[56] = self.flags;
+        b[57..61].copy_from_slice(&self.splits.to_le_bytes());
         b
     }
 
@@ -241,7 +288,24 @@ impl FrameHeader {
                 value: u64::from(flags),
             });
         }
-        if let Some(i) = (57..HEADER_LEN).find(|&i| b[i] != 0) {
+        if op == CollectiveOp::Close {
+            // Checked here, before anyone reads (or allocates for) the payload.
+            let len = u64_at(48);
+            if flags != 0 {
+                return Err(WireError::UnknownCode {
+                    field: "close frame flags",
+                    value: u64::from(flags),
+                });
+            }
+            if len > MAX_CLOSE_PAYLOAD as u64 {
+                return Err(WireError::TooLong {
+                    what: "close frame payload",
+                    len,
+                    limit: MAX_CLOSE_PAYLOAD as u64,
+                });
+            }
+        }
+        if let Some(i) = (61..HEADER_LEN).find(|&i| b[i] != 0) {
             return Err(WireError::UnknownCode {
                 field: "reserved header byte",
                 value: u64::from(b[i]),
@@ -260,7 +324,122 @@ impl FrameHeader {
             offset: u64_at(40),
             payload_len: u64_at(48),
             flags,
+            splits: u32_at(57),
         })
+    }
+}
+
+/// What a [`CollectiveOp::Close`] frame announces: why its sender leaves the group.
+///
+/// A rank that aborts a group tells every peer whom to blame and why, so that a rank which
+/// did not see the failure itself reports the rank that caused it (and, for a mismatch, the two
+/// calls that disagreed) rather than the rank whose connection it saw close.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CloseReason {
+    /// The sender leaves cleanly (it destroyed the group or exited).
+    Goodbye,
+    /// The sender aborted because it lost rank `culprit` (its connection closed without a
+    /// goodbye, or broke), saw it lost itself or was told so.
+    Lost {
+        /// The rank that was lost.
+        culprit: u32,
+    },
+    /// The sender aborted because two ranks called different collectives (or one with
+    /// different arguments): `found` is what the reporting rank called (as its frames would
+    /// have said) and `met` the frame it received, from `culprit`.
+    Mismatch {
+        /// The rank whose frame disagreed with the reporter's call.
+        culprit: u32,
+        /// The reporter's side: the header it would have sent.
+        found: FrameHeader,
+        /// The other side: the header it received.
+        met: FrameHeader,
+    },
+}
+
+impl CloseReason {
+    /// Cause code (in `count`) of an abort after losing a rank.
+    pub const LOST: u64 = 0;
+    /// Cause code (in `count`) of an abort after a mismatch.
+    pub const MISMATCH: u64 = 1;
+
+    /// The whole `Close` frame from `sender`: header, then payload.
+    pub fn encode(&self, sender: u32) -> Vec<u8> {
+        let (tag, count, payload): (u32, u64, Vec<u8>) = match self {
+            CloseReason::Goodbye => (0, 0, Vec::new()),
+            CloseReason::Lost { culprit } => (culprit.saturating_add(1), Self::LOST, Vec::new()),
+            CloseReason::Mismatch {
+                culprit,
+                found,
+                met,
+            } => {
+                let mut p = found.encode().to_vec();
+                p.extend_from_slice(&met.encode());
+                (culprit.saturating_add(1), Self::MISMATCH, p)
+            }
+        };
+        let h = FrameHeader {
+            op: CollectiveOp::Close,
+            dtype: DType::U8,
+            reduce: 0,
+            group: 0,
+            sender,
+            seq: 0,
+            count,
+            root: NO_ROOT,
+            tag,
+            offset: 0,
+            payload_len: payload.len() as u64,
+            flags: 0,
+            splits: 0,
+        };
+        let mut out = h.encode().to_vec();
+        out.extend_from_slice(&payload);
+        out
+    }
+
+    /// Decodes the reason of a `Close` frame from its header and its `h.payload_len` payload
+    /// bytes. Never panics.
+    pub fn decode(h: &FrameHeader, payload: &[u8]) -> Result<Self, WireError> {
+        if h.op != CollectiveOp::Close {
+            return Err(WireError::UnknownCode {
+                field: "close frame op",
+                value: u64::from(h.op.code()),
+            });
+        }
+        if payload.len() as u64 != h.payload_len {
+            return Err(WireError::Truncated {
+                what: "close frame payload",
+                needed: h.payload_len.min(MAX_CLOSE_PAYLOAD as u64) as usize,
+                have: payload.len(),
+            });
+        }
+        if h.tag == 0 {
+            return Ok(CloseReason::Goodbye);
+        }
+        let culprit = h.tag - 1;
+        match h.count {
+            Self::LOST => Ok(CloseReason::Lost { culprit }),
+            Self::MISMATCH => {
+                if payload.len() != MAX_CLOSE_PAYLOAD {
+                    return Err(WireError::Truncated {
+                        what: "mismatch notice",
+                        needed: MAX_CLOSE_PAYLOAD,
+                        have: payload.len(),
+                    });
+                }
+                Ok(CloseReason::Mismatch {
+                    culprit,
+                    found: FrameHeader::decode(&payload[..HEADER_LEN])?,
+                    met: FrameHeader::decode(&payload[HEADER_LEN..])?,
+                })
+            }
+            other => Err(WireError::UnknownCode {
+                field: "close cause",
+                value: other,
+            }),
+        }
     }
 }
 

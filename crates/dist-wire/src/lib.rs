@@ -31,7 +31,8 @@ pub mod store;
 pub use dtype::{DType, Element};
 pub use error::WireError;
 pub use header::{
-    CollectiveOp, FrameHeader, HEADER_LEN, MAGIC, NO_ROOT, PAYLOAD_REF_LEN, PayloadRef, VERSION,
+    CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, MAGIC, MAX_CLOSE_PAYLOAD, NO_ROOT,
+    PAYLOAD_REF_LEN, PayloadRef, VERSION, splits_fingerprint,
 };
 pub use op::ReduceOp;
 pub use reduce::{finalize, finalize_slice, prepare, prepare_slice, reduce_into, reduce_slice};

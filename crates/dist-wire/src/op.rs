@@ -94,6 +94,15 @@ impl ReduceOp {
         }
     }
 
+    /// The name of the op with wire code `code` (as [`ReduceOp::name`]), for messages about
+    /// headers, which carry only the code.
+    pub fn code_name(code: u8) -> Option<&'static str> {
+        Self::ALL
+            .iter()
+            .find(|o| o.code() == code)
+            .map(|o| o.name())
+    }
+
     /// Every op without a parameter, plus `PremulSum(0.5)`: handy for exhaustive tests.
     pub const ALL: [ReduceOp; 9] = [
         ReduceOp::Sum,

@@ -11,6 +11,7 @@ use dist_wire::{DType, ReduceOp};
 
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
 
+pub(crate) mod agree;
 pub(crate) mod allreduce;
 pub(crate) mod bcast;
 pub(crate) mod ring;
@@ -28,6 +29,7 @@ pub(crate) mod tags {
     pub(crate) const DIRECT: u32 = 8 << 16;
     pub(crate) const BARRIER: u32 = 9 << 16;
     pub(crate) const GATHER: u32 = 10 << 16;
+    pub(crate) const AGREE: u32 = 11 << 16;
 }
 
 /// Everything an algorithm needs about the operation it runs.

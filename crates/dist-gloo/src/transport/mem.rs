@@ -6,9 +6,11 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::Instant;
 
 use dist_backend::Result;
-use dist_wire::{CollectiveOp, FrameHeader};
+use dist_wire::{CloseReason, CollectiveOp, FrameHeader};
 
-use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, Verdict, frames, judge};
+use super::{
+    Incoming, OnFrame, Outgoing, StepCtx, Transport, Verdict, closed_error, frames, judge,
+};
 
 type Frame = (FrameHeader, Vec<u8>);
 
@@ -115,7 +117,17 @@ impl Transport for MemTransport {
                 };
                 match judge(ctx, &h, inc.peer, inc.count, inc.tag, got, inc.buf.len())? {
                     Verdict::Stash => stash[inc.peer].push_back((h, payload)),
-                    Verdict::Closed(_) => return Err(ctx.peer_lost(inc.peer, "it left the group")),
+                    Verdict::Closed => {
+                        return Err(match CloseReason::decode(&h, &payload) {
+                            Ok(CloseReason::Goodbye) => {
+                                ctx.peer_lost(inc.peer, "it left the group")
+                            }
+                            Ok(reason) => closed_error(ctx, inc.peer, &reason),
+                            Err(e) => {
+                                ctx.peer_lost(inc.peer, format!("its close frame is corrupt: {e}"))
+                            }
+                        });
+                    }
                     Verdict::Expected => {
                         let r = got..got + payload.len();
                         inc.buf[r.clone()].copy_from_slice(&payload);

@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use dist_backend::{Error, OpDesc, Result};
-use dist_wire::{CollectiveOp, DType, FrameHeader, NO_ROOT};
+use dist_wire::{CloseReason, CollectiveOp, DType, FrameHeader, NO_ROOT};
 
 pub mod mem;
 pub mod tcp;
@@ -39,6 +39,12 @@ pub struct StepCtx {
     pub reduce: u8,
     /// Root or peer, [`NO_ROOT`] when none.
     pub root: u32,
+    /// [`dist_wire::splits_fingerprint`] of the per-rank split sizes, 0 when none.
+    pub splits: u32,
+    /// The step exchanges the operation's arguments as values (see `algo::agree`), so that
+    /// every rank, not only the pair whose frames disagree, can report a disagreement: the
+    /// receiver checks only op, sequence number and step of its frames.
+    pub args_in_payload: bool,
     /// When the whole operation started (for `Timeout::waited`).
     pub started: Instant,
     /// When the whole operation must be done.
@@ -64,6 +70,8 @@ impl StepCtx {
             dtype,
             reduce: 0,
             root: NO_ROOT,
+            splits: 0,
+            args_in_payload: false,
             started,
             deadline: dist_backend::deadline_after(started, timeout),
         }
@@ -84,18 +92,13 @@ impl StepCtx {
             offset: offset as u64,
             payload_len: payload_len as u64,
             flags: 0,
+            splits: self.splits,
         }
     }
 
     /// This rank's description of the operation, for mismatch errors.
     pub fn desc(&self, count: u64) -> OpDesc {
-        OpDesc {
-            rank: self.rank,
-            op: self.op,
-            seq: self.seq,
-            dtype: self.dtype,
-            count,
-        }
+        OpDesc::from(&self.header(count, 0, 0, 0))
     }
 
     /// The error for peers that had not delivered by the deadline.
@@ -171,8 +174,13 @@ pub trait Transport: Send + Sync {
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
     ) -> Result<()>;
-    /// Tells every peer this rank is leaving cleanly. Best effort.
+    /// Tells every peer this rank is leaving cleanly (or, once aborted, delivers the abort
+    /// notices still owed). Best effort.
     fn close(&self);
+    /// Marks the group aborted by a failure found outside any step (ranks that disagree, found
+    /// by comparing values): closing it then says no goodbye, which would tell the peers that
+    /// this rank left cleanly. A failed step marks it by itself.
+    fn abort(&self) {}
     /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the peer
     /// is gone. Never blocks: reads ahead what has arrived from `peer` into the stash.
     fn probe(&self, peer: usize, tag: u32) -> bool;
@@ -190,8 +198,8 @@ pub(crate) enum Verdict {
     /// A frame for another point-to-point tag, or a collective frame during point-to-point (or
     /// the reverse): keep it for a later step.
     Stash,
-    /// The peer left the group: cleanly (tag 0), or aborting after it lost rank `tag - 1`.
-    Closed(u32),
+    /// A `Close` frame: the peer left the group, or aborted it (its payload says why).
+    Closed,
 }
 
 /// Checks a received header against the step's expectation for `recv` after `got` bytes.
@@ -205,7 +213,7 @@ pub(crate) fn judge(
     len: usize,
 ) -> Result<Verdict> {
     if h.op == CollectiveOp::Close {
-        return Ok(Verdict::Closed(h.tag));
+        return Ok(Verdict::Closed);
     }
     let p2p = ctx.op == CollectiveOp::SendRecv;
     if (h.op == CollectiveOp::SendRecv) != p2p || (p2p && h.tag != want_tag) {
@@ -222,27 +230,30 @@ pub(crate) fn judge(
             ),
         ));
     }
-    if h.op != ctx.op
-        || h.seq != ctx.seq
-        || h.dtype != ctx.dtype
-        || h.count != want_count
-        || h.tag != want_tag
-        || h.reduce != ctx.reduce
-        || h.root != ctx.root
-    {
-        let ours = ctx.desc(want_count);
-        if h.op == ctx.op && h.seq == ctx.seq && h.dtype == ctx.dtype && h.count == want_count {
-            // Same op and shape: the difference is in the reduce op, root or algorithm step.
-            return Err(Error::invalid(
-                ctx.rank,
-                ctx.op.name(),
-                format!(
-                    "{ours} (reduce op {}, root {}, step {want_tag:#x}) met {theirs} (reduce op {}, root {}, step {:#x}): the ranks disagree on arguments",
-                    ctx.reduce, ctx.root as i64, h.reduce, h.root as i64, h.tag
-                ),
-            ));
-        }
-        return Err(Error::Mismatch { ours, theirs });
+    // Every argument that must be the same on all ranks travels in the header; a step that
+    // carries them as values instead compares them itself, on every rank.
+    let same_args = ctx.args_in_payload
+        || (h.dtype == ctx.dtype
+            && h.count == want_count
+            && h.reduce == ctx.reduce
+            && h.root == ctx.root
+            && h.splits == ctx.splits);
+    if h.op != ctx.op || h.seq != ctx.seq || !same_args {
+        return Err(Error::Mismatch {
+            ours: ctx.desc(want_count),
+            theirs,
+        });
+    }
+    if h.tag != want_tag {
+        return Err(Error::invalid(
+            ctx.rank,
+            ctx.op.name(),
+            format!(
+                "{} (step {want_tag:#x}) met {theirs} (step {:#x}): the ranks run different algorithms (is DIST_GLOO_SMALL_BYTES or DIST_GLOO_SEGMENT_BYTES the same on every rank?)",
+                ctx.desc(want_count),
+                h.tag
+            ),
+        ));
     }
     let end = got as u64 + h.payload_len;
     if h.offset != got as u64 || end > len as u64 {
@@ -258,6 +269,76 @@ pub(crate) fn judge(
         ));
     }
     Ok(Verdict::Expected)
+}
+
+/// The error for a step that met `peer`'s `Close` frame giving `reason` (or whose connection to
+/// `peer` was already closed for it).
+pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> Error {
+    match *reason {
+        CloseReason::Lost { culprit } if culprit as usize != ctx.rank => ctx.peer_lost(
+            culprit as usize,
+            format!("rank {peer} reported it lost and aborted the group"),
+        ),
+        // The peer lost its connection to this rank, which is alive: the fault is on its side.
+        CloseReason::Lost { .. } => ctx.peer_lost(
+            peer,
+            "it aborted the group after losing its connection to this rank",
+        ),
+        CloseReason::Mismatch { found, met, .. } => Error::MismatchReported {
+            rank: ctx.rank,
+            op: ctx.op,
+            seq: ctx.seq,
+            reporter: peer,
+            found: OpDesc::from(&found),
+            met: OpDesc::from(&met),
+        },
+        _ => ctx.peer_lost(
+            peer,
+            "it left the group (destroyed its process group) during this operation",
+        ),
+    }
+}
+
+/// What this rank tells its peers when a step fails with `e`: whom to blame and why. `None`
+/// for failures that say nothing about another rank (a timeout names who was slow, not who
+/// failed; a caller's mistake is local).
+pub(crate) fn abort_reason(e: &Error) -> Option<CloseReason> {
+    match e {
+        Error::PeerLost { peer, .. } => Some(CloseReason::Lost {
+            culprit: *peer as u32,
+        }),
+        Error::Mismatch { ours, theirs } => Some(CloseReason::Mismatch {
+            culprit: theirs.rank as u32,
+            found: desc_header(ours),
+            met: desc_header(theirs),
+        }),
+        // Passed on, so that a peer the reporter could not reach still hears of it.
+        Error::MismatchReported { found, met, .. } => Some(CloseReason::Mismatch {
+            culprit: met.rank as u32,
+            found: desc_header(found),
+            met: desc_header(met),
+        }),
+        _ => None,
+    }
+}
+
+/// A header saying what `d` says, for a mismatch notice (read back with `OpDesc::from`).
+fn desc_header(d: &OpDesc) -> FrameHeader {
+    FrameHeader {
+        op: d.op,
+        dtype: d.dtype,
+        reduce: d.reduce.unwrap_or(0),
+        group: 0,
+        sender: d.rank as u32,
+        seq: d.seq,
+        count: d.count,
+        root: d.root.map_or(NO_ROOT, |r| r as u32),
+        tag: 0,
+        offset: 0,
+        payload_len: 0,
+        flags: 0,
+        splits: d.splits,
+    }
 }
 
 /// Frame boundaries of a message of `len` bytes cut into `seg`-byte frames (always at least one

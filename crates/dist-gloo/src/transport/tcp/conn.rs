@@ -4,14 +4,17 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 
-use dist_wire::{CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef, WireError};
+use dist_wire::{
+    CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef, WireError,
+};
 
 /// Staging buffer size: small frames and headers are read through it, many per syscall.
 const STAGING: usize = 64 << 10;
 /// Largest frame kept in the stash; a bigger length is taken as corruption, not allocated.
 const MAX_STASHED_FRAME: u64 = 256 << 20;
 
-/// What is known of the peer's side of the connection.
+/// What is known of the peer's side of the connection. The first thing learnt sticks: a peer
+/// that aborted and then exited is remembered for its abort notice, not for the EOF after it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum PeerState {
     /// Connected.
@@ -20,11 +23,9 @@ pub(super) enum PeerState {
     Left,
     /// The connection ended without `Close`, or broke.
     Lost(String),
-    /// The peer aborted after losing rank `culprit` (it said so in its `Close`).
-    Aborted {
-        /// The rank the peer lost.
-        culprit: usize,
-    },
+    /// The peer aborted the group and said why in its `Close` (never
+    /// [`CloseReason::Goodbye`]).
+    Aborted(CloseReason),
 }
 
 /// The payload of a stashed frame.
@@ -63,18 +64,9 @@ pub(super) struct Conn {
     /// Acknowledgements waiting to be written, and how much of them is written.
     out: Vec<u8>,
     out_done: usize,
-}
-
-impl PeerState {
-    /// The state a `Close` frame with `tag` announces.
-    pub(super) fn closed(tag: u32) -> Self {
-        match tag {
-            0 => PeerState::Left,
-            t => PeerState::Aborted {
-                culprit: (t - 1) as usize,
-            },
-        }
-    }
+    /// An abort notice was queued for the peer: closing must not reset the connection before
+    /// the peer has read it (see `Engine::close`).
+    pub(super) notified: bool,
 }
 
 impl Conn {
@@ -91,6 +83,7 @@ impl Conn {
             acked: 0,
             out: Vec::new(),
             out_done: 0,
+            notified: false,
         }
     }
 
@@ -139,6 +132,23 @@ impl Conn {
                 self.start += HEADER_LEN;
                 self.acked += 1;
                 continue;
+            }
+            if h.op == CollectiveOp::Close {
+                // Read whole (its payload is at most `MAX_CLOSE_PAYLOAD` bytes, which the
+                // decoder checked), so that the reason is known the moment the frame is.
+                let len = HEADER_LEN + h.payload_len as usize;
+                match self.fill(len)? {
+                    Io::WouldBlock => return Ok(Io::WouldBlock),
+                    Io::Ready(false) => return Ok(Io::Ready(None)),
+                    Io::Ready(true) => {}
+                }
+                let payload = &self.staging[self.start + HEADER_LEN..self.start + len];
+                let reason = CloseReason::decode(&h, payload);
+                self.start += len;
+                return Ok(Io::Ready(Some(reason.map(|r| {
+                    self.closed(r);
+                    (h, None)
+                }))));
             }
             if h.flags & FrameHeader::REMOTE == 0 {
                 self.start += HEADER_LEN;
@@ -254,9 +264,8 @@ impl Conn {
             match self.read_header() {
                 Ok(Io::WouldBlock) => return,
                 Ok(Io::Ready(None)) => return self.eof(),
-                Ok(Io::Ready(Some(Ok((h, _))))) if h.op == CollectiveOp::Close => {
-                    self.state = PeerState::closed(h.tag)
-                }
+                // `read_header` noted why in `state`; nothing follows a `Close` but the EOF.
+                Ok(Io::Ready(Some(Ok((h, _))))) if h.op == CollectiveOp::Close => {}
                 Ok(Io::Ready(Some(Ok(frame)))) => {
                     if let Err(why) = self.begin_stash(frame) {
                         self.state = PeerState::Lost(why);
@@ -264,27 +273,36 @@ impl Conn {
                     }
                 }
                 Ok(Io::Ready(Some(Err(e)))) => {
-                    self.state =
-                        PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
-                    return;
+                    return self.lose(format!("it sent bytes that are not a frame: {e}"));
                 }
                 Err(e) => return self.broken(&e),
             }
         }
     }
 
-    pub(super) fn eof(&mut self) {
+    /// Notes the reason of the peer's `Close` frame, unless something was learnt before.
+    pub(super) fn closed(&mut self, reason: CloseReason) {
         if self.state == PeerState::Open {
-            self.state = PeerState::Lost(
-                "its connection closed without a goodbye (the process exited or crashed)".into(),
-            );
+            self.state = match reason {
+                CloseReason::Goodbye => PeerState::Left,
+                other => PeerState::Aborted(other),
+            };
         }
     }
 
-    pub(super) fn broken(&mut self, e: &io::Error) {
+    /// Notes that the connection is unusable for `why`, unless something was learnt before.
+    pub(super) fn lose(&mut self, why: String) {
         if self.state == PeerState::Open {
-            self.state = PeerState::Lost(format!("connection error: {e}"));
+            self.state = PeerState::Lost(why);
         }
+    }
+
+    pub(super) fn eof(&mut self) {
+        self.lose("its connection closed without a goodbye (the process exited or crashed)".into());
+    }
+
+    pub(super) fn broken(&mut self, e: &io::Error) {
+        self.lose(format!("connection error: {e}"));
     }
 
     pub(super) fn has_partial(&self) -> bool {
@@ -299,6 +317,27 @@ impl Conn {
             ..*h
         };
         self.out.extend_from_slice(&ack.encode());
+    }
+
+    /// Queues an abort notice: after `rest`, the unwritten remainder of the data frame this
+    /// rank was in the middle of sending (a frame cut short would make the peer read the
+    /// notice as payload), and after the acknowledgements already queued, in wire order.
+    pub(super) fn queue_notice(&mut self, rest: &[u8], notice: &[u8]) {
+        let pending = &self.out[self.out_done..];
+        // A half-written acknowledgement and a half-written data frame exclude each other: a
+        // frame starts only once the acknowledgements are out.
+        let (first, second) = if self.out_mid_frame() {
+            (pending, rest)
+        } else {
+            (rest, pending)
+        };
+        let mut out = Vec::with_capacity(first.len() + second.len() + notice.len());
+        out.extend_from_slice(first);
+        out.extend_from_slice(second);
+        out.extend_from_slice(notice);
+        self.out = out;
+        self.out_done = 0;
+        self.notified = true;
     }
 
     /// The stream and the bytes queued for it but not yet written (when closing).
@@ -331,5 +370,120 @@ impl Conn {
         self.out.clear();
         self.out_done = 0;
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::net::{TcpListener, TcpStream};
+
+    use dist_wire::{DType, NO_ROOT};
+
+    use super::*;
+
+    /// A connected pair over loopback: this side as a `Conn`, the other as a blocking stream.
+    fn pair() -> (Conn, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let other = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (mine, _) = l.accept().expect("accept");
+        mine.set_nonblocking(true).expect("nonblocking");
+        (Conn::new(mio::net::TcpStream::from_std(mine)), other)
+    }
+
+    fn header(seq: u64) -> FrameHeader {
+        FrameHeader {
+            op: CollectiveOp::AllReduce,
+            dtype: DType::F32,
+            reduce: 0,
+            group: 1,
+            sender: 0,
+            seq,
+            count: 4,
+            root: NO_ROOT,
+            tag: 0,
+            offset: 0,
+            payload_len: 16,
+            flags: 0,
+            splits: 0,
+        }
+    }
+
+    /// Reads exactly `n` bytes from `s`.
+    fn read_n(s: &mut TcpStream, n: usize) -> Vec<u8> {
+        let mut b = vec![0u8; n];
+        s.read_exact(&mut b).expect("read");
+        b
+    }
+
+    #[test]
+    fn a_notice_goes_after_the_rest_of_a_half_sent_frame_and_the_queued_acks() {
+        let (mut c, mut other) = pair();
+        c.queue_ack(&header(1));
+        let rest = b"rest of a frame".to_vec();
+        let notice = CloseReason::Lost { culprit: 3 }.encode(0);
+        c.queue_notice(&rest, &notice);
+        assert!(c.flush_out().expect("flush"));
+        let got = read_n(&mut other, rest.len() + HEADER_LEN + notice.len());
+        assert_eq!(&got[..rest.len()], &rest[..]);
+        let ack = FrameHeader::decode(&got[rest.len()..]).expect("an ack");
+        assert_eq!((ack.flags, ack.seq), (FrameHeader::ACK, 1));
+        assert_eq!(&got[rest.len() + HEADER_LEN..], &notice[..]);
+    }
+
+    #[test]
+    fn a_half_written_ack_is_finished_before_the_notice() {
+        let (mut c, mut other) = pair();
+        c.queue_ack(&header(1));
+        // As if the socket had taken 10 bytes of the ack.
+        c.out_done = 10;
+        let notice = CloseReason::Goodbye.encode(0);
+        c.queue_notice(&[], &notice);
+        assert!(c.flush_out().expect("flush"));
+        let got = read_n(&mut other, HEADER_LEN - 10 + notice.len());
+        assert_eq!(&got[..HEADER_LEN - 10], &header_ack(1)[10..]);
+        assert_eq!(&got[HEADER_LEN - 10..], &notice[..]);
+    }
+
+    fn header_ack(seq: u64) -> [u8; HEADER_LEN] {
+        FrameHeader {
+            flags: FrameHeader::ACK,
+            payload_len: 0,
+            ..header(seq)
+        }
+        .encode()
+    }
+
+    #[test]
+    fn what_a_peer_said_first_sticks_over_its_eof_and_later_frames() {
+        let (mut c, mut other) = pair();
+        let found = header(7);
+        let met = FrameHeader {
+            sender: 2,
+            count: 5,
+            ..found
+        };
+        let notice = CloseReason::Mismatch {
+            culprit: 2,
+            found,
+            met,
+        };
+        other.write_all(&notice.encode(1)).expect("write");
+        other
+            .write_all(&CloseReason::Goodbye.encode(1))
+            .expect("write");
+        drop(other);
+        // The whole notice may take a few reads to arrive; the EOF comes after it.
+        for _ in 0..1_000_000 {
+            c.drain();
+            if c.state != PeerState::Open {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        assert_eq!(c.state, PeerState::Aborted(notice));
+        c.drain();
+        c.eof();
+        assert_eq!(c.state, PeerState::Aborted(notice));
     }
 }

@@ -5,13 +5,21 @@ use std::io::{self, IoSlice, Write};
 use std::time::{Duration, Instant};
 
 use dist_backend::{Error, Result};
-use dist_wire::{CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef};
+use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef};
 use mio::{Events, Poll};
 
 use super::cma::Cma;
 use super::conn::{Conn, Io, Payload, PeerState};
 use super::linger;
-use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Verdict, frames, judge};
+use crate::transport::{
+    Incoming, OnFrame, Outgoing, StepCtx, Verdict, abort_reason, closed_error, frames, judge,
+};
+
+/// The longest an aborted mesh spends, when it is closed, delivering its abort notices and
+/// waiting for the peers to close their ends (each bounded also by the group's timeout): long
+/// enough for peers that are still running to read the notice, short enough that a rank
+/// whose peer is stopped does not hang on its way out.
+const ABORT_LINGER: Duration = Duration::from_secs(10);
 
 /// Progress state of one outgoing message.
 struct SendState {
@@ -55,6 +63,9 @@ pub(super) struct Engine {
     pub(super) cma: Option<Cma>,
     /// How long closing waits for each peer to close its end (the group's timeout).
     pub(super) linger: Duration,
+    /// A step failed: the connections are in an unknown state, and closing only delivers the
+    /// abort notices queued on them (no goodbye, which would tell peers this was a clean exit).
+    pub(super) aborted: bool,
 }
 
 /// Whether message `i` must wait for an earlier, unfinished message with the same peer.
@@ -65,19 +76,24 @@ fn queued_behind(i: usize, peer: impl Fn(usize) -> usize, done: impl Fn(usize) -
 fn lost_or_left(ctx: &StepCtx, peer: usize, state: &PeerState) -> Error {
     match state {
         PeerState::Lost(why) => ctx.peer_lost(peer, why.clone()),
-        PeerState::Aborted { culprit } if *culprit != ctx.rank => ctx.peer_lost(
-            *culprit,
-            format!("rank {peer} reported it lost and aborted the group"),
-        ),
-        PeerState::Aborted { .. } => ctx.peer_lost(
-            peer,
-            "it aborted the group because of this rank (a mismatched operation, or a \
-             connection it lost)",
-        ),
+        PeerState::Aborted(reason) => closed_error(ctx, peer, reason),
         _ => ctx.peer_lost(
             peer,
             "it left the group (destroyed its process group) before this operation",
         ),
+    }
+}
+
+/// Whether `e` was learnt from another rank's abort notice rather than seen by this rank.
+fn second_hand(e: &Error, conns: &[Option<Conn>]) -> bool {
+    match e {
+        Error::MismatchReported { .. } => true,
+        // First-hand when this rank's own connection to the lost rank is gone.
+        Error::PeerLost { peer, .. } => !matches!(
+            conns.get(*peer),
+            Some(Some(c)) if matches!(c.state, PeerState::Lost(_))
+        ),
+        _ => false,
     }
 }
 
@@ -93,9 +109,10 @@ impl Engine {
         }
     }
 
-    /// Runs one step (see [`Engine::run_step`]); when it fails because a peer was lost, tells
-    /// every other peer which rank was lost before returning, so that they report the rank
-    /// that actually died rather than this one, whose sockets close when it exits.
+    /// Runs one step (see [`Engine::run_step`]). When it fails because of another rank (a
+    /// peer lost, two ranks that disagree), tells every other peer whom to blame and why
+    /// before returning, so that they report that rank and cause rather than this rank, whose
+    /// sockets close when it exits.
     pub(super) fn run(
         &mut self,
         ctx: &StepCtx,
@@ -107,23 +124,64 @@ impl Engine {
         // Declared first so it runs last, after the abort notice, and on unwinding too.
         let _withdraw = self.cma.as_ref().map(Cma::withdrawal);
         let mut mid_frame = vec![false; self.conns.len()];
-        let r = self.run_step(ctx, seg, sends, recvs, on_frame, &mut mid_frame);
-        // Every peer must learn that this rank gives up, even one this step does not involve
-        // (it ignores an uninvolved peer's EOF, which may be a clean exit) and one that
-        // caused it.
-        match &r {
-            Err(Error::PeerLost { peer, .. }) => self.notify_abort(ctx.rank, *peer, &mid_frame),
-            Err(Error::Mismatch { theirs, .. }) => {
-                self.notify_abort(ctx.rank, theirs.rank, &mid_frame);
-            }
-            _ => {}
+        let mut tx: Vec<SendState> = Vec::with_capacity(sends.len());
+        let mut rx: Vec<RecvState> = Vec::with_capacity(recvs.len());
+        let r = self.run_step(
+            ctx,
+            seg,
+            sends,
+            recvs,
+            on_frame,
+            &mut mid_frame,
+            &mut tx,
+            &mut rx,
+        );
+        let Err(e) = r else { return Ok(()) };
+        self.aborted = true;
+        let e = if second_hand(&e, &self.conns) {
+            self.first_hand(ctx, recvs, &rx).unwrap_or(e)
+        } else {
+            e
+        };
+        if let Some(reason) = abort_reason(&e) {
+            self.notify_abort(ctx.rank, &reason, seg, sends, &tx);
         }
         // Whatever happened, the caller gets its buffers back now: `_withdraw` makes sure no
         // peer may copy them after this. (After the abort notice, so that a peer whose copy
         // fails on the withdrawal finds the notice naming the rank that was really lost.)
-        r
+        Err(e)
     }
 
+    /// After a failure learnt second-hand: a cause this rank saw itself, if it has one (the
+    /// connection of a peer that died without a goodbye), which it reports instead. A notice
+    /// is only as good as its sender's view; a rank's own EOF from the rank that died is not.
+    /// Reads what has arrived on every connection not in the middle of a message's payload.
+    fn first_hand(
+        &mut self,
+        ctx: &StepCtx,
+        recvs: &[Incoming<'_>],
+        rx: &[RecvState],
+    ) -> Option<Error> {
+        for (peer, c) in self.conns.iter_mut().enumerate() {
+            let Some(c) = c else { continue };
+            let mid_payload = recvs
+                .iter()
+                .zip(rx)
+                .any(|(r, st)| r.peer == peer && st.cur.is_some());
+            if c.state == PeerState::Open && !mid_payload {
+                c.drain();
+            }
+            if let PeerState::Lost(why) = &c.state {
+                return Some(ctx.peer_lost(peer, why.clone()));
+            }
+        }
+        None
+    }
+
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the step's state lives in `run`, which reads it after a failure"
+    )]
     fn run_step(
         &mut self,
         ctx: &StepCtx,
@@ -132,6 +190,8 @@ impl Engine {
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
         mid_frame: &mut [bool],
+        tx: &mut Vec<SendState>,
+        rx: &mut Vec<RecvState>,
     ) -> Result<()> {
         // Point-to-point stays eager: a user's `send` must not wait for the matching `recv`
         // (send-then-receive on both sides is a common, valid pattern). In every collective
@@ -145,37 +205,31 @@ impl Engine {
             .as_ref()
             .filter(|_| ctx.op != CollectiveOp::SendRecv);
         let offer = cma.map_or(0, |_| Cma::next_step_offer());
-        let mut tx: Vec<SendState> = sends
-            .iter()
-            .map(|s| SendState {
-                frame: 0,
-                hdr: [0; HEADER_LEN],
-                hdr_done: 0,
-                payload_done: 0,
-                by_ref: cma.is_some_and(|c| c.by_reference(s.peer, s.data.len())),
-                at: [0; PAYLOAD_REF_LEN],
-                written: false,
-                ack_at: None,
-                done: false,
-            })
-            .collect();
+        tx.extend(sends.iter().map(|s| SendState {
+            frame: 0,
+            hdr: [0; HEADER_LEN],
+            hdr_done: 0,
+            payload_done: 0,
+            by_ref: cma.is_some_and(|c| c.by_reference(s.peer, s.data.len())),
+            at: [0; PAYLOAD_REF_LEN],
+            written: false,
+            ack_at: None,
+            done: false,
+        }));
         if let Some(cma) = cma {
-            for (s, st) in sends.iter().zip(&tx) {
+            for (s, st) in sends.iter().zip(tx.iter()) {
                 if st.by_ref {
                     cma.publish(s.peer, offer);
                 }
             }
         }
-        let mut rx: Vec<RecvState> = recvs
-            .iter()
-            .map(|_| RecvState {
-                got: 0,
-                cur: None,
-                first: true,
-                by_ref: false,
-                done: false,
-            })
-            .collect();
+        rx.extend(recvs.iter().map(|_| RecvState {
+            got: 0,
+            cur: None,
+            first: true,
+            by_ref: false,
+            done: false,
+        }));
         let mut spin_until: Option<Instant> = None;
         loop {
             let mut progress = false;
@@ -186,7 +240,7 @@ impl Engine {
                 }
                 pending = true;
                 if tx[i].written {
-                    progress |= self.await_ack(ctx, &sends[i], &mut tx[i], recvs, &rx)?;
+                    progress |= self.await_ack(ctx, &sends[i], &mut tx[i], recvs, rx)?;
                     continue;
                 }
                 // Messages to one peer go out whole and in order: never interleave their bytes.
@@ -239,14 +293,14 @@ impl Engine {
             if now >= ctx.deadline {
                 let mut missing: Vec<usize> = recvs
                     .iter()
-                    .zip(&rx)
+                    .zip(rx.iter())
                     .filter(|(_, s)| !s.done)
                     .map(|(r, _)| r.peer)
                     .collect();
                 missing.extend(
                     sends
                         .iter()
-                        .zip(&tx)
+                        .zip(tx.iter())
                         .filter(|(_, s)| !s.done)
                         .map(|(s, _)| s.peer),
                 );
@@ -265,7 +319,7 @@ impl Engine {
                 std::thread::yield_now();
                 continue;
             }
-            self.wait(ctx, recvs, &rx, ctx.deadline - now)?;
+            self.wait(ctx, recvs, rx, ctx.deadline - now)?;
         }
     }
 
@@ -300,7 +354,7 @@ impl Engine {
                 c.drain();
                 match &c.state {
                     // A peer that aborted the group: this step cannot complete either.
-                    PeerState::Aborted { .. } => return Err(lost_or_left(ctx, peer, &c.state)),
+                    PeerState::Aborted(_) => return Err(lost_or_left(ctx, peer, &c.state)),
                     // A peer this step does not need has gone (it may simply have finished and
                     // exited): an event, not a failure. A step that needs it fails on its own,
                     // naming it.
@@ -390,7 +444,7 @@ impl Engine {
             let bufs = [IoSlice::new(&st.hdr[st.hdr_done..]), IoSlice::new(body)];
             match c.stream.write_vectored(&bufs) {
                 Ok(0) => {
-                    c.state = PeerState::Lost("the connection accepts no more bytes".into());
+                    c.lose("the connection accepts no more bytes".into());
                     return Err(lost_or_left(ctx, s.peer, &c.state));
                 }
                 Ok(mut n) => {
@@ -500,8 +554,7 @@ impl Engine {
                         }
                         Ok(Io::Ready(Some(Ok(frame)))) => frame,
                         Ok(Io::Ready(Some(Err(e)))) => {
-                            c.state =
-                                PeerState::Lost(format!("it sent bytes that are not a frame: {e}"));
+                            c.lose(format!("it sent bytes that are not a frame: {e}"));
                             return Err(lost_or_left(ctx, peer, &c.state));
                         }
                         Err(e) => {
@@ -522,17 +575,16 @@ impl Engine {
                         },
                         Verdict::Stash => {
                             if let Err(why) = c.begin_stash((h, at)) {
-                                c.state = PeerState::Lost(why);
+                                c.lose(why);
                                 return Err(lost_or_left(ctx, peer, &c.state));
                             }
                         }
-                        Verdict::Closed(tag) if tag != 0 => {
-                            c.state = PeerState::closed(tag);
-                            return Err(lost_or_left(ctx, peer, &c.state));
-                        }
-                        Verdict::Closed(_) => {
-                            c.state = PeerState::Left;
-                            return Err(ctx.peer_lost(peer, "it left the group (destroyed its process group) during this operation"));
+                        // `read_header` noted the reason in the connection's state.
+                        Verdict::Closed => {
+                            return Err(match &c.state {
+                                PeerState::Aborted(reason) => closed_error(ctx, peer, reason),
+                                _ => closed_error(ctx, peer, &CloseReason::Goodbye),
+                            });
                         }
                     }
                 }
@@ -579,18 +631,51 @@ impl Engine {
         arrived || c.state != PeerState::Open
     }
 
-    /// Best-effort notice to every open peer not in the middle of a frame from us (the culprit
-    /// included, when it is still there, as after a mismatch): this rank is aborting because of
-    /// `culprit`.
-    fn notify_abort(&mut self, rank: usize, culprit: usize, mid_frame: &[bool]) {
-        let h = close_frame(rank, culprit as u32 + 1);
+    /// Tells every open peer (but a lost one) that this rank aborts the group, and why. The
+    /// notice goes after whatever this rank owes the peer on the stream (the rest of a frame
+    /// it was in the middle of, queued acknowledgements), so it always lands on a frame
+    /// boundary; what the socket does not take now, [`Engine::close`] delivers.
+    fn notify_abort(
+        &mut self,
+        rank: usize,
+        reason: &CloseReason,
+        seg: usize,
+        sends: &[Outgoing<'_>],
+        tx: &[SendState],
+    ) {
+        let notice = reason.encode(rank as u32);
+        let lost = match reason {
+            CloseReason::Lost { culprit } => Some(*culprit as usize),
+            _ => None,
+        };
         for (p, c) in self.conns.iter_mut().enumerate() {
-            if let Some(c) = c
-                && c.state == PeerState::Open
-                && !mid_frame.get(p).copied().unwrap_or(true)
-                && (!c.out_mid_frame() || c.flush_out().unwrap_or(false))
-            {
-                let _ = c.stream.write(&h);
+            let Some(c) = c else { continue };
+            if Some(p) == lost || c.state != PeerState::Open {
+                continue;
+            }
+            // At most one message per peer is under way (the others queue behind it).
+            let rest = sends
+                .iter()
+                .zip(tx)
+                .find(|(s, st)| {
+                    s.peer == p && !st.written && (st.hdr_done > 0 || st.payload_done > 0)
+                })
+                .map(|(s, st)| {
+                    let mut rest = st.hdr[st.hdr_done..].to_vec();
+                    if st.by_ref {
+                        rest.extend_from_slice(&st.at[st.payload_done..]);
+                    } else {
+                        let len = s.data.len();
+                        let end = ((st.frame + 1) * seg).min(len);
+                        let at = (st.frame * seg).min(len) + st.payload_done;
+                        rest.extend_from_slice(&s.data[at..end]);
+                    }
+                    rest
+                })
+                .unwrap_or_default();
+            c.queue_notice(&rest, &notice);
+            if let Err(e) = c.flush_out() {
+                c.broken(&e);
             }
         }
     }
@@ -598,14 +683,32 @@ impl Engine {
     /// Says goodbye to every peer still connected: writes what is queued for it and a `Close`
     /// frame, shuts down the write side, then hands the connection to [`linger`] to be read
     /// until the peer closes its end (at most [`Engine::linger`]). Connections to peers that
-    /// are gone are dropped.
+    /// are gone are dropped. An aborted mesh says no goodbye: it only delivers the abort
+    /// notices still queued (within [`ABORT_LINGER`]) and drops the other connections, which
+    /// its peers then see end without a goodbye, as after a crash.
     pub(super) fn close(&mut self, rank: usize) {
-        let deadline = dist_backend::deadline_after(Instant::now(), self.linger);
-        let bye = close_frame(rank, 0);
+        let linger = if self.aborted {
+            self.linger.min(ABORT_LINGER)
+        } else {
+            self.linger
+        };
+        let deadline = dist_backend::deadline_after(Instant::now(), linger);
+        let bye = if self.aborted {
+            Vec::new()
+        } else {
+            CloseReason::Goodbye.encode(rank as u32)
+        };
         let mut streams = Vec::new();
         for (peer, slot) in self.conns.iter_mut().enumerate() {
             let Some(c) = slot.take() else { continue };
-            let say_bye = matches!(c.state, PeerState::Open | PeerState::Left);
+            // A notice already handed to the kernel may still sit in its send queue (the peer's
+            // window full): a close with unread input would reset the connection and lose it,
+            // so every notified peer gets the lingering close too.
+            let say_bye = if self.aborted {
+                c.state == PeerState::Open && (c.has_out() || c.notified)
+            } else {
+                matches!(c.state, PeerState::Open | PeerState::Left)
+            };
             let (mut stream, pending) = c.into_parts();
             let _ = self.poll.registry().deregister(&mut stream);
             let mut stream = std::net::TcpStream::from(stream);
@@ -666,28 +769,7 @@ fn copy_by_ref(
         // A sender that gives up after losing another rank says so on the socket before it
         // withdraws its offer: read that notice, if any, so the error names the lost rank.
         c.drain();
-        if c.state == PeerState::Open {
-            c.state = PeerState::Lost(why);
-        }
+        c.lose(why);
         lost_or_left(ctx, peer, &c.state)
     })
-}
-
-/// A `Close` frame: tag 0 for a clean exit, `q + 1` for an abort after losing rank q.
-fn close_frame(rank: usize, tag: u32) -> [u8; HEADER_LEN] {
-    FrameHeader {
-        op: CollectiveOp::Close,
-        dtype: dist_wire::DType::U8,
-        reduce: 0,
-        group: 0,
-        sender: rank as u32,
-        seq: 0,
-        count: 0,
-        root: dist_wire::NO_ROOT,
-        tag,
-        offset: 0,
-        payload_len: 0,
-        flags: 0,
-    }
-    .encode()
 }

@@ -57,6 +57,7 @@ impl TcpTransport {
                 spin: opts.spin,
                 cma,
                 linger: opts.timeout,
+                aborted: false,
             }),
         })
     }
@@ -101,6 +102,13 @@ impl Transport for TcpTransport {
     fn messages_by_reference(&self) -> u64 {
         let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         eng.conns.iter().flatten().map(|c| c.offered).sum()
+    }
+
+    fn abort(&self) {
+        self.engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .aborted = true;
     }
 
     fn close(&self) {

@@ -1,0 +1,185 @@
+//! Agreement on a rooted operation's arguments before any of its data moves.
+//!
+//! Why: in `broadcast`, `reduce`, `gather` and `scatter` data flows only away from or towards
+//! the root, so ranks that disagree about the root may never exchange a frame whose header
+//! would show it (two ranks that each think they are the root only send), and a root that
+//! only sends returns before anyone could tell it that something was wrong. Every other
+//! collective makes each rank's result depend on every other rank's frames, so a disagreement
+//! always reaches every rank through the headers (and the abort notices of the ranks that see
+//! it); these four need this extra exchange.
+//!
+//! It is a dissemination exchange: in round k each rank sends to rank + 2^k and receives from
+//! rank − 2^k the lowest and the highest argument signature (root, count, dtype, reduce op,
+//! split sizes; ties broken by rank) it has heard of, so after ⌈log2 n⌉ rounds of 64-byte
+//! messages every rank knows the same two. If they differ every rank fails alike, before any
+//! data moves, naming itself and a rank that disagrees with it. Data never moving matters
+//! for large buffers: a send by reference waits for a receiver that, disagreeing, would never
+//! receive it, and the step would only end at the timeout.
+
+use std::cmp::Ordering;
+
+use dist_backend::{Error, OpDesc, Result};
+use dist_wire::{DType, NO_ROOT};
+
+use super::{Op, tags};
+
+/// One rank's arguments, ordered by the arguments first and the rank last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sig {
+    root: u32,
+    count: u64,
+    dtype: u8,
+    reduce: u8,
+    splits: u32,
+    rank: u32,
+}
+
+impl Sig {
+    fn key(&self) -> (u32, u64, u8, u8, u32) {
+        (self.root, self.count, self.dtype, self.reduce, self.splits)
+    }
+
+    fn words(&self) -> [u64; 4] {
+        [
+            u64::from(self.root),
+            self.count,
+            u64::from(self.dtype) << 40 | u64::from(self.reduce) << 32 | u64::from(self.splits),
+            u64::from(self.rank),
+        ]
+    }
+
+    /// The inverse of [`Sig::words`]; `None` for words no rank could have sent.
+    fn from_words(w: &[u64]) -> Option<Sig> {
+        let sig = Sig {
+            root: u32::try_from(w[0]).ok()?,
+            count: w[1],
+            dtype: (w[2] >> 40) as u8,
+            reduce: (w[2] >> 32) as u8,
+            splits: w[2] as u32,
+            rank: u32::try_from(w[3]).ok()?,
+        };
+        DType::from_code(sig.dtype)?;
+        (w[2] >> 48 == 0).then_some(sig)
+    }
+}
+
+impl Ord for Sig {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.key(), self.rank).cmp(&(other.key(), other.rank))
+    }
+}
+
+impl PartialOrd for Sig {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Fails on every rank alike, with [`Error::Mismatch`] naming this rank and one that
+/// disagrees, unless every rank passed the same root, count, dtype, reduce op and split sizes.
+pub(crate) fn rooted_args(o: &Op<'_>) -> Result<()> {
+    let (n, r) = (o.n(), o.rank());
+    if n == 1 {
+        return Ok(());
+    }
+    let ctx = &o.ctx;
+    let me = Sig {
+        root: ctx.root,
+        count: o.count,
+        dtype: ctx.dtype.code(),
+        reduce: ctx.reduce,
+        splits: ctx.splits,
+        rank: r as u32,
+    };
+    let (mut lo, mut hi) = (me, me);
+    // The frames carry this rank's real op, dtype and count (so that a rank running another
+    // collective meets a header naming this one), but the receiver compares the arguments as
+    // values, below, rather than fail on the first frame that differs.
+    let mut step_ctx = *ctx;
+    step_ctx.args_in_payload = true;
+    let step = Op {
+        t: o.t,
+        ctx: step_ctx,
+        count: o.count,
+    };
+    let (mut dist, mut round) = (1, 0);
+    while dist < n {
+        let mut out = [0u64; 8];
+        out[..4].copy_from_slice(&lo.words());
+        out[4..].copy_from_slice(&hi.words());
+        let mut got = [0u64; 8];
+        let tag = tags::AGREE | round;
+        step.step(
+            &[step.send((r + dist) % n, bytemuck::cast_slice(&out), tag)],
+            &mut [step.recv((r + n - dist) % n, bytemuck::cast_slice_mut(&mut got), tag)],
+        )?;
+        let (Some(their_lo), Some(their_hi)) =
+            (Sig::from_words(&got[..4]), Sig::from_words(&got[4..]))
+        else {
+            return Err(Error::invalid(
+                r,
+                ctx.op.name(),
+                format!(
+                    "rank {} sent an argument agreement that no rank could have sent: {got:x?}",
+                    (r + n - dist) % n
+                ),
+            ));
+        };
+        lo = lo.min(their_lo);
+        hi = hi.max(their_hi);
+        dist <<= 1;
+        round += 1;
+    }
+    if lo.key() == hi.key() {
+        return Ok(());
+    }
+    let other = if me.key() == lo.key() { hi } else { lo };
+    Err(Error::Mismatch {
+        ours: ctx.desc(o.count),
+        theirs: OpDesc {
+            rank: other.rank as usize,
+            op: ctx.op,
+            seq: ctx.seq,
+            dtype: DType::from_code(other.dtype).unwrap_or(ctx.dtype),
+            count: other.count,
+            reduce: ctx.op.reduces().then_some(other.reduce),
+            root: (other.root != NO_ROOT).then_some(other.root as usize),
+            splits: other.splits,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signatures_round_trip_and_order_by_arguments_before_rank() {
+        let a = Sig {
+            root: 1,
+            count: 100,
+            dtype: DType::F32.code(),
+            reduce: 3,
+            splits: 0xdead_beef,
+            rank: 7,
+        };
+        let mut w = [0u64; 4];
+        w.copy_from_slice(&a.words());
+        assert_eq!(Sig::from_words(&w), Some(a));
+        let b = Sig {
+            root: 0,
+            rank: 9,
+            ..a
+        };
+        assert!(b < a, "root 0 sorts first whatever the rank");
+        let c = Sig { rank: 8, ..a };
+        assert!(a < c && a.key() == c.key());
+        // A dtype code no build has, or a rank beyond u32, is refused.
+        let mut bad = w;
+        bad[2] |= 0xff << 40;
+        assert_eq!(Sig::from_words(&bad), None);
+        bad = w;
+        bad[3] = u64::MAX;
+        assert_eq!(Sig::from_words(&bad), None);
+    }
+}

@@ -1,0 +1,278 @@
+//! Ranks that disagree, as threads over real loopback TCP: every rank fails (none returns Ok
+//! with the wrong data, none waits for the timeout), each with an error that says mismatch and
+//! names two ranks that disagree, with both sides' arguments.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{on_all, tcp_world};
+use dist_backend::{Backend, BufMut, BufRef, Error, OpDesc, OpOptions};
+use dist_gloo::GlooOptions;
+use dist_wire::{CollectiveOp, DType, ReduceOp};
+
+/// Long enough that a mismatch found only by timing out is a failed test, not a slow one.
+fn opts() -> OpOptions {
+    OpOptions::with_timeout(Duration::from_secs(60))
+}
+
+/// The two sides a mismatch error names: this rank's (or the reporter's) and the other's.
+fn sides(e: &Error) -> (OpDesc, OpDesc) {
+    match e {
+        Error::Mismatch { ours, theirs } => (*ours, *theirs),
+        Error::MismatchReported { found, met, .. } => (*found, *met),
+        other => panic!("expected a mismatch, got: {other}"),
+    }
+}
+
+/// Every rank broadcasts `count` f32 from the root `root_of(rank)`; returns each rank's error.
+fn broadcast_roots(n: usize, count: usize, root_of: impl Fn(usize) -> usize + Sync) -> Vec<Error> {
+    let ranks = tcp_world(n, &GlooOptions::default());
+    on_all(&ranks, |b| {
+        let mut v = vec![b.rank() as f32; count];
+        let root = root_of(b.rank());
+        b.broadcast(
+            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+            DType::F32,
+            root,
+            &opts(),
+        )
+        .expect_err("ranks that disagree on the root must not succeed")
+    })
+}
+
+#[test]
+fn a_broadcast_with_different_roots_fails_on_every_rank_naming_both_roots() {
+    for n in 2..=4 {
+        for (name, root_of) in [
+            (
+                "every rank its own root",
+                (|r: usize| r) as fn(usize) -> usize,
+            ),
+            ("rank 0 alone disagrees", |r| usize::from(r != 0)),
+            ("the last rank alone disagrees", |r| {
+                usize::from(r == 3 || r == 2)
+            }),
+        ] {
+            if name.starts_with("the last") && n != 4 {
+                continue;
+            }
+            let errs = broadcast_roots(n, 100, root_of);
+            for (r, e) in errs.iter().enumerate() {
+                let msg = e.to_string();
+                // Every rank finds it itself, from the agreement every rank takes part in.
+                let Error::Mismatch { ours, theirs } = e else {
+                    panic!("n={n}, {name}: rank {r}: expected Error::Mismatch, got {msg}");
+                };
+                assert_eq!((ours.rank, ours.root), (r, Some(root_of(r))), "{msg}");
+                let other_root = theirs.root.expect("a broadcast names its root");
+                assert_ne!(other_root, root_of(r), "n={n}, {name}: rank {r}: {msg}");
+                assert_eq!(other_root, root_of(theirs.rank), "{msg}");
+                assert!(
+                    msg.contains(&format!("root {}", root_of(r)))
+                        && msg.contains(&format!("root {other_root}"))
+                        && msg.contains(&format!("met rank {}", theirs.rank)),
+                    "n={n}, {name}: rank {r}: {msg}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_large_broadcast_with_different_roots_is_a_mismatch_at_once_not_a_timeout() {
+    let t0 = Instant::now();
+    let errs = broadcast_roots(2, 1 << 20, |r| r);
+    for (r, e) in errs.iter().enumerate() {
+        let (ours, theirs) = sides(e);
+        assert_eq!((ours.root, theirs.root), (Some(r), Some(1 - r)), "{e}");
+        assert_eq!(ours.count, 1 << 20);
+    }
+    // The timeout is 60 s; no data moved, so this is far below it.
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
+    let n = 3;
+    let root_of = |r: usize| usize::from(r == 2);
+    for op in [
+        CollectiveOp::Reduce,
+        CollectiveOp::Gather,
+        CollectiveOp::Scatter,
+    ] {
+        // A failed operation aborts the group: a fresh one per op.
+        let ranks = tcp_world(n, &GlooOptions::default());
+        let errs = on_all(&ranks, |b| {
+            let root = root_of(b.rank());
+            let mine = vec![1u8; 12];
+            let mut all = vec![0u8; 12 * n];
+            let is_root = b.rank() == root;
+            let r = match op {
+                CollectiveOp::Reduce => {
+                    let mut v = mine.clone();
+                    b.reduce(
+                        BufMut::Host(&mut v),
+                        DType::U8,
+                        ReduceOp::Sum,
+                        root,
+                        &opts(),
+                    )
+                }
+                CollectiveOp::Gather => b.gather(
+                    BufRef::Host(&mine),
+                    is_root.then_some(BufMut::Host(&mut all)),
+                    DType::U8,
+                    root,
+                    &opts(),
+                ),
+                _ => {
+                    let mut out = vec![0u8; 12];
+                    b.scatter(
+                        is_root.then_some(BufRef::Host(&all)),
+                        BufMut::Host(&mut out),
+                        DType::U8,
+                        root,
+                        &opts(),
+                    )
+                }
+            };
+            r.expect_err("ranks that disagree on the root must not succeed")
+        });
+        for (r, e) in errs.iter().enumerate() {
+            let (ours, theirs) = sides(e);
+            assert_eq!(ours.op, op, "{e}");
+            assert_eq!(ours.root, Some(root_of(r)), "{e}");
+            assert_ne!(theirs.root, ours.root, "{op}: rank {r}: {e}");
+        }
+    }
+}
+
+/// Ranks 0 and 1 call `mismatched`, ranks 2 and 3 `matching`; every rank's error must say
+/// mismatch and name two ranks whose calls differ.
+fn two_disagree_with_two(
+    what: &str,
+    mismatched: impl Fn(&dist_gloo::GlooBackend) -> dist_backend::Result<()> + Sync,
+    matching: impl Fn(&dist_gloo::GlooBackend) -> dist_backend::Result<()> + Sync,
+) {
+    let ranks = tcp_world(4, &GlooOptions::default());
+    let errs = on_all(&ranks, |b| {
+        let r = if b.rank() < 2 {
+            mismatched(b)
+        } else {
+            matching(b)
+        };
+        r.expect_err("a rank of a mismatched collective must not succeed")
+    });
+    for (r, e) in errs.iter().enumerate() {
+        let msg = e.to_string();
+        assert!(
+            matches!(e, Error::Mismatch { .. } | Error::MismatchReported { .. }),
+            "{what}: rank {r} must say mismatch: {msg}"
+        );
+        let (a, b) = sides(e);
+        assert_ne!(a.rank, b.rank, "{what}: rank {r}: {msg}");
+        assert_ne!(
+            OpDesc { rank: 0, ..a },
+            OpDesc { rank: 0, ..b },
+            "{what}: rank {r}: the two calls named must differ: {msg}"
+        );
+        assert!(msg.contains(&format!(" met rank {}", b.rank)), "{msg}");
+    }
+}
+
+#[test]
+fn a_count_mismatch_between_two_ranks_reaches_every_rank() {
+    const COUNT: usize = 256 * 1024 / 4;
+    two_disagree_with_two(
+        "count",
+        |b| {
+            let mut v = vec![1.0f32; COUNT + 1 + b.rank()];
+            b.all_reduce(
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                DType::F32,
+                ReduceOp::Sum,
+                &opts(),
+            )
+        },
+        |b| {
+            let mut v = vec![1.0f32; COUNT];
+            b.all_reduce(
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                DType::F32,
+                ReduceOp::Sum,
+                &opts(),
+            )
+        },
+    );
+}
+
+#[test]
+fn an_op_mismatch_between_two_ranks_reaches_every_rank() {
+    two_disagree_with_two(
+        "op",
+        |b| {
+            let mut v = vec![1.0f32; 4096];
+            b.broadcast(
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                DType::F32,
+                0,
+                &opts(),
+            )
+        },
+        |b| {
+            let mut v = vec![1.0f32; 4096];
+            b.all_reduce(
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                DType::F32,
+                ReduceOp::Sum,
+                &opts(),
+            )
+        },
+    );
+}
+
+#[test]
+fn reduce_op_and_dtype_mismatches_between_two_ranks_reach_every_rank() {
+    let all_reduce = |dtype: DType, op: ReduceOp| {
+        move |b: &dist_gloo::GlooBackend| {
+            let mut v = vec![0u8; 64];
+            b.all_reduce(BufMut::Host(&mut v), dtype, op, &opts())
+        }
+    };
+    two_disagree_with_two(
+        "reduce op",
+        all_reduce(DType::F32, ReduceOp::Max),
+        all_reduce(DType::F32, ReduceOp::Sum),
+    );
+    two_disagree_with_two(
+        "dtype",
+        all_reduce(DType::I32, ReduceOp::Sum),
+        all_reduce(DType::F32, ReduceOp::Sum),
+    );
+}
+
+#[test]
+fn split_sizes_that_differ_with_the_same_total_are_a_mismatch() {
+    let ranks = tcp_world(2, &GlooOptions::default());
+    let errs = on_all(&ranks, |b| {
+        // Both ranks gather 6 elements in all, but disagree on who contributes how many.
+        let counts: [usize; 2] = if b.rank() == 0 { [2, 4] } else { [4, 2] };
+        let input = vec![1u8; counts[b.rank()]];
+        let mut output = vec![0u8; 6];
+        b.all_gather(
+            BufRef::Host(&input),
+            BufMut::Host(&mut output),
+            DType::U8,
+            &counts,
+            &opts(),
+        )
+        .unwrap_err()
+    });
+    for (r, e) in errs.iter().enumerate() {
+        let (ours, theirs) = sides(e);
+        assert_eq!((ours.rank, theirs.rank), (r, 1 - r), "{e}");
+        assert_ne!(ours.splits, theirs.splits, "{e}");
+        assert!(e.to_string().contains("split sizes #"), "{e}");
+    }
+}
