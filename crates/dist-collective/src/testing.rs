@@ -76,15 +76,23 @@ where
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(s, move || {
                         let opts = opts.clone().store(store).rank(rank).world_size(world_size);
-                        let r =
-                            catch_unwind(AssertUnwindSafe(|| new_process_group(opts).and_then(f)))
-                                .unwrap_or_else(|p| {
-                                    Err(Error::RankPanicked {
-                                        rank,
-                                        message: panic_message(&*p),
-                                    })
-                                });
-                        match r {
+                        // A clone outlives `f`, so that a rank's error is recorded before its
+                        // group says goodbye: otherwise the peers' errors about its leaving could
+                        // be recorded first, and reported instead of the cause.
+                        let mut keep = None;
+                        let r = catch_unwind(AssertUnwindSafe(|| {
+                            new_process_group(opts).and_then(|pg| {
+                                keep = Some(pg.clone());
+                                f(pg)
+                            })
+                        }))
+                        .unwrap_or_else(|p| {
+                            Err(Error::RankPanicked {
+                                rank,
+                                message: panic_message(&*p),
+                            })
+                        });
+                        let out = match r {
                             Ok(v) => Some(v),
                             Err(e) => {
                                 let mut g = first.lock().unwrap_or_else(|e| e.into_inner());
@@ -93,7 +101,9 @@ where
                                 }
                                 None
                             }
-                        }
+                        };
+                        drop(keep);
+                        out
                     })
             })
             .collect();
