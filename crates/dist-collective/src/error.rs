@@ -65,6 +65,15 @@ pub enum Error {
         /// What was wrong.
         reason: String,
     },
+    /// A [`ShardLayout`](crate::ShardLayout) or [`Placement`](crate::Placement) that cannot
+    /// apply (a shard of a dimension the tensor lacks, one placement too few for the mesh, ...).
+    /// Pure layout arithmetic knows no rank; operations on a group report such problems as
+    /// [`Error::InvalidArgument`] with the rank.
+    #[error("invalid layout: {reason}")]
+    InvalidLayout {
+        /// What was wrong.
+        reason: String,
+    },
     /// The default process group is not initialised (call [`crate::init_process_group`]).
     #[error("{op}: the default process group is not initialised; call init_process_group first")]
     NotInitialized {

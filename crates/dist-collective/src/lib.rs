@@ -80,6 +80,7 @@ mod mesh;
 mod monitor;
 mod object;
 mod p2p;
+mod placement;
 mod progress;
 mod subgroup;
 mod teardown;
@@ -96,5 +97,6 @@ pub use init::{
     is_initialized, new_group, new_process_group, recv, reduce_scatter_into, send,
 };
 pub use mesh::DeviceMesh;
+pub use placement::{Chunk, Placement, ShardLayout, chunk_range, padded_chunk_len};
 pub use progress::{CollectiveRef, ProgressReport, RankProgress, RankState};
 pub use work::Work;
