@@ -4,8 +4,9 @@
 //! The rank processes are `crates/dist-gloo/examples/gloo_bench.rs`, built in release mode and
 //! launched through `distrun --master-port 0` (whose store takes a port no other process
 //! holds); rank 0's table is printed without distrun's `[rank 0] ` prefix, the other ranks'
-//! output is dropped. With `--vs`, the peer's script from `../shared/anchors/` runs right
-//! after with the same ops and sizes, and a table of both and their ratio follows.
+//! output is dropped. With `--vs`, the peer's script from `xtask/peers/` runs right after with
+//! the same ops and sizes, and a table of both and their ratio follows: torch's Gloo, or Open
+//! MPI over TCP (the fair peer across hosts) or over shared memory (the fair peer on one host).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -32,8 +33,13 @@ FLAGS (nccl-tests' names):
     --world-size <n[,n..]> ranks (processes on this host), default 2,4
     --backend gloo    the backend (only gloo today)
     -J <file>         write our results as JSON (one file per world size: file.wsN.json)
-    --vs torch|mpi    also run torch 1.x Gloo (Debian python3-torch) or Open MPI TCP
-                      (openmpi-bin + python3-mpi4py) with the same ops and sizes
+    --vs <peer>       also run a peer with the same ops and sizes, then print both and
+                      their ratio: torch (torch.distributed Gloo), mpi-tcp (Open MPI,
+                      btl tcp), mpi-shm (Open MPI, btl vader: shared memory); `mpi` is
+                      mpi-tcp. Install: `pip install torch --index-url
+                      https://download.pytorch.org/whl/cpu` or `apt-get install
+                      python3-torch`; `apt-get install openmpi-bin python3-mpi4py`.
+                      DIST_PEER_PYTHON picks the interpreter (default python3)
 ";
 
 const OPS: [&str; 5] = [
@@ -43,6 +49,8 @@ const OPS: [&str; 5] = [
     "reduce_scatter",
     "all_to_all",
 ];
+/// What `--vs` accepts (`mpi` is `mpi-tcp`).
+const PEERS: [&str; 4] = ["torch", "mpi-tcp", "mpi-shm", "mpi"];
 const LATENCY: [&str; 2] = ["barrier", "allreduce_4B"];
 
 #[derive(Debug)]
@@ -151,6 +159,11 @@ fn parse(args: &[String]) -> Result<Flags, String> {
             other => return Err(format!("unknown flag `{other}`\n\n{HELP}")),
         }
     }
+    if let Some(peer) = &fl.vs
+        && !PEERS.contains(&peer.as_str())
+    {
+        return Err(format!("--vs {peer}: expected one of {}", PEERS.join(", ")));
+    }
     if fl.vs.is_some() && (fl.redop != "sum" || fl.dtype != "float" || fl.root != "0") {
         return Err("--vs: the peers are measured with -o sum -d float -r 0 only".into());
     }
@@ -180,20 +193,14 @@ fn expect(v: &str, only: &str, flag: &str) -> Result<(), String> {
     }
 }
 
-/// A port that was free a moment ago, for the torch peer only: its script starts its own
-/// ranks and rendezvous on the port it is given, so another process may take the port before
-/// rank 0 binds it again (the script would then fail, loudly). Our own ranks never do this:
-/// they run under `distrun --master-port 0`.
-fn free_port_for_peer() -> Result<u16, String> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")
-        .map_err(|e| format!("finding a free port: {e}"))?;
-    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+/// The peers' benchmark scripts, kept in this repository so that a clone alone can rerun
+/// every comparison.
+fn peers_dir() -> PathBuf {
+    project_root().join("xtask/peers")
 }
 
-fn anchors() -> PathBuf {
-    std::env::var_os("DIST_ANCHORS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| project_root().join("../shared/anchors"))
+fn peer_python() -> String {
+    std::env::var("DIST_PEER_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
 fn sizes_arg(fl: &Flags) -> String {
@@ -267,52 +274,52 @@ fn run_ours(
     serde_json::from_str(&text).map_err(|e| format!("parsing {}: {e}", out.display()))
 }
 
-fn run_peer(fl: &Flags, n: usize, peer: &str, out: &PathBuf) -> Result<Value, String> {
-    let dir = anchors();
-    let ops = fl.ops.join(",");
+fn run_peer(fl: &Flags, n: usize, peer: &str, out: &Path) -> Result<Value, String> {
+    let dir = peers_dir();
     let mut cmd = match peer {
         "torch" => {
-            let mut c = Command::new("/usr/bin/python3");
-            c.arg(dir.join("torch_gloo_bench.py")).args([
-                "--world-size",
-                &n.to_string(),
-                "--port",
-                &free_port_for_peer()?.to_string(),
-            ]);
+            let mut c = Command::new(peer_python());
+            c.arg(dir.join("torch_gloo.py"))
+                .args(["--world-size", &n.to_string()]);
             c
         }
-        "mpi" => {
+        "mpi" | "mpi-tcp" | "mpi-shm" => {
+            let (btl, label) = if peer == "mpi-shm" {
+                ("vader,self", "shm")
+            } else {
+                ("tcp,self", "tcp")
+            };
             let mut c = Command::new("mpirun");
             c.args([
                 "--allow-run-as-root",
                 "--oversubscribe",
                 "-np",
                 &n.to_string(),
-                "--mca",
-                "pml",
-                "ob1",
-                "--mca",
-                "oob_tcp_if_include",
-                "lo",
-                "--mca",
-                "btl",
-                "tcp,self",
-                "--mca",
-                "btl_tcp_if_include",
-                "lo",
-                "/usr/bin/python3",
             ])
-            .arg(dir.join("mpi_bench.py"))
-            .args(["--label", "tcp"]);
+            .args(["--mca", "pml", "ob1", "--mca", "btl", btl])
+            .args(["--mca", "oob_tcp_if_include", "lo"])
+            .args(["--mca", "btl_tcp_if_include", "lo"])
+            .arg(peer_python())
+            .arg(dir.join("mpi.py"))
+            .args(["--label", label]);
             c
         }
-        other => return Err(format!("--vs {other}: expected torch or mpi")),
+        other => {
+            return Err(format!("--vs {other}: expected torch, mpi-tcp or mpi-shm"));
+        }
     };
-    cmd.args(["--sizes", &sizes_arg(fl), "--ops", &ops, "--out"])
-        .arg(out)
-        .stdout(Stdio::null());
-    run(&mut cmd)
-        .map_err(|e| format!("{e}\n(is the peer installed? see ../shared/anchors/README.md)"))?;
+    cmd.args([
+        "--sizes",
+        &sizes_arg(fl),
+        "--ops",
+        &fl.ops.join(","),
+        "--out",
+    ])
+    .arg(out)
+    .stdout(Stdio::null());
+    run(&mut cmd).map_err(|e| {
+        format!("{e}\n(is the peer installed? `cargo xtask bench --help` says how)")
+    })?;
     let text =
         std::fs::read_to_string(out).map_err(|e| format!("reading {}: {e}", out.display()))?;
     serde_json::from_str(&text).map_err(|e| format!("parsing {}: {e}", out.display()))
@@ -430,5 +437,8 @@ mod tests {
         assert_eq!(e, "-r 2: not a rank of world size 2");
         let e = parse(&args("all_reduce -d half --vs mpi")).unwrap_err();
         assert!(e.contains("-o sum -d float -r 0 only"), "{e}");
+        let e = parse(&args("all_reduce --vs nccl")).unwrap_err();
+        assert!(e.starts_with("--vs nccl: expected one of torch"), "{e}");
+        assert!(parse(&args("all_reduce --vs mpi-shm")).is_ok());
     }
 }
