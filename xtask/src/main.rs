@@ -8,6 +8,7 @@
 mod bench;
 mod check_layers;
 mod ci;
+mod netns;
 mod soak;
 mod test;
 mod util;

@@ -179,7 +179,7 @@ fn now_us() -> i128 {
 
 /// Sends `sig` (`KILL`, `STOP`, `CONT`) to `targets` (pids, or `-pgid`) with the `kill`
 /// command; errors (a process already gone) are ignored.
-fn signal(sig: &str, targets: &[String]) {
+pub(crate) fn signal(sig: &str, targets: &[String]) {
     if targets.is_empty() {
         return;
     }
@@ -201,7 +201,7 @@ fn ppid(pid: u32) -> Option<u32> {
 }
 
 /// Every live descendant of `root` (children first found, then theirs).
-fn descendants(root: u32) -> Vec<u32> {
+pub(crate) fn descendants(root: u32) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return vec![];
     };
@@ -375,7 +375,7 @@ impl Job {
 /// The ranks an error text blames: `peer rank N`, `rank(s) [..]`, `met rank N` (a mismatch's
 /// other side), and progress-report lines of ranks that `did not join` the collective or
 /// `published no progress`.
-fn blamed(text: &str) -> Vec<usize> {
+pub(crate) fn blamed(text: &str) -> Vec<usize> {
     let mut out = Vec::new();
     let mut push = |r: usize| {
         if !out.contains(&r) {

@@ -9,7 +9,7 @@
 use crate::util::{cargo, project_root, run};
 
 pub(crate) const HELP: &str = "\
-cargo xtask test [--world-size N[,N..]]
+cargo xtask test [--world-size N[,N..]] | --netns
 
 Runs the multi-rank programs as real processes through distrun, default world sizes 2,3,4:
     hello_all_reduce, subgroups (even sizes), ping_pong (size 2),
@@ -17,6 +17,11 @@ Runs the multi-rank programs as real processes through distrun, default world si
     ddp-train (20 steps, parameters checked identical),
     final_broadcast (1 MiB broadcast, then every rank returns from main without teardown),
     param_server (dist-rpc: 1 server, n - 1 trainers, convergence checked)
+
+--netns: two simulated hosts instead (network, pid and UTS namespaces joined by a veth pair
+with netem delay and a rate limit; needs root, skipped with a message otherwise), 2 ranks
+each: every collective across them, single-copy transfers only within a host, and a killed
+rank named by every survivor.
 ";
 
 /// One multi-rank program: its path, arguments and extra environment.
@@ -31,6 +36,7 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
+            "--netns" => return crate::netns::run_netns(),
             "--world-size" => {
                 let v = it.next().ok_or("--world-size needs a value")?;
                 sizes = v

@@ -431,6 +431,11 @@ fn main() {
             std::fs::write(path, body).expect("write --json");
         }
     }
+    // Every rank, so a harness can check which pairs shared memory (`cargo xtask test --netns`).
+    println!(
+        "# single-copy messages to ranks: {:?}",
+        pg.messages_by_reference_per_peer()
+    );
     if wrong_total > 0 {
         std::process::exit(1);
     }

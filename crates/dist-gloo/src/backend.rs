@@ -134,6 +134,12 @@ impl GlooBackend {
         self.transport.messages_by_reference()
     }
 
+    /// [`GlooBackend::messages_by_reference`] per receiving rank: which peers this rank shares
+    /// memory with in practice (tests check that ranks on different hosts never do).
+    pub fn messages_by_reference_per_peer(&self) -> Vec<u64> {
+        self.transport.messages_by_reference_per_peer()
+    }
+
     /// `world_size` backends connected in memory, one per rank: the real algorithms with no
     /// sockets.
     pub fn in_memory(world_size: usize, opts: &GlooOptions) -> Vec<GlooBackend> {

@@ -187,7 +187,12 @@ pub trait Transport: Send + Sync {
     /// Messages this rank has sent by reference, copied by the receiver straight out of this
     /// process's memory (0 for transports that never do).
     fn messages_by_reference(&self) -> u64 {
-        0
+        self.messages_by_reference_per_peer().iter().sum()
+    }
+    /// [`Transport::messages_by_reference`] split by the receiving peer (indexed by rank;
+    /// all zero for transports that never send by reference).
+    fn messages_by_reference_per_peer(&self) -> Vec<u64> {
+        vec![0; self.world_size()]
     }
 }
 

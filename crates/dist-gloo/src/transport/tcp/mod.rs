@@ -99,9 +99,12 @@ impl Transport for TcpTransport {
             .probe(peer, tag)
     }
 
-    fn messages_by_reference(&self) -> u64 {
+    fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
-        eng.conns.iter().flatten().map(|c| c.offered).sum()
+        eng.conns
+            .iter()
+            .map(|c| c.as_ref().map_or(0, |c| c.offered))
+            .collect()
     }
 
     fn abort(&self) {
