@@ -1,7 +1,8 @@
 //! `cargo xtask ci`: everything CI checks, cheapest first, stopping at the first failure.
 //!
 //! The order is fmt, clippy, check-layers, test, multi-rank (`cargo xtask test`: the
-//! multi-rank programs as real processes through `distrun`), doc, then `cargo deny` when it is
+//! multi-rank programs as real processes through `distrun`), two-hosts (`cargo xtask test
+//! --netns`, where namespaces can be made), doc, then `cargo deny` when it is
 //! installed.
 //! A failing step is named in the error, with the command that failed, so the log's last line
 //! says what to fix.
@@ -38,6 +39,8 @@ pub(crate) fn run() -> Result<(), String> {
         ("check-layers", Step::InProcess(check_layers::run)),
         ("test", cargo(&["test", "--workspace"])),
         ("multi-rank", Step::InProcess(multi_rank)),
+        // Two simulated hosts; it skips itself (and says why) without root or namespaces.
+        ("two-hosts", Step::InProcess(crate::netns::run_netns)),
         ("doc", {
             let mut cmd = util::cargo();
             cmd.args(["doc", "--workspace", "--no-deps"])

@@ -86,7 +86,7 @@ fn preflight() -> Result<(), String> {
     if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
         return Err("network namespaces need root".into());
     }
-    for tool in ["ip", "tc", "unshare"] {
+    for tool in ["ip", "tc", "unshare", "hostname"] {
         let found = Command::new(tool)
             .arg("-V")
             .stdout(Stdio::null())
@@ -97,7 +97,24 @@ fn preflight() -> Result<(), String> {
             return Err(format!("`{tool}` is not installed (iproute2, util-linux)"));
         }
     }
-    Ok(())
+    // Root inside a container may still lack CAP_SYS_ADMIN, or the kernel namespaces.
+    let probe = format!("dist{}probe", std::process::id());
+    sh("ip", &["netns", "add", &probe])
+        .map_err(|e| format!("cannot make a network namespace here: {e}"))?;
+    let pid_ns = Command::new("ip")
+        .args([
+            "netns", "exec", &probe, "unshare", "--pid", "--fork", "--uts", "true",
+        ])
+        .output();
+    let _ = sh("ip", &["netns", "del", &probe]);
+    match pid_ns {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(format!(
+            "cannot make pid and UTS namespaces here: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("cannot run unshare: {e}")),
+    }
 }
 
 /// Runs `ip`/`tc` and fails with its stderr.
@@ -131,8 +148,7 @@ impl Hosts {
         };
         let veth = [format!("dv{id}a"), format!("dv{id}b")];
         for ns in &hosts.ns {
-            sh("ip", &["netns", "add", ns])
-                .map_err(|e| format!("{e} (a container without CAP_SYS_ADMIN cannot do this)"))?;
+            sh("ip", &["netns", "add", ns])?;
         }
         sh(
             "ip",
