@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
-use crate::util::{cargo, display, project_root, run};
+use crate::util::{build_release, display, project_root, run};
 
 pub(crate) const HELP: &str = "\
 cargo xtask bench <OP>|all|latency [FLAGS]
@@ -375,19 +375,7 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &Value, theirs: &Value) {
 
 pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
     let fl = parse(args)?;
-    run(cargo().args([
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "dist-run",
-        "--bin",
-        "distrun",
-        "-p",
-        "dist-gloo",
-        "--example",
-        "gloo_bench",
-    ]))?;
+    build_release(&["dist-run", "dist-gloo"], &["gloo_bench"])?;
     let distrun = project_root().join("target/release/distrun");
     let exe = project_root().join("target/release/examples/gloo_bench");
     let tmp = std::env::temp_dir();

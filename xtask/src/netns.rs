@@ -22,7 +22,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::soak::{blamed, descendants, signal};
-use crate::util::{cargo, project_root, run};
+use crate::util::{build_release, project_root};
 
 /// Ranks per simulated host.
 const PER_HOST: usize = 2;
@@ -44,23 +44,10 @@ pub(crate) fn run_netns() -> Result<(), String> {
         println!("xtask test --netns: skipped: {why}");
         return Ok(());
     }
-    run(cargo().args([
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "dist-run",
-        "--bin",
-        "distrun",
-        "-p",
-        "dist-gloo",
-        "--example",
-        "gloo_bench",
-        "-p",
-        "dist-collective",
-        "--example",
-        "soak_faults",
-    ]))?;
+    build_release(
+        &["dist-run", "dist-gloo", "dist-collective"],
+        &["gloo_bench", "soak_faults"],
+    )?;
     let bin = project_root().join("target/release");
     let hosts = Hosts::create()?;
     println!(

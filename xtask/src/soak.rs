@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::util::{cargo, project_root, run};
+use crate::util::{build_release, project_root};
 
 pub(crate) const HELP: &str = "\
 cargo xtask soak [FLAGS]
@@ -876,24 +876,10 @@ fn garbage_run(p: &Progs, fl: &Flags, rng: &mut Rng, dir: &Path) -> Run {
 
 pub(crate) fn run_soak(args: &[String]) -> Result<(), String> {
     let fl = parse(args)?;
-    run(cargo().args([
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "dist-run",
-        "-p",
-        "ddp-train",
-        "-p",
-        "dist-collective",
-        // Target flags select only the targets they name, in every package given: name the
-        // binaries too, or a stale `distrun`/`ddp-train` would be run.
-        "--bins",
-        "--example",
-        "soak_faults",
-        "--example",
-        "final_broadcast",
-    ]))?;
+    build_release(
+        &["dist-run", "ddp-train", "dist-collective"],
+        &["soak_faults", "final_broadcast"],
+    )?;
     let bin = project_root().join("target/release");
     let p = Progs {
         distrun: bin.join("distrun"),

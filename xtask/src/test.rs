@@ -6,7 +6,7 @@
 //! `gloo_bench -c 1` exits non-zero on any wrong element, and `ddp-train` verifies that every
 //! rank ends with identical parameters.
 
-use crate::util::{cargo, project_root, run};
+use crate::util::{build_release, project_root, run};
 
 pub(crate) const HELP: &str = "\
 cargo xtask test [--world-size N[,N..]] | --netns
@@ -47,25 +47,16 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
             other => return Err(format!("unknown argument `{other}`\n\n{HELP}")),
         }
     }
-    run(cargo().args([
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "dist-run",
-        "-p",
-        "ddp-train",
-        "-p",
-        "dist-collective",
-        "-p",
-        "dist-gloo",
-        "-p",
-        "dist-rpc",
-        // Target flags select only what they name, in every package given: `--bins` too, or
-        // `distrun` and `ddp-train` would be whatever an earlier build left.
-        "--bins",
-        "--examples",
-    ]))?;
+    build_release(
+        &[
+            "dist-run",
+            "ddp-train",
+            "dist-collective",
+            "dist-gloo",
+            "dist-rpc",
+        ],
+        &["*"],
+    )?;
     let bin = project_root().join("target/release");
     let ex = bin.join("examples");
     for &n in &sizes {

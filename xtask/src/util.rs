@@ -51,3 +51,24 @@ pub(crate) fn run(cmd: &mut Command) -> Result<(), String> {
         Err(format!("`{}` failed with {status}", display(cmd)))
     }
 }
+
+/// Builds, in release mode and quietly, the binaries of `packages` and `examples` of them:
+/// every example when `examples` is `["*"]`, else the ones named.
+///
+/// Target flags select only the targets they name, in every package given: the binaries are
+/// named too (`--bins`), or a stale `distrun`/`ddp-train` left by an earlier build would run.
+pub(crate) fn build_release(packages: &[&str], examples: &[&str]) -> Result<(), String> {
+    let mut cmd = cargo();
+    cmd.args(["build", "--release", "--quiet", "--bins"]);
+    for p in packages {
+        cmd.args(["-p", p]);
+    }
+    if examples == ["*"] {
+        cmd.arg("--examples");
+    } else {
+        for e in examples {
+            cmd.args(["--example", e]);
+        }
+    }
+    run(&mut cmd)
+}
