@@ -45,6 +45,7 @@ mod clock;
 mod error;
 pub mod exit;
 pub mod init;
+pub mod net;
 pub mod store;
 
 pub use backend::{Backend, Capabilities, DEFAULT_TIMEOUT, OpOptions};

@@ -14,9 +14,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufReader, Read, Write};
-use std::net::{
-    IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket,
-};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -192,27 +190,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The address this worker listens on when none is given: the local address of the route to
-/// `MASTER_ADDR` (no packet is sent), else loopback.
-fn local_ip() -> IpAddr {
-    let route = || -> Option<IpAddr> {
-        let host = std::env::var("MASTER_ADDR").ok()?;
-        let target = (host.as_str(), 9).to_socket_addrs().ok()?.next()?;
-        if target.ip().is_loopback() {
-            return Some(target.ip());
-        }
-        let any: SocketAddr = if target.is_ipv4() {
-            "0.0.0.0:0".parse().ok()?
-        } else {
-            "[::]:0".parse().ok()?
-        };
-        let s = UdpSocket::bind(any).ok()?;
-        s.connect(target).ok()?;
-        Some(s.local_addr().ok()?.ip())
-    };
-    route().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
-}
-
 /// What each worker publishes in the store.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Published {
@@ -258,7 +235,15 @@ impl Agent {
             .map_err(store_err("counting this rank's inits"))?;
         let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("rpc/{generation}"), store));
         let deadline = deadline_after(Instant::now(), opts.init_timeout);
-        let ip = opts.listen_ip.unwrap_or_else(local_ip);
+        // The same interface as the rank's Gloo mesh (DIST_SOCKET_IFNAME, else the route to
+        // MASTER_ADDR).
+        let ip = match opts.listen_ip {
+            Some(ip) => ip,
+            None => dist_backend::net::local_ip(rank).map_err(|source| Error::Init {
+                worker: label.clone(),
+                source,
+            })?,
+        };
         // Bound to port 0 and published: the port is ours from bind until we drop it.
         let listener = TcpListener::bind((ip, 0)).map_err(|source| Error::Io {
             worker: label.clone(),

@@ -12,8 +12,9 @@ use std::time::Duration;
 use dist_backend::{Result, Store};
 
 pub use cma::cross_memory_available;
+pub use dist_backend::net::{local_ip, local_ip_with};
+pub use mesh::MeshOptions;
 pub(crate) use mesh::group_id;
-pub use mesh::{MeshOptions, local_ip, local_ip_with};
 
 use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
 use engine::Engine;
