@@ -32,31 +32,10 @@ const MOMENTUM: f32 = 0.9;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// Deterministic xorshift stream in [-1, 1).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
 /// The whole data set, identical on every rank: sample i belongs to class i % CLASSES and sits
 /// near that class's centre.
 fn dataset() -> (Vec<f32>, Vec<u32>) {
-    let mut rng = Rng(0x5eed_1234_abcd_0001);
-    let centres: Vec<f32> = (0..CLASSES * FEATURES).map(|_| rng.next() * 2.0).collect();
-    let mut xs = Vec::with_capacity(SAMPLES * FEATURES);
-    let mut ys = Vec::with_capacity(SAMPLES);
-    for i in 0..SAMPLES {
-        let c = i % CLASSES;
-        xs.extend((0..FEATURES).map(|f| centres[c * FEATURES + f] + rng.next() * 6.0));
-        ys.push(c as u32);
-    }
-    (xs, ys)
+    toy_data::clusters(SAMPLES, FEATURES, CLASSES, 6.0)
 }
 
 struct Layer {

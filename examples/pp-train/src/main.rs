@@ -34,30 +34,10 @@ const LR: f64 = 0.05;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// Deterministic xorshift stream in [-1, 1).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
 /// The data set, identical on every rank: sample i belongs to class i % CLASSES.
 fn dataset() -> (Vec<f32>, Vec<usize>) {
-    let mut rng = Rng(0x5eed_1234_abcd_0001);
-    let centres: Vec<f32> = (0..CLASSES * FEATURES).map(|_| rng.next() * 2.0).collect();
-    let mut xs = Vec::with_capacity(SAMPLES * FEATURES);
-    let mut ys = Vec::with_capacity(SAMPLES);
-    for i in 0..SAMPLES {
-        let c = i % CLASSES;
-        xs.extend((0..FEATURES).map(|f| centres[c * FEATURES + f] + rng.next() * 4.0));
-        ys.push(c);
-    }
-    (xs, ys)
+    let (xs, ys) = toy_data::clusters(SAMPLES, FEATURES, CLASSES, 4.0);
+    (xs, ys.into_iter().map(|y| y as usize).collect())
 }
 
 fn width(l: usize) -> usize {
@@ -71,12 +51,12 @@ fn width(l: usize) -> usize {
 /// Every block of the model, built the same way on every rank (same seed), so no
 /// broadcast of the initial parameters is needed.
 fn blocks() -> Res<Vec<CandleBlock>> {
-    let mut rng = Rng(0x0dd_ba11_cafe_f00d);
+    let mut rng = toy_data::Rng::new(0x0dd_ba11_cafe_f00d);
     (0..LAYERS)
         .map(|l| {
             let (i, o) = (width(l), width(l + 1));
             let scale = (3.0 / i as f32).sqrt();
-            let w: Vec<f32> = (0..o * i).map(|_| rng.next() * scale).collect();
+            let w: Vec<f32> = (0..o * i).map(|_| rng.next_f32() * scale).collect();
             let w = Var::from_vec(w, (o, i), &Device::Cpu)?;
             let b = Var::zeros(o, candle_core::DType::F32, &Device::Cpu)?;
             // Clones share the variables' storage: SGD updates reach the module.
