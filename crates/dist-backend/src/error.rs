@@ -177,6 +177,19 @@ pub enum Error {
         /// The first error's message.
         cause: String,
     },
+    /// A device backend (NCCL, the CUDA driver) failed, or could not be loaded. `source` is
+    /// that backend's own error (naming the op, its sequence number and the peer state it
+    /// knows); downcast it (e.g. to `dist_nccl::Error`) for the details.
+    #[error("rank {rank}: backend {backend}: {source}")]
+    Device {
+        /// This rank.
+        rank: usize,
+        /// The backend's name.
+        backend: &'static str,
+        /// The backend's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
     /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
