@@ -34,8 +34,9 @@ pub(crate) fn cuda_err(
     }
 }
 
-/// Number of CUDA devices on this machine.
-pub(crate) fn device_count(rank: usize) -> Result<u32> {
+/// Number of CUDA devices on this machine (`rank` names the caller in errors); fails with
+/// [`Error::Unavailable`] when the driver cannot be loaded.
+pub fn device_count(rank: usize) -> Result<u32> {
     crate::loader::ensure_loaded()?;
     let n = cu::device::get_count().map_err(cuda_err(rank, "init", "cuDeviceGetCount"))?;
     Ok(n.max(0) as u32)

@@ -34,6 +34,7 @@
 //! Device buffers come from [`dist_backend::DeviceBuffer::from_raw`], which is `unsafe` with
 //! its contract stated; every `unsafe` block here says why it holds.
 
+mod alloc;
 mod backend;
 mod comm;
 mod cuda;
@@ -45,7 +46,9 @@ mod staging;
 mod types;
 mod watchdog;
 
+pub use alloc::DeviceAlloc;
 pub use backend::NcclBackend;
+pub use cuda::device_count;
 pub use error::{AbortCause, Error, Result};
 pub use loader::ensure_loaded;
 pub use options::NcclOptions;

@@ -98,8 +98,8 @@ pub(crate) fn judge(probes: &[Probe<'_>], missing: &[(&'static str, Vec<&str>)])
 }
 
 fn probe_once() -> Result<()> {
-    let cuda_names = cudarc::get_lib_name_candidates("cuda");
-    let nccl_names = cudarc::get_lib_name_candidates("nccl");
+    let cuda_names = unique(cudarc::get_lib_name_candidates("cuda"));
+    let nccl_names = unique(cudarc::get_lib_name_candidates("nccl"));
     // SAFETY: `is_culib_present` only tries `dlopen` on each candidate name and closes it;
     // loading the driver or NCCL runs their initialisers, which is what using them needs.
     let cuda_present = unsafe { cudarc::driver::sys::is_culib_present() };
@@ -138,6 +138,13 @@ fn probe_once() -> Result<()> {
             library: "libcuda",
             reason: format!("cuInit failed: {}", crate::cuda::driver_error_name(e)),
         })
+}
+
+/// The names in their order, each once (cudarc's list repeats some).
+fn unique(mut names: Vec<String>) -> Vec<String> {
+    let mut seen = std::collections::HashSet::new();
+    names.retain(|n| seen.insert(n.clone()));
+    names
 }
 
 fn lookup<'a>(lib: &libloading::Library, names: &[&'a str]) -> Vec<&'a str> {
