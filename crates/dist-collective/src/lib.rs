@@ -71,7 +71,10 @@
 //! [`init_process_group`] fails with [`Error::UnknownBackend`].
 
 #![forbid(unsafe_code)]
+mod backend_spec;
 mod debug;
+mod device;
+mod dispatch;
 mod error;
 mod exec;
 mod group;
