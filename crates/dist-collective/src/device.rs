@@ -29,7 +29,7 @@ impl ProcessGroup {
         b: &DeviceBuffer,
         dtype: DType,
     ) -> Result<usize> {
-        if b.len() % dtype.size() != 0 {
+        if !b.len().is_multiple_of(dtype.size()) {
             return Err(self.invalid(
                 op,
                 format!(

@@ -329,17 +329,25 @@ impl NcclBackend {
     }
 }
 
-/// Runs `f` with NCCL's handle for `op` (creating and destroying a PreMulSum op around it).
+/// A reduction's element type, as ours and as NCCL's, and its op.
+#[derive(Clone, Copy)]
+struct Red {
+    dtype: DType,
+    dt: ncclDataType_t,
+    op: NcclOp,
+}
+
+/// Runs `f` with NCCL's handle for `red.op` (creating and destroying a PreMulSum op around
+/// it).
 fn with_redop(
     rank: usize,
     name: &'static str,
     seq: u64,
     comm: ncclComm_t,
-    dtype: DType,
-    dt: ncclDataType_t,
-    op: NcclOp,
+    red: Red,
     f: impl FnOnce(RedOp) -> Result<()>,
 ) -> Result<()> {
+    let Red { dtype, dt, op } = red;
     match op {
         NcclOp::Builtin(o) => f(o as u32 as RedOp),
         NcclOp::PreMulSum(factor) => {
@@ -414,7 +422,7 @@ impl Backend for NcclBackend {
         let rank = self.rank;
         self.run(OP, opts, &[b], b.len(), |c, s, seq| {
             let fns = reduce_fns()?;
-            with_redop(rank, OP, seq, c, dtype, dt, rop, |o| {
+            with_redop(rank, OP, seq, c, Red { dtype, dt, op: rop }, |o| {
                 // SAFETY: `b` is device memory of `count` elements on the bound device,
                 // vouched for by `DeviceBuffer::from_raw`; in place is allowed; `c` and `s`
                 // are live.
@@ -462,7 +470,7 @@ impl Backend for NcclBackend {
         let rank = self.rank;
         self.run(OP, opts, &[b], b.len(), |c, s, seq| {
             let fns = reduce_fns()?;
-            with_redop(rank, OP, seq, c, dtype, dt, rop, |o| {
+            with_redop(rank, OP, seq, c, Red { dtype, dt, op: rop }, |o| {
                 // SAFETY: as in `all_reduce`.
                 let r = unsafe {
                     (fns.reduce)(at(&b, 0), at(&b, 0), count, dt, o, root as c_int, c, s)
@@ -541,7 +549,7 @@ impl Backend for NcclBackend {
         let counts = counts.to_vec();
         self.run(OP, opts, &[i, o], i.len(), |c, s, seq| {
             let fns = reduce_fns()?;
-            with_redop(rank, OP, seq, c, dtype, dt, rop, |ro| {
+            with_redop(rank, OP, seq, c, Red { dtype, dt, op: rop }, |ro| {
                 if even {
                     // SAFETY: `i` holds world_size × counts[0] elements, `o` counts[0].
                     let r = unsafe {

@@ -173,13 +173,8 @@ impl Comm {
         let id = if rank == 0 {
             let mut id = ncclUniqueId { internal: [0; 128] };
             // SAFETY: `id` is a valid out-pointer for the call.
-            check(
-                unsafe { nccl::ncclGetUniqueId(&mut id) },
-                rank,
-                "init",
-                0,
-                "ncclGetUniqueId",
-            )?;
+            let r = unsafe { nccl::ncclGetUniqueId(&mut id) };
+            check(r, rank, "init", 0, "ncclGetUniqueId")?;
             let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
             store
                 .set(&key, &bytes)

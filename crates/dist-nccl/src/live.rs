@@ -232,21 +232,11 @@ pub(crate) fn grouped(
     f: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
     // SAFETY: no arguments; NCCL keeps a per-thread group depth.
-    check(
-        unsafe { nccl::ncclGroupStart() },
-        rank,
-        op,
-        seq,
-        "ncclGroupStart",
-    )?;
+    let started = unsafe { nccl::ncclGroupStart() };
+    check(started, rank, op, seq, "ncclGroupStart")?;
     let r = f();
     // SAFETY: as above, closing the group opened here.
-    let end = check(
-        unsafe { nccl::ncclGroupEnd() },
-        rank,
-        op,
-        seq,
-        "ncclGroupEnd",
-    );
+    let ended = unsafe { nccl::ncclGroupEnd() };
+    let end = check(ended, rank, op, seq, "ncclGroupEnd");
     r.and(end)
 }

@@ -166,6 +166,14 @@ fn ops_for(d: DType) -> Vec<ReduceOp> {
     ]
 }
 
+/// A backend's view of `a`. Every operation in this suite blocks until the GPU has finished
+/// (the default `blocking_wait`), and each allocation lives until after the operations given
+/// it, so the contract of `DeviceBuffer::from_raw` holds.
+fn dbuf(a: &DeviceAlloc) -> dist_backend::DeviceBuffer {
+    // SAFETY: see above; `a` is owned device memory of its device, on the default stream.
+    unsafe { a.buffer() }
+}
+
 /// Device data for rank r (kept alive by the caller).
 fn up(r: usize, d: DType, v: &[f64]) -> DeviceAlloc {
     DeviceAlloc::from_bytes(r as u32, &encode(d, v)).expect("upload")
@@ -191,8 +199,7 @@ fn reductions_every_dtype_op_and_size() {
                     let want = reduce_ref(op, d, n, size);
                     let what = format!("rank {r} {d} {op:?} × {size}");
                     let a = up(r, d, &input);
-                    // SAFETY: `a` outlives the (blocking) operation.
-                    b.all_reduce(BufMut::Device(unsafe { a.buffer() }), d, op, &o)
+                    b.all_reduce(BufMut::Device(dbuf(&a)), d, op, &o)
                         .expect(&what);
                     close(
                         d,
@@ -201,8 +208,7 @@ fn reductions_every_dtype_op_and_size() {
                         &format!("all_reduce {what}"),
                     );
                     let a = up(r, d, &input);
-                    // SAFETY: as above.
-                    b.reduce(BufMut::Device(unsafe { a.buffer() }), d, op, n - 1, &o)
+                    b.reduce(BufMut::Device(dbuf(&a)), d, op, n - 1, &o)
                         .expect(&what);
                     if r == n - 1 {
                         close(
@@ -217,10 +223,9 @@ fn reductions_every_dtype_op_and_size() {
                     let i = up(r, d, &full);
                     let out = up(r, d, &vec![0.0; size]);
                     let counts = vec![size; n];
-                    // SAFETY: as above.
                     b.reduce_scatter(
-                        BufRef::Device(unsafe { i.buffer() }),
-                        BufMut::Device(unsafe { out.buffer() }),
+                        BufRef::Device(dbuf(&i)),
+                        BufMut::Device(dbuf(&out)),
                         d,
                         op,
                         &counts,
@@ -242,10 +247,9 @@ fn reductions_every_dtype_op_and_size() {
         let total: usize = counts.iter().sum();
         let i = up(r, d, &data(r, total));
         let out = up(r, d, &vec![0.0; counts[r]]);
-        // SAFETY: as above.
         b.reduce_scatter(
-            BufRef::Device(unsafe { i.buffer() }),
-            BufMut::Device(unsafe { out.buffer() }),
+            BufRef::Device(dbuf(&i)),
+            BufMut::Device(dbuf(&out)),
             d,
             ReduceOp::Sum,
             &counts,
@@ -274,8 +278,7 @@ fn data_movement_every_dtype_and_size() {
                 // broadcast from the last rank
                 let root = n - 1;
                 let a = up(r, d, &data(r, size));
-                // SAFETY: `a` outlives the (blocking) operation.
-                b.broadcast(BufMut::Device(unsafe { a.buffer() }), d, root, &o)
+                b.broadcast(BufMut::Device(dbuf(&a)), d, root, &o)
                     .expect(&what);
                 close(
                     d,
@@ -286,10 +289,9 @@ fn data_movement_every_dtype_and_size() {
                 // all_gather, even
                 let i = up(r, d, &data(r, size));
                 let out = up(r, d, &vec![0.0; size * n]);
-                // SAFETY: as above.
                 b.all_gather(
-                    BufRef::Device(unsafe { i.buffer() }),
-                    BufMut::Device(unsafe { out.buffer() }),
+                    BufRef::Device(dbuf(&i)),
+                    BufMut::Device(dbuf(&out)),
                     d,
                     &vec![size; n],
                     &o,
@@ -315,10 +317,9 @@ fn data_movement_every_dtype_and_size() {
                 let want: Vec<f64> = (0..n).flat_map(|q| block(q, r)).collect();
                 let i = up(r, d, &send);
                 let out = up(r, d, &vec![0.0; want.len()]);
-                // SAFETY: as above.
                 b.all_to_all(
-                    BufRef::Device(unsafe { i.buffer() }),
-                    BufMut::Device(unsafe { out.buffer() }),
+                    BufRef::Device(dbuf(&i)),
+                    BufMut::Device(dbuf(&out)),
                     d,
                     &sc,
                     &rc,
@@ -334,9 +335,8 @@ fn data_movement_every_dtype_and_size() {
                 // gather and scatter at root 0
                 let i = up(r, d, &data(r, size));
                 let out = (r == 0).then(|| up(r, d, &vec![0.0; size * n]));
-                // SAFETY: as above.
-                let ob = out.as_ref().map(|a| BufMut::Device(unsafe { a.buffer() }));
-                b.gather(BufRef::Device(unsafe { i.buffer() }), ob, d, 0, &o)
+                let ob = out.as_ref().map(|a| BufMut::Device(dbuf(a)));
+                b.gather(BufRef::Device(dbuf(&i)), ob, d, 0, &o)
                     .expect(&what);
                 if let Some(out) = &out {
                     let want: Vec<f64> = (0..n).flat_map(|q| data(q, size)).collect();
@@ -355,9 +355,8 @@ fn data_movement_every_dtype_and_size() {
                     )
                 });
                 let out = up(r, d, &vec![0.0; size]);
-                // SAFETY: as above.
-                let ib = src.as_ref().map(|a| BufRef::Device(unsafe { a.buffer() }));
-                b.scatter(ib, BufMut::Device(unsafe { out.buffer() }), d, 0, &o)
+                let ib = src.as_ref().map(|a| BufRef::Device(dbuf(a)));
+                b.scatter(ib, BufMut::Device(dbuf(&out)), d, 0, &o)
                     .expect(&what);
                 close(
                     d,
@@ -372,10 +371,9 @@ fn data_movement_every_dtype_and_size() {
         let counts: Vec<usize> = (0..n).map(|q| 2 * q + 1).collect();
         let i = up(r, d, &data(r, counts[r]));
         let out = up(r, d, &vec![0.0; counts.iter().sum()]);
-        // SAFETY: as above.
         b.all_gather(
-            BufRef::Device(unsafe { i.buffer() }),
-            BufMut::Device(unsafe { out.buffer() }),
+            BufRef::Device(dbuf(&i)),
+            BufMut::Device(dbuf(&out)),
             d,
             &counts,
             &o,
@@ -393,8 +391,7 @@ fn data_movement_every_dtype_and_size() {
             let rv = up(r, d, &vec![0.0; 1000]);
             // Even ranks send first so the blocking pairs never wait on each other in a cycle.
             let (to, from) = ((r + 1) % n, (r + n - 1) % n);
-            // SAFETY: as above.
-            let (sb, rb) = unsafe { (s.buffer(), rv.buffer()) };
+            let (sb, rb) = (dbuf(&s), dbuf(&rv));
             if r % 2 == 0 {
                 b.send(BufRef::Device(sb), d, to, &o).unwrap();
                 b.recv(BufMut::Device(rb), d, from, &o).unwrap();
@@ -424,32 +421,19 @@ fn bad_input_is_an_error_not_a_panic() {
             .unwrap_err();
         assert!(e.to_string().contains("host memory"), "{e}");
         let a = up(0, DType::I16, &[1.0, 2.0]);
-        // SAFETY: `a` outlives the calls.
         let e = b
-            .all_reduce(
-                BufMut::Device(unsafe { a.buffer() }),
-                DType::I16,
-                ReduceOp::Sum,
-                &o,
-            )
+            .all_reduce(BufMut::Device(dbuf(&a)), DType::I16, ReduceOp::Sum, &o)
             .unwrap_err();
         assert!(e.to_string().contains("NCCL cannot reduce"), "{e}");
-        // SAFETY: as above.
         let e = b
-            .all_reduce(
-                BufMut::Device(unsafe { a.buffer() }),
-                DType::I16,
-                ReduceOp::BitAnd,
-                &o,
-            )
+            .all_reduce(BufMut::Device(dbuf(&a)), DType::I16, ReduceOp::BitAnd, &o)
             .unwrap_err();
         assert!(
             e.to_string().contains("BAND") || e.to_string().contains("NCCL"),
             "{e}"
         );
-        // SAFETY: as above.
         let e = b
-            .broadcast(BufMut::Device(unsafe { a.buffer() }), DType::I16, 3, &o)
+            .broadcast(BufMut::Device(dbuf(&a)), DType::I16, 3, &o)
             .unwrap_err();
         assert!(e.to_string().contains("root 3"), "{e}");
     });
@@ -467,31 +451,18 @@ fn a_silent_rank_makes_the_watchdog_abort_and_name_the_op() {
     let errs = world(2, opts, |r, b| {
         let o = OpOptions::with_timeout(Duration::from_secs(3));
         let a = up(r, DType::F32, &data(r, 1 << 16));
-        // SAFETY: `a` outlives the operations (they complete or the comm is aborted).
-        b.all_reduce(
-            BufMut::Device(unsafe { a.buffer() }),
-            DType::F32,
-            ReduceOp::Sum,
-            &o,
-        )
-        .unwrap();
+        b.all_reduce(BufMut::Device(dbuf(&a)), DType::F32, ReduceOp::Sum, &o)
+            .unwrap();
         if r == 1 {
             // Rank 1 stops taking part (as a killed rank would), keeping its GPU memory.
             std::thread::sleep(Duration::from_secs(6));
             return None;
         }
-        // SAFETY: as above.
         let e = b
-            .all_reduce(
-                BufMut::Device(unsafe { a.buffer() }),
-                DType::F32,
-                ReduceOp::Sum,
-                &o,
-            )
+            .all_reduce(BufMut::Device(dbuf(&a)), DType::F32, ReduceOp::Sum, &o)
             .unwrap_err();
-        // SAFETY: as above.
         let later = b
-            .broadcast(BufMut::Device(unsafe { a.buffer() }), DType::F32, 0, &o)
+            .broadcast(BufMut::Device(dbuf(&a)), DType::F32, 0, &o)
             .unwrap_err();
         Some((e.to_string(), later.to_string()))
     });
@@ -518,9 +489,8 @@ fn split_makes_working_sub_communicators() {
         assert_eq!(sub.world_size(), members.len());
         assert_eq!(sub.rank(), members.iter().position(|&q| q == r).unwrap());
         let a = up(r, DType::F64, &data(r, 100));
-        // SAFETY: `a` outlives the operation.
         sub.all_reduce(
-            BufMut::Device(unsafe { a.buffer() }),
+            BufMut::Device(dbuf(&a)),
             DType::F64,
             ReduceOp::Sum,
             &OpOptions::default(),
