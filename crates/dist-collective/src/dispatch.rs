@@ -178,3 +178,247 @@ impl Backend for Dispatch {
         self.device.close();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use dist_backend::DeviceBuffer;
+
+    use super::*;
+
+    /// A backend that records which calls reach it.
+    struct Rec(&'static str, Arc<Mutex<Vec<String>>>);
+
+    impl Rec {
+        fn hit(&self, op: &str) -> dist_backend::Result<()> {
+            self.1.lock().unwrap().push(format!("{}:{op}", self.0));
+            Ok(())
+        }
+    }
+
+    impl Backend for Rec {
+        fn name(&self) -> &'static str {
+            self.0
+        }
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            1
+        }
+        fn capabilities(&self) -> Capabilities {
+            let mut c = Capabilities::HOST_ALL;
+            c.device_buffers = self.0 == "device";
+            c.host_buffers = self.0 == "host";
+            c
+        }
+        fn all_reduce(
+            &self,
+            _: BufMut<'_>,
+            _: DType,
+            _: ReduceOp,
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("all_reduce")
+        }
+        fn broadcast(
+            &self,
+            _: BufMut<'_>,
+            _: DType,
+            _: usize,
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("broadcast")
+        }
+        fn reduce(
+            &self,
+            _: BufMut<'_>,
+            _: DType,
+            _: ReduceOp,
+            _: usize,
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("reduce")
+        }
+        fn all_gather(
+            &self,
+            _: BufRef<'_>,
+            _: BufMut<'_>,
+            _: DType,
+            _: &[usize],
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("all_gather")
+        }
+        fn reduce_scatter(
+            &self,
+            _: BufRef<'_>,
+            _: BufMut<'_>,
+            _: DType,
+            _: ReduceOp,
+            _: &[usize],
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("reduce_scatter")
+        }
+        fn all_to_all(
+            &self,
+            _: BufRef<'_>,
+            _: BufMut<'_>,
+            _: DType,
+            _: &[usize],
+            _: &[usize],
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("all_to_all")
+        }
+        fn gather(
+            &self,
+            _: BufRef<'_>,
+            _: Option<BufMut<'_>>,
+            _: DType,
+            _: usize,
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("gather")
+        }
+        fn scatter(
+            &self,
+            _: Option<BufRef<'_>>,
+            _: BufMut<'_>,
+            _: DType,
+            _: usize,
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("scatter")
+        }
+        fn barrier(&self, _: &OpOptions) -> dist_backend::Result<()> {
+            self.hit("barrier")
+        }
+        fn send(
+            &self,
+            _: BufRef<'_>,
+            _: DType,
+            _: usize,
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("send")
+        }
+        fn recv(
+            &self,
+            _: BufMut<'_>,
+            _: DType,
+            _: usize,
+            _: &OpOptions,
+        ) -> dist_backend::Result<()> {
+            self.hit("recv")
+        }
+        fn close(&self) {
+            let _ = self.hit("close");
+        }
+    }
+
+    #[test]
+    fn host_buffers_go_to_host_and_calls_without_buffers_too() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let d = Dispatch {
+            host: Box::new(Rec("host", log.clone())),
+            device: Box::new(Rec("device", log.clone())),
+        };
+        let o = OpOptions::default();
+        let mut a = [0u8; 4];
+        let mut b = [0u8; 4];
+        d.all_reduce(BufMut::Host(&mut a), DType::F32, ReduceOp::Sum, &o)
+            .unwrap();
+        d.all_gather(
+            BufRef::Host(&b.clone()),
+            BufMut::Host(&mut b),
+            DType::U8,
+            &[4],
+            &o,
+        )
+        .unwrap();
+        d.gather(BufRef::Host(&a), None, DType::U8, 0, &o).unwrap();
+        d.barrier(&o).unwrap();
+        d.close();
+        assert_eq!(
+            *log.lock().unwrap(),
+            [
+                "host:all_reduce",
+                "host:all_gather",
+                "host:gather",
+                "host:barrier",
+                "host:close",
+                "device:close"
+            ]
+        );
+        let c = d.capabilities();
+        assert!(c.host_buffers && c.device_buffers);
+    }
+
+    #[test]
+    fn any_device_buffer_sends_the_call_to_the_device_backend() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let d = Dispatch {
+            host: Box::new(Rec("host", log.clone())),
+            device: Box::new(Rec("device", log.clone())),
+        };
+        let o = OpOptions::default();
+        let dev = DeviceBuffer::empty(0);
+        let mut h = [0u8; 0];
+        d.all_reduce(BufMut::Device(dev), DType::F32, ReduceOp::Sum, &o)
+            .unwrap();
+        d.broadcast(BufMut::Device(dev), DType::F32, 0, &o).unwrap();
+        d.reduce(BufMut::Device(dev), DType::F32, ReduceOp::Max, 0, &o)
+            .unwrap();
+        // Mixed: the device backend decides (and would reject the host side itself).
+        d.all_gather(BufRef::Host(&[]), BufMut::Device(dev), DType::U8, &[0], &o)
+            .unwrap();
+        d.reduce_scatter(
+            BufRef::Device(dev),
+            BufMut::Host(&mut h),
+            DType::U8,
+            ReduceOp::Sum,
+            &[0],
+            &o,
+        )
+        .unwrap();
+        d.all_to_all(
+            BufRef::Device(dev),
+            BufMut::Device(dev),
+            DType::U8,
+            &[0],
+            &[0],
+            &o,
+        )
+        .unwrap();
+        // Rooted ops decide by the buffer every rank passes.
+        d.gather(BufRef::Device(dev), None, DType::U8, 0, &o)
+            .unwrap();
+        d.scatter(None, BufMut::Device(dev), DType::U8, 0, &o)
+            .unwrap();
+        d.send(BufRef::Device(dev), DType::U8, 0, &o).unwrap();
+        d.recv(BufMut::Device(dev), DType::U8, 0, &o).unwrap();
+        d.send(BufRef::Host(&[]), DType::U8, 0, &o).unwrap();
+        let log = log.lock().unwrap();
+        let ops = [
+            "all_reduce",
+            "broadcast",
+            "reduce",
+            "all_gather",
+            "reduce_scatter",
+            "all_to_all",
+            "gather",
+            "scatter",
+            "send",
+            "recv",
+        ];
+        let want: Vec<String> = ops
+            .iter()
+            .map(|o| format!("device:{o}"))
+            .chain(["host:send".to_owned()])
+            .collect();
+        assert_eq!(*log, want);
+    }
+}
