@@ -31,7 +31,8 @@ fn engine(name: &str) -> Option<Engine> {
 }
 
 impl BackendSpec {
-    /// Parses `s`: a bare name serves the buffers it is made for (`"gloo"`: host, `"nccl"`:
+    /// Parses `s` ([`Error::UnknownBackend`] for a name that is no backend, and
+    /// [`Error::InvalidBackend`] for a malformed string): a bare name serves the buffers it is made for (`"gloo"`: host, `"nccl"`:
     /// device); `"dev:name"` entries, comma-separated, name one backend per device type
     /// (`cpu` or `cuda`), each at most once.
     pub(crate) fn parse(s: &str) -> Result<BackendSpec> {
@@ -50,9 +51,10 @@ impl BackendSpec {
                     host: None,
                     device: Some(Engine::Nccl),
                 }),
-                None => Err(unknown(format!(
-                    "unknown backend {s_trim:?}: expected gloo, nccl or entries like cpu:gloo,cuda:nccl"
-                ))),
+                None => Err(Error::UnknownBackend {
+                    name: s_trim.to_owned(),
+                    available: crate::group::AVAILABLE_BACKENDS,
+                }),
             };
         }
         let mut spec = BackendSpec {
@@ -64,10 +66,9 @@ impl BackendSpec {
                 return Err(unknown(format!("entry {entry:?} is not device:backend")));
             };
             let (dev, name) = (dev.trim(), name.trim());
-            let e = engine(name).ok_or_else(|| {
-                unknown(format!(
-                    "unknown backend {name:?} in entry {entry:?} (expected gloo or nccl)"
-                ))
+            let e = engine(name).ok_or_else(|| Error::UnknownBackend {
+                name: name.to_owned(),
+                available: crate::group::AVAILABLE_BACKENDS,
             })?;
             let slot = match dev {
                 "cpu" => &mut spec.host,
@@ -182,16 +183,21 @@ mod tests {
     #[test]
     fn bad_strings_say_what_is_wrong() {
         for (s, what) in [
-            ("mpi", "unknown backend \"mpi\""),
             ("cpu:gloo,cpu:gloo", "named twice"),
             ("tpu:nccl", "unknown device type \"tpu\""),
             ("cpu:nccl", "nccl cannot serve cpu"),
             ("cpu:gloo,cuda", "not device:backend"),
-            ("cuda:ucc", "unknown backend \"ucc\""),
         ] {
             let e = BackendSpec::parse(s).unwrap_err().to_string();
             assert!(e.contains(what), "{s}: {e}");
             assert!(e.contains(s), "{s}: {e}");
+        }
+        for (s, name) in [("mpi", "mpi"), ("cuda:ucc", "ucc")] {
+            let e = BackendSpec::parse(s).unwrap_err();
+            assert!(
+                matches!(&e, Error::UnknownBackend { name: n, .. } if n == name),
+                "{s}: {e}"
+            );
         }
     }
 
