@@ -30,7 +30,11 @@ FLAGS (nccl-tests' names):
     -d <type>         int8 uint8 int32 uint32 int64 uint64 half bfloat16 float (default) double
     -r <root>         broadcast root, default 0 (--vs compares only -o sum -d float -r 0)
     --world-size <n[,n..]> ranks (processes on this host), default 2,4
-    --backend gloo    the backend (only gloo today)
+    --backend gloo|nccl  the backend (default gloo). nccl: one rank per GPU as threads
+                      of one process (crates/dist-nccl/examples/nccl_perf.rs), so
+                      --world-size, -c and --vs do not apply; compare with nccl-tests'
+                      `all_reduce_perf -g <GPUs> -b .. -e .. -f ..` on the same machine.
+                      Says \"skipped\" where no CUDA driver and NCCL load.
     -J <file>         write our results as JSON (one file per world size: file.wsN.json)
     --vs torch|mpi    also run torch 1.x Gloo (Debian python3-torch) or Open MPI TCP
                       (openmpi-bin + python3-mpi4py) with the same ops and sizes
@@ -58,6 +62,7 @@ struct Flags {
     redop: String,
     dtype: String,
     root: String,
+    backend: String,
 }
 
 const REDOPS: [&str; 5] = ["sum", "prod", "min", "max", "avg"];
@@ -112,6 +117,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         redop: "sum".into(),
         dtype: "float".into(),
         root: "0".into(),
+        backend: "gloo".into(),
     };
     let mut it = rest.iter();
     while let Some(flag) = it.next() {
@@ -139,7 +145,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
                     .parse::<usize>()
                     .map_err(|_| format!("-r {}: not a rank", fl.root))?;
             }
-            "--backend" => expect(&val()?, "gloo", "--backend")?,
+            "--backend" => fl.backend = one_of(val()?, &["gloo", "nccl"], "--backend")?,
             "--world-size" => {
                 fl.world_sizes = val()?
                     .split(',')
@@ -170,14 +176,6 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         s *= f;
     }
     Ok(fl)
-}
-
-fn expect(v: &str, only: &str, flag: &str) -> Result<(), String> {
-    if v == only {
-        Ok(())
-    } else {
-        Err(format!("{flag} {v}: only `{only}` is measured today"))
-    }
 }
 
 /// A port that was free a moment ago, for the torch peer only: its script starts its own
@@ -368,6 +366,9 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &Value, theirs: &Value) {
 
 pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
     let fl = parse(args)?;
+    if fl.backend == "nccl" {
+        return run_nccl(&fl);
+    }
     run(cargo().args([
         "build",
         "--release",
@@ -431,4 +432,42 @@ mod tests {
         let e = parse(&args("all_reduce -d half --vs mpi")).unwrap_err();
         assert!(e.contains("-o sum -d float -r 0 only"), "{e}");
     }
+}
+
+/// `--backend nccl`: nccl_perf once per op, its table printed as it comes.
+fn run_nccl(fl: &Flags) -> Result<(), String> {
+    if fl.vs.is_some() {
+        return Err("--vs compares CPU backends; for nccl run nccl-tests on the same GPUs".into());
+    }
+    run(cargo().args([
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "dist-nccl",
+        "--example",
+        "nccl_perf",
+    ]))?;
+    let exe = project_root().join("target/release/examples/nccl_perf");
+    let (first, last) = match (fl.sizes.first(), fl.sizes.last()) {
+        (Some(&a), Some(&b)) => (a, b),
+        _ => return Err("no sizes".into()),
+    };
+    let factor = fl.sizes.get(1).map_or(2, |&s| s / first);
+    for op in &fl.ops {
+        if LATENCY.contains(&op.as_str()) {
+            println!("# {op}: not measured for nccl (use all_reduce -b 4 -e 4)");
+            continue;
+        }
+        let mut cmd = Command::new(&exe);
+        cmd.arg(op)
+            .args(["-b", &first.to_string(), "-e", &last.to_string()])
+            .args(["-f", &factor.to_string(), "-w", &fl.warmup])
+            .args(["-o", &fl.redop, "-d", &fl.dtype]);
+        if let Some(n) = &fl.iters {
+            cmd.args(["-n", n]);
+        }
+        run(&mut cmd).map_err(|e| format!("nccl_perf {op}: {e}"))?;
+    }
+    Ok(())
 }
