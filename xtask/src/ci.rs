@@ -1,6 +1,7 @@
 //! `cargo xtask ci`: everything CI checks, cheapest first, stopping at the first failure.
 //!
-//! The order is fmt, clippy, check-layers, test, multi-rank (`cargo xtask test`: the
+//! The order is fmt, clippy, clippy with dist-collective's nccl feature, check-layers, test,
+//! test with the nccl feature (dist-collective's backend strings), multi-rank (`cargo xtask test`: the
 //! multi-rank programs as real processes through `distrun`), doc, then `cargo deny` when it is
 //! installed.
 //! A failing step is named in the error, with the command that failed, so the log's last line
@@ -35,8 +36,38 @@ pub(crate) fn run() -> Result<(), String> {
                 "warnings",
             ]),
         ),
+        // dist-collective's nccl feature is off in workspace builds; its code and tests
+        // build and run without CUDA (NcclBackend reports the missing library), so CI checks
+        // them too, for the price of one more build of dist-collective.
+        (
+            "clippy-nccl",
+            cargo(&[
+                "clippy",
+                "-p",
+                "dist-collective",
+                "--features",
+                "nccl",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]),
+        ),
         ("check-layers", Step::InProcess(check_layers::run)),
         ("test", cargo(&["test", "--workspace"])),
+        (
+            "test-nccl",
+            cargo(&[
+                "test",
+                "-p",
+                "dist-collective",
+                "--features",
+                "nccl",
+                "--lib",
+                "--test",
+                "backend_strings",
+            ]),
+        ),
         ("multi-rank", Step::InProcess(multi_rank)),
         ("doc", {
             let mut cmd = util::cargo();
