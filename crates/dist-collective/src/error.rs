@@ -107,10 +107,6 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// The NCCL backend could not be created (its libraries are missing: `Unavailable`).
-    #[cfg(feature = "nccl")]
-    #[error(transparent)]
-    Nccl(#[from] dist_nccl::Error),
     /// Ranks created sub-groups in a different order or with different arguments.
     #[error(
         "rank {rank}: group creation #{index} disagrees: this rank called {ours}, rank {other_rank} called {theirs}"

@@ -194,7 +194,8 @@ fn connect_device(
     }
     #[cfg(feature = "nccl")]
     {
-        Ok(Box::new(dist_nccl::HostStaging::new(b)?))
+        let staged = dist_nccl::HostStaging::new(b).map_err(|e| e.into_backend(rank))?;
+        Ok(Box::new(staged))
     }
     #[cfg(not(feature = "nccl"))]
     {
@@ -232,13 +233,10 @@ fn connect_engine(
         Engine::Nccl => {
             let mut o = dist_nccl::NcclOptions::from_env();
             o.timeout = cfg.timeout;
-            Ok(Box::new(dist_nccl::NcclBackend::new(
-                cfg.root_store.clone(),
-                prefix,
-                rank,
-                world_size,
-                o,
-            )?))
+            let b =
+                dist_nccl::NcclBackend::new(cfg.root_store.clone(), prefix, rank, world_size, o)
+                    .map_err(|e| e.into_backend(rank))?;
+            Ok(Box::new(b))
         }
         #[allow(
             unreachable_patterns,

@@ -68,7 +68,12 @@ fn with_the_feature_a_machine_without_cuda_gets_unavailable_naming_the_library()
     assert!(dist_collective::AVAILABLE_BACKENDS.contains(&"nccl"));
     for s in ["nccl", "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:gloo"] {
         let e = new_process_group(one_rank(s)).unwrap_err();
-        let Error::Nccl(dist_nccl::Error::Unavailable { library, .. }) = &e else {
+        let Error::Backend(dist_backend::Error::Unavailable {
+            backend: "nccl",
+            library,
+            ..
+        }) = &e
+        else {
             panic!("{s}: expected Unavailable, got {e:?}");
         };
         assert!(

@@ -109,9 +109,17 @@ pub enum AbortCause {
 }
 
 impl Error {
-    /// Wraps this error for the `Backend` trait (keeping it as the source).
-    pub(crate) fn into_backend(self, rank: usize) -> dist_backend::Error {
+    /// This error as the `Backend` trait's (what `dist-collective` reports): `Unavailable`
+    /// and `Unsupported` become dist-backend's own variants, field by field; every other error
+    /// is kept whole as the source of [`dist_backend::Error::Device`]. `rank` names this rank
+    /// where the error does not.
+    pub fn into_backend(self, rank: usize) -> dist_backend::Error {
         match self {
+            Error::Unavailable { library, reason } => dist_backend::Error::Unavailable {
+                backend: "nccl",
+                library,
+                reason,
+            },
             Error::Unsupported { rank, reason, .. } => dist_backend::Error::Unsupported {
                 rank,
                 backend: "nccl",

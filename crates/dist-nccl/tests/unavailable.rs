@@ -33,6 +33,19 @@ fn creating_a_backend_without_cuda_is_unavailable_naming_the_library() {
     assert!(msg.starts_with("backend nccl is unavailable: lib"), "{msg}");
     assert!(msg.contains(library), "{msg}");
     assert!(!reason.is_empty());
+    // Through the Backend contract (what dist-collective reports), field by field.
+    let lib = *library;
+    match e.clone().into_backend(0) {
+        dist_backend::Error::Unavailable {
+            backend: "nccl",
+            library,
+            reason: r,
+        } => {
+            assert_eq!(library, lib);
+            assert_eq!(&r, reason);
+        }
+        other => panic!("expected dist_backend::Error::Unavailable, got {other:?}"),
+    }
     println!("{msg}");
 }
 
