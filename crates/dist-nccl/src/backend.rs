@@ -815,7 +815,12 @@ impl Backend for NcclBackend {
     }
 
     fn close(&self) {
-        let live = self.live.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // Later operations fail instead of creating a new communicator.
+        let closed = Some(Err(Error::Closed { rank: self.rank }));
+        let live = std::mem::replace(
+            &mut *self.live.lock().unwrap_or_else(|e| e.into_inner()),
+            closed,
+        );
         if let Some(Ok(l)) = live {
             l.close();
         }

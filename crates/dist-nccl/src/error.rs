@@ -65,6 +65,12 @@ pub enum Error {
         /// rank completed is in the group's progress report).
         peers: String,
     },
+    /// The backend was closed (`Backend::close`, group teardown); later operations fail.
+    #[error("rank {rank}: the nccl backend was closed")]
+    Closed {
+        /// This rank.
+        rank: usize,
+    },
     /// The caller passed something the backend cannot serve (host memory to NCCL, I16 to a
     /// reduction, a bitwise reduce op, a buffer on another device than the communicator's).
     #[error("rank {rank}: {op}: {reason}")]
