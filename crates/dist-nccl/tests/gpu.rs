@@ -436,6 +436,11 @@ fn bad_input_is_an_error_not_a_panic() {
             .broadcast(BufMut::Device(dbuf(&a)), DType::I16, 3, &o)
             .unwrap_err();
         assert!(e.to_string().contains("root 3"), "{e}");
+        // A closed backend refuses later operations rather than making a new communicator.
+        b.barrier(&o).unwrap();
+        b.close();
+        let e = b.barrier(&o).unwrap_err();
+        assert!(e.to_string().contains("was closed"), "{e}");
     });
 }
 
