@@ -407,33 +407,6 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(String::from).collect()
-    }
-
-    #[test]
-    fn nccl_tests_type_op_and_root_flags_parse_and_bad_ones_are_named() {
-        let fl = parse(&args("all_reduce -d bfloat16 -o avg -r 1 -b 1K -e 4K -f 2")).unwrap();
-        assert_eq!((fl.dtype.as_str(), fl.redop.as_str()), ("bfloat16", "avg"));
-        assert_eq!(
-            (fl.root.as_str(), fl.sizes.clone()),
-            ("1", vec![1024, 2048, 4096])
-        );
-        let e = parse(&args("all_reduce -d float16")).unwrap_err();
-        assert!(e.starts_with("-d float16: expected one of"), "{e}");
-        let e = parse(&args("all_reduce -o mean")).unwrap_err();
-        assert!(e.starts_with("-o mean: expected one of"), "{e}");
-        let e = parse(&args("broadcast -r 2 --world-size 2,4")).unwrap_err();
-        assert_eq!(e, "-r 2: not a rank of world size 2");
-        let e = parse(&args("all_reduce -d half --vs mpi")).unwrap_err();
-        assert!(e.contains("-o sum -d float -r 0 only"), "{e}");
-    }
-}
-
 /// `--backend nccl`: nccl_perf once per op, its table printed as it comes.
 fn run_nccl(fl: &Flags) -> Result<(), String> {
     if fl.vs.is_some() {
@@ -470,4 +443,31 @@ fn run_nccl(fl: &Flags) -> Result<(), String> {
         run(&mut cmd).map_err(|e| format!("nccl_perf {op}: {e}"))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn nccl_tests_type_op_and_root_flags_parse_and_bad_ones_are_named() {
+        let fl = parse(&args("all_reduce -d bfloat16 -o avg -r 1 -b 1K -e 4K -f 2")).unwrap();
+        assert_eq!((fl.dtype.as_str(), fl.redop.as_str()), ("bfloat16", "avg"));
+        assert_eq!(
+            (fl.root.as_str(), fl.sizes.clone()),
+            ("1", vec![1024, 2048, 4096])
+        );
+        let e = parse(&args("all_reduce -d float16")).unwrap_err();
+        assert!(e.starts_with("-d float16: expected one of"), "{e}");
+        let e = parse(&args("all_reduce -o mean")).unwrap_err();
+        assert!(e.starts_with("-o mean: expected one of"), "{e}");
+        let e = parse(&args("broadcast -r 2 --world-size 2,4")).unwrap_err();
+        assert_eq!(e, "-r 2: not a rank of world size 2");
+        let e = parse(&args("all_reduce -d half --vs mpi")).unwrap_err();
+        assert!(e.contains("-o sum -d float -r 0 only"), "{e}");
+    }
 }
