@@ -79,8 +79,14 @@ pub(crate) fn judge(probes: &[Probe<'_>], missing: &[(&'static str, Vec<&str>)])
             return Err(Error::Unavailable {
                 library: p.library,
                 reason: format!(
-                    "none of {:?} was found (set LD_LIBRARY_PATH to the directory holding it)",
-                    p.candidates
+                    "none of {:?} was found (set LD_LIBRARY_PATH to the directory holding it{})",
+                    p.candidates,
+                    // cudarc's list has no `.so.2`, the name NCCL's runtime packages ship.
+                    if p.library == "libnccl" {
+                        "; a libnccl.so.2 alone is not found: add a libnccl.so symlink to it"
+                    } else {
+                        ""
+                    }
                 ),
             });
         }
