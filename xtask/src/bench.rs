@@ -31,7 +31,11 @@ FLAGS (nccl-tests' names):
     -d <type>         int8 uint8 int32 uint32 int64 uint64 half bfloat16 float (default) double
     -r <root>         broadcast root, default 0 (--vs compares only -o sum -d float -r 0)
     --world-size <n[,n..]> ranks (processes on this host), default 2,4
-    --backend gloo    the backend (only gloo today)
+    --backend gloo|nccl  the backend (default gloo). nccl: one rank per GPU as threads
+                      of one process (crates/dist-nccl/examples/nccl_perf.rs), so
+                      --world-size, -c and --vs do not apply; compare with nccl-tests'
+                      `all_reduce_perf -g <GPUs> -b .. -e .. -f ..` on the same machine.
+                      Says \"skipped\" where no CUDA driver and NCCL load.
     -J <file>         write our results as JSON (one file per world size: file.wsN.json)
     --vs <peer>       also run a peer with the same ops and sizes, then print both and
                       their ratio: torch (torch.distributed Gloo), mpi-tcp (Open MPI,
@@ -66,6 +70,7 @@ struct Flags {
     redop: String,
     dtype: String,
     root: String,
+    backend: String,
 }
 
 const REDOPS: [&str; 5] = ["sum", "prod", "min", "max", "avg"];
@@ -120,6 +125,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         redop: "sum".into(),
         dtype: "float".into(),
         root: "0".into(),
+        backend: "gloo".into(),
     };
     let mut it = rest.iter();
     while let Some(flag) = it.next() {
@@ -147,7 +153,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
                     .parse::<usize>()
                     .map_err(|_| format!("-r {}: not a rank", fl.root))?;
             }
-            "--backend" => expect(&val()?, "gloo", "--backend")?,
+            "--backend" => fl.backend = one_of(val()?, &["gloo", "nccl"], "--backend")?,
             "--world-size" => {
                 fl.world_sizes = val()?
                     .split(',')
@@ -183,14 +189,6 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         s *= f;
     }
     Ok(fl)
-}
-
-fn expect(v: &str, only: &str, flag: &str) -> Result<(), String> {
-    if v == only {
-        Ok(())
-    } else {
-        Err(format!("{flag} {v}: only `{only}` is measured today"))
-    }
 }
 
 /// The peers' benchmark scripts, kept in this repository so that a clone alone can rerun
@@ -375,6 +373,9 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &Value, theirs: &Value) {
 
 pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
     let fl = parse(args)?;
+    if fl.backend == "nccl" {
+        return run_nccl(&fl);
+    }
     build_release(&["dist-run", "dist-gloo"], &["gloo_bench"])?;
     let distrun = project_root().join("target/release/distrun");
     let exe = project_root().join("target/release/examples/gloo_bench");
@@ -397,6 +398,36 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
             )?;
             compare(&fl, n, peer, &ours, &theirs);
         }
+    }
+    Ok(())
+}
+
+/// `--backend nccl`: nccl_perf once per op, its table printed as it comes.
+fn run_nccl(fl: &Flags) -> Result<(), String> {
+    if fl.vs.is_some() {
+        return Err("--vs compares CPU backends; for nccl run nccl-tests on the same GPUs".into());
+    }
+    build_release(&["dist-nccl"], &["nccl_perf"])?;
+    let exe = project_root().join("target/release/examples/nccl_perf");
+    let (first, last) = match (fl.sizes.first(), fl.sizes.last()) {
+        (Some(&a), Some(&b)) => (a, b),
+        _ => return Err("no sizes".into()),
+    };
+    let factor = fl.sizes.get(1).map_or(2, |&s| s / first);
+    for op in &fl.ops {
+        if LATENCY.contains(&op.as_str()) {
+            println!("# {op}: not measured for nccl (use all_reduce -b 4 -e 4)");
+            continue;
+        }
+        let mut cmd = Command::new(&exe);
+        cmd.arg(op)
+            .args(["-b", &first.to_string(), "-e", &last.to_string()])
+            .args(["-f", &factor.to_string(), "-w", &fl.warmup])
+            .args(["-o", &fl.redop, "-d", &fl.dtype]);
+        if let Some(n) = &fl.iters {
+            cmd.args(["-n", n]);
+        }
+        run(&mut cmd).map_err(|e| format!("nccl_perf {op}: {e}"))?;
     }
     Ok(())
 }

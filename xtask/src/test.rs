@@ -6,10 +6,16 @@
 //! `gloo_bench -c 1` exits non-zero on any wrong element, and `ddp-train` verifies that every
 //! rank ends with identical parameters.
 
-use crate::util::{build_release, project_root, run};
+use crate::util::{build_release, cargo, project_root, run};
 
 pub(crate) const HELP: &str = "\
-cargo xtask test [--world-size N[,N..]] | --netns
+cargo xtask test [--world-size N[,N..]]
+cargo xtask test --netns
+cargo xtask test --gpu
+
+--gpu: the GPU suite of dist-nccl (every op, dtype and size class against a host reference,
+a silent rank aborted by the watchdog, split; one rank per GPU), which prints
+\"skipped: no CUDA driver/NCCL found\" where none loads, then the GPU benchmark's smoke run.
 
 Runs the multi-rank programs as real processes through distrun, default world sizes 2,3,4:
     hello_all_reduce, subgroups (even sizes), ping_pong (size 2),
@@ -32,6 +38,9 @@ struct Job {
 }
 
 pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
+    if args.iter().any(|a| a == "--gpu") {
+        return run_gpu();
+    }
     let mut sizes = vec![2usize, 3, 4];
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -110,5 +119,41 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
         }
     }
     println!("xtask test: all multi-rank programs passed for world sizes {sizes:?}");
+    Ok(())
+}
+
+/// `--gpu`: dist-nccl's GPU suite, one test at a time (they share the GPUs), output shown.
+fn run_gpu() -> Result<(), String> {
+    run(cargo().args([
+        "test",
+        "--release",
+        "-p",
+        "dist-nccl",
+        "--test",
+        "gpu",
+        "--",
+        "--test-threads=1",
+        "--nocapture",
+    ]))?;
+    run(cargo().args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "dist-nccl",
+        "--example",
+        "nccl_perf",
+        "--",
+        "all_reduce",
+        "-b",
+        "8",
+        "-e",
+        "1M",
+        "-f",
+        "32",
+        "-n",
+        "3",
+    ]))?;
+    println!("xtask test --gpu: done (see above whether it ran or was skipped)");
     Ok(())
 }

@@ -38,6 +38,18 @@ impl DeviceBuffer {
         }
     }
 
+    /// A zero-length buffer on device `device`, ordered on the default stream: nothing to
+    /// read or write, so no contract to vouch for (the empty tensors of a collective over an
+    /// uneven split, and tests of routing).
+    pub fn empty(device: u32) -> Self {
+        DeviceBuffer {
+            ptr: 0,
+            len: 0,
+            device,
+            stream: 0,
+        }
+    }
+
     /// Device address.
     pub fn ptr(&self) -> u64 {
         self.ptr

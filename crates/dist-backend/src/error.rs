@@ -177,6 +177,30 @@ pub enum Error {
         /// The first error's message.
         cause: String,
     },
+    /// A backend cannot run on this machine: a library it loads at run time (libcuda,
+    /// libnccl) is missing or lacks a symbol it needs.
+    #[error("backend {backend} is unavailable: {library} could not be loaded: {reason}")]
+    Unavailable {
+        /// The backend's name.
+        backend: &'static str,
+        /// The library (`"libcuda"`, `"libnccl"`).
+        library: &'static str,
+        /// What was tried or what was missing.
+        reason: String,
+    },
+    /// A device backend (NCCL, the CUDA driver) failed. `source` is
+    /// that backend's own error (naming the op, its sequence number and the peer state it
+    /// knows); downcast it (e.g. to `dist_nccl::Error`) for the details.
+    #[error("rank {rank}: backend {backend}: {source}")]
+    Device {
+        /// This rank.
+        rank: usize,
+        /// The backend's name.
+        backend: &'static str,
+        /// The backend's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
     /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] StoreError),

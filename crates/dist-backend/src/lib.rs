@@ -25,7 +25,9 @@
 //! **Which errors are possible.** Every operation may return `InvalidArgument`, `Mismatch`,
 //! `MismatchReported`, `PeerLost` (a peer's connection closed or reset, seen by this rank or
 //! reported by another), `Timeout` (a peer did not deliver within [`OpOptions::timeout`]),
-//! `Unsupported` (see [`Capabilities`]) and `Io`.
+//! `Unsupported` (see [`Capabilities`]) and `Io`; device backends also `Device` (their own
+//! error, e.g. an aborted NCCL communicator, as the source). Creating a backend whose run-time
+//! libraries are missing fails with `Unavailable`, naming the library.
 //!
 //! **What "returns" means.** For host buffers an operation returns when it is complete on this
 //! rank: the output holds the result and the input may be reused. For device buffers

@@ -98,6 +98,15 @@ pub enum Error {
         /// The backends this build has.
         available: &'static [&'static str],
     },
+    /// The backend string cannot be parsed (torch's syntax: `"gloo"`, `"nccl"`,
+    /// `"cpu:gloo,cuda:nccl"`).
+    #[error("init_process_group: backend string {spec:?}: {reason}")]
+    InvalidBackend {
+        /// The string given.
+        spec: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// Ranks created sub-groups in a different order or with different arguments.
     #[error(
         "rank {rank}: group creation #{index} disagrees: this rank called {ours}, rank {other_rank} called {theirs}"

@@ -12,17 +12,22 @@ use dist_backend::store::PrefixStore;
 use dist_backend::{Backend, BufMut, BufRef, OpOptions, Store};
 use dist_wire::{Element, ReduceOp};
 
+use crate::backend_spec::{BackendSpec, Engine};
 use crate::debug::{DebugLevel, FailureDump, FlightEntry, FlightRecorder, OpInfo, dump_json};
+use crate::dispatch::Dispatch;
 use crate::exec::Exec;
 use crate::p2p::{self, Dir, P2pJob};
 use crate::progress::{self, Progress};
 use crate::work::{Completer, Work};
 use crate::{Error, Result};
 
-/// The backends this build can create.
+/// The backends this build can create (`"nccl"` with the `nccl` feature). A backend string
+/// may combine them per device type, as torch's does: `"cpu:gloo,cuda:nccl"`.
 pub const AVAILABLE_BACKENDS: &[&str] = &[
     #[cfg(feature = "gloo")]
     "gloo",
+    #[cfg(feature = "nccl")]
+    "nccl",
 ];
 
 /// What every group of one job shares: backend name, timeout, the job's store.
@@ -148,9 +153,72 @@ fn connect_backend(
     rank: usize,
     world_size: usize,
 ) -> Result<Box<dyn Backend>> {
-    match cfg.backend.as_str() {
+    let spec = BackendSpec::parse(&cfg.backend)?;
+    spec.check_available(&cfg.backend, AVAILABLE_BACKENDS)?;
+    let host = match spec.host {
+        // Host backends keep the group's own prefix (their store keys predate dispatch).
+        Some(e) => Some(connect_engine(e, cfg, prefix, rank, world_size)?),
+        None => None,
+    };
+    let device = match spec.device {
+        Some(e) => Some(connect_device(
+            e,
+            cfg,
+            &format!("{prefix}/cuda"),
+            rank,
+            world_size,
+        )?),
+        None => None,
+    };
+    match (host, device) {
+        (Some(host), Some(device)) => Ok(Box::new(Dispatch { host, device })),
+        (Some(one), None) | (None, Some(one)) => Ok(one),
+        (None, None) => Err(Error::InvalidBackend {
+            spec: cfg.backend.clone(),
+            reason: "it names no backend".into(),
+        }),
+    }
+}
+
+/// The backend serving device buffers: NCCL, or a host backend behind host staging.
+fn connect_device(
+    engine: Engine,
+    cfg: &GroupConfig,
+    prefix: &str,
+    rank: usize,
+    world_size: usize,
+) -> Result<Box<dyn Backend>> {
+    let b = connect_engine(engine, cfg, prefix, rank, world_size)?;
+    if engine == Engine::Nccl {
+        return Ok(b);
+    }
+    #[cfg(feature = "nccl")]
+    {
+        let staged = dist_nccl::HostStaging::new(b).map_err(|e| e.into_backend(rank))?;
+        Ok(Box::new(staged))
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        // check_available refused this spec already; kept for the compiler.
+        drop(b);
+        Err(Error::UnknownBackend {
+            name: format!("{} (needs nccl)", cfg.backend),
+            available: AVAILABLE_BACKENDS,
+        })
+    }
+}
+
+fn connect_engine(
+    engine: Engine,
+    cfg: &GroupConfig,
+    prefix: &str,
+    rank: usize,
+    world_size: usize,
+) -> Result<Box<dyn Backend>> {
+    let _ = (prefix, rank, world_size);
+    match engine {
         #[cfg(feature = "gloo")]
-        "gloo" => {
+        Engine::Gloo => {
             let mut o = dist_gloo::GlooOptions::from_env();
             o.mesh.timeout = cfg.timeout;
             Ok(Box::new(dist_gloo::GlooBackend::connect(
@@ -161,13 +229,23 @@ fn connect_backend(
                 &o,
             )?))
         }
-        other => {
-            let _ = (prefix, rank, world_size);
-            Err(Error::UnknownBackend {
-                name: other.to_owned(),
-                available: AVAILABLE_BACKENDS,
-            })
+        #[cfg(feature = "nccl")]
+        Engine::Nccl => {
+            let mut o = dist_nccl::NcclOptions::from_env();
+            o.timeout = cfg.timeout;
+            let b =
+                dist_nccl::NcclBackend::new(cfg.root_store.clone(), prefix, rank, world_size, o)
+                    .map_err(|e| e.into_backend(rank))?;
+            Ok(Box::new(b))
         }
+        #[allow(
+            unreachable_patterns,
+            reason = "reached only in builds without a backend"
+        )]
+        other => Err(Error::UnknownBackend {
+            name: format!("{other:?}").to_lowercase(),
+            available: AVAILABLE_BACKENDS,
+        }),
     }
 }
 
@@ -195,9 +273,9 @@ fn agree_connected(
 }
 
 /// A fingerprint of one collective, compared across ranks at `DIST_DEBUG=DETAIL`.
-type Fingerprint = [u64; 4];
+pub(crate) type Fingerprint = [u64; 4];
 
-fn fingerprint(
+pub(crate) fn fingerprint(
     op: &'static str,
     dtype: Option<dist_wire::DType>,
     count: usize,
@@ -563,7 +641,7 @@ impl ProcessGroup {
         &self.inner.store
     }
 
-    fn invalid(&self, op: &'static str, reason: impl Into<String>) -> Error {
+    pub(crate) fn invalid(&self, op: &'static str, reason: impl Into<String>) -> Error {
         Error::invalid(self.rank(), op, reason)
     }
 
@@ -580,7 +658,7 @@ impl ProcessGroup {
         Ok(())
     }
 
-    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+    pub(crate) fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
         if root >= self.world_size() {
             return Err(self.invalid(
                 op,
@@ -640,7 +718,7 @@ impl ProcessGroup {
     }
 
     /// Runs a collective on this thread in its place in the group's order.
-    fn coll<R>(
+    pub(crate) fn coll<R>(
         &self,
         info: OpInfo,
         fp: Option<Fingerprint>,
@@ -665,7 +743,7 @@ impl ProcessGroup {
     }
 
     /// Queues a collective on the group's worker.
-    fn coll_async<R: Send + 'static>(
+    pub(crate) fn coll_async<R: Send + 'static>(
         &self,
         info: OpInfo,
         fp: Option<Fingerprint>,

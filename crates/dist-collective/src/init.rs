@@ -94,7 +94,10 @@ impl InitOptions {
         self
     }
 
-    /// The backend (`"gloo"`).
+    /// The backend: `"gloo"` (host buffers), `"nccl"` (device buffers, feature `nccl`), or
+    /// torch's per-device form `"cpu:gloo,cuda:nccl"`, which serves each call by where its
+    /// buffers live. `"cuda:gloo"` serves device buffers with Gloo through host staging
+    /// (copies through pinned memory; opt-in because it is slow).
     pub fn backend(mut self, name: impl Into<String>) -> Self {
         self.backend = name.into();
         self
@@ -144,12 +147,9 @@ impl InitOptions {
 /// Creates a process group over all ranks of the job **without** making it the default one
 /// (what [`crate::testing::run_world`] uses; most programs call [`init_process_group`]).
 pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
-    if !crate::group::AVAILABLE_BACKENDS.contains(&opts.backend.as_str()) {
-        return Err(Error::UnknownBackend {
-            name: opts.backend,
-            available: crate::group::AVAILABLE_BACKENDS,
-        });
-    }
+    // A bad or uncompiled backend fails here, before any rendezvous.
+    crate::backend_spec::BackendSpec::parse(&opts.backend)?
+        .check_available(&opts.backend, crate::group::AVAILABLE_BACKENDS)?;
     let (rank, world_size, store) = match &opts.method {
         InitMethod::Env => {
             let i = dist_backend::init::init_from_url(

@@ -30,7 +30,7 @@
 //! # Process groups
 //!
 //! [`init_process_group`] creates the default group over every rank of the job from
-//! [`InitOptions`] (backend `"gloo"`; init method `env://`, `tcp://host:port`, `file:///path`, or
+//! [`InitOptions`] (backend `"gloo"`, `"nccl"` or torch's `"cpu:gloo,cuda:nccl"`; init method `env://`, `tcp://host:port`, `file:///path`, or
 //! an explicit [`Store`](dist_backend::Store)); [`destroy_process_group`] forgets it. Explicit
 //! [`ProcessGroup`] values are cheap to clone and `Send + Sync`. Sub-groups come from
 //! [`ProcessGroup::new_group`], [`ProcessGroup::new_subgroups`] and [`ProcessGroup::split`];
@@ -69,9 +69,20 @@
 //!
 //! `gloo` (default): the pure-Rust CPU backend. Without it no backend is compiled in and
 //! [`init_process_group`] fails with [`Error::UnknownBackend`].
+//!
+//! `nccl` (off): the GPU backend (`dist-nccl`), for device buffers ([`ProcessGroup`]'s
+//! `*_device` collectives over [`DeviceBuffer`](dist_backend::DeviceBuffer)). It loads libcuda
+//! and libnccl at run time: building needs no CUDA, and a machine without them gets
+//! `dist_backend::Error::Unavailable` naming the library when a group is created. With
+//! `"cpu:gloo,cuda:nccl"` one group serves each call by where its buffers live; `"cuda:gloo"`
+//! serves device buffers with Gloo through pinned host memory (opt-in: it is slow). Without the
+//! feature, `"nccl"` is [`Error::UnknownBackend`].
 
 #![forbid(unsafe_code)]
+mod backend_spec;
 mod debug;
+mod device;
+mod dispatch;
 mod error;
 mod exec;
 mod group;
