@@ -72,6 +72,7 @@
 
 #![forbid(unsafe_code)]
 mod debug;
+mod dtensor;
 mod error;
 mod exec;
 mod group;
@@ -89,6 +90,7 @@ mod work;
 
 pub use debug::{DEFAULT_FLIGHT_RECORDER_SIZE, DebugLevel, FlightEntry, OpState};
 pub use dist_wire::{DType, Element, ReduceOp};
+pub use dtensor::DTensor;
 pub use error::{Error, Result};
 pub use group::{AVAILABLE_BACKENDS, P2pOp, ProcessGroup};
 pub use init::{

@@ -107,6 +107,15 @@ impl DeviceMesh {
         self.index(name).map(|i| &self.dims[i])
     }
 
+    /// The sub-group of dimension `index` (its group rank is this rank's coordinate there).
+    ///
+    /// # Panics
+    ///
+    /// If `index >= ndim()`.
+    pub fn dim_group(&self, index: usize) -> &ProcessGroup {
+        &self.dims[index]
+    }
+
     /// The whole mesh's group.
     pub fn group(&self) -> &ProcessGroup {
         &self.group
