@@ -36,8 +36,10 @@
 mod ddp;
 mod error;
 pub mod pipeline;
+pub mod sync_bn;
 
 pub use ddp::bucket::{BucketLayout, BucketSpec};
 pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};
 pub use ddp::{Ddp, DdpOptions, ParamInfo, StepStats};
 pub use error::{Error, Result};
+pub use sync_bn::{BatchNormOptions, BnGrads, BnSaved, SyncBatchNorm};
