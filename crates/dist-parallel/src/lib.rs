@@ -37,6 +37,7 @@ mod ddp;
 mod error;
 pub mod pipeline;
 pub mod sync_bn;
+pub mod tp;
 
 pub use ddp::bucket::{BucketLayout, BucketSpec};
 pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};
