@@ -45,6 +45,10 @@ pub enum Error {
         /// What was wrong.
         reason: String,
     },
+    /// candle failed while building or reading a tensor (feature `candle`).
+    #[cfg(feature = "candle")]
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
     /// The communication thread stopped (a hook panicked or the process group was destroyed).
     #[error("rank {rank}: DDP communication thread stopped: {reason}")]
     CommThread {

@@ -33,6 +33,8 @@
 //! ```
 
 #![forbid(unsafe_code)]
+#[cfg(feature = "candle")]
+pub mod candle_comm;
 mod ddp;
 mod error;
 pub mod pipeline;
@@ -43,4 +45,6 @@ pub use ddp::bucket::{BucketLayout, BucketSpec};
 pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};
 pub use ddp::{Ddp, DdpOptions, ParamInfo, StepStats};
 pub use error::{Error, Result};
+#[cfg(feature = "candle")]
+pub use sync_bn::CandleSyncBatchNorm;
 pub use sync_bn::{BatchNormOptions, BnGrads, BnSaved, SyncBatchNorm};

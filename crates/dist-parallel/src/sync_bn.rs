@@ -11,6 +11,11 @@
 
 use dist_collective::{ProcessGroup, ReduceOp};
 
+#[cfg(feature = "candle")]
+mod candle;
+#[cfg(feature = "candle")]
+pub use candle::CandleSyncBatchNorm;
+
 use crate::{Error, Result};
 
 /// Settings of a [`SyncBatchNorm`], torch's defaults by [`Default`].

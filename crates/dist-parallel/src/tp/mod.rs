@@ -18,6 +18,8 @@
 //! Everything is `f32` on flat row-major buffers; activations are `[tokens, hidden]`.
 
 mod attention;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod comm;
 mod linear;
 mod math;
