@@ -46,6 +46,13 @@
 //! the operation and both sizes). Object collectives (`broadcast_object`, ...) go through serde
 //! and are the slow path.
 //!
+//! # Distributed tensors
+//!
+//! [`Placement`] and [`ShardLayout`] describe which box of a global tensor each mesh coordinate
+//! holds (`torch.chunk` sizes); [`DTensor`] pairs a local buffer with one and redistributes it
+//! between any placements, each mesh dimension's change by one collective on that dimension's
+//! group.
+//!
 //! # Ordering and threads
 //!
 //! Each group has one worker thread: `*_async` operations queue on it and blocking operations
