@@ -1,68 +1,61 @@
-//! Copying boxes between row-major buffers: the one local data movement redistribution needs
-//! (slicing a shard out, packing per-rank comm blocks, placing received blocks).
+//! Cutting and joining row-major buffers along one dimension: the only local data movement
+//! redistribution needs (slicing a shard out, packing per-rank comm blocks, joining received
+//! blocks). A tensor viewed as `[outer, len_d, inner]` makes every piece a run of `outer`
+//! contiguous slabs, so both are `extend_from_slice` loops with no zero-filling.
 
-/// Row-major strides of `shape`.
-fn strides(shape: &[usize]) -> Vec<usize> {
-    let mut s = vec![1; shape.len()];
-    for d in (0..shape.len().saturating_sub(1)).rev() {
-        s[d] = s[d + 1] * shape[d + 1];
-    }
-    s
+use std::ops::Range;
+
+/// `(product of the dims before d, product of the dims after d)`.
+fn outer_inner(shape: &[usize], d: usize) -> (usize, usize) {
+    (shape[..d].iter().product(), shape[d + 1..].iter().product())
 }
 
-/// Copies the box of extent `extent` starting at `src_off` of the row-major tensor `src` (of
-/// `src_shape`) to `dst_off` of `dst` (of `dst_shape`). All shapes have the same rank; a 0-D
-/// box is one element. Callers guarantee the box lies inside both tensors.
-pub(crate) fn copy_box<T: Copy>(
+/// The parts `ranges` of `src` (of `shape`) along `d`, each made contiguous, in order.
+pub(crate) fn take_along<T: Copy>(
     src: &[T],
-    src_shape: &[usize],
-    src_off: &[usize],
-    dst: &mut [T],
-    dst_shape: &[usize],
-    dst_off: &[usize],
-    extent: &[usize],
-) {
-    let nd = extent.len();
-    if nd == 0 {
-        dst[0] = src[0];
-        return;
-    }
-    if extent.contains(&0) {
-        return;
-    }
-    let (ss, ds) = (strides(src_shape), strides(dst_shape));
-    let run = extent[nd - 1];
-    let rows: usize = extent[..nd - 1].iter().product();
-    // Odometer over every dimension but the last; each step copies one contiguous run.
-    let mut idx = vec![0usize; nd - 1];
-    for _ in 0..rows {
-        let mut s = src_off[nd - 1];
-        let mut t = dst_off[nd - 1];
-        for d in 0..nd - 1 {
-            s += (src_off[d] + idx[d]) * ss[d];
-            t += (dst_off[d] + idx[d]) * ds[d];
-        }
-        dst[t..t + run].copy_from_slice(&src[s..s + run]);
-        for d in (0..nd - 1).rev() {
-            idx[d] += 1;
-            if idx[d] < extent[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
-    }
-}
-
-/// The box of `extent` at `off` of `src` (of `src_shape`) as its own row-major buffer.
-pub(crate) fn slice_box<T: Copy + bytemuck::Zeroable>(
-    src: &[T],
-    src_shape: &[usize],
-    off: &[usize],
-    extent: &[usize],
+    shape: &[usize],
+    d: usize,
+    ranges: &[Range<usize>],
 ) -> Vec<T> {
-    let mut out = vec![T::zeroed(); extent.iter().product()];
-    let zero = vec![0; extent.len()];
-    copy_box(src, src_shape, off, &mut out, extent, &zero, extent);
+    let (outer, inner) = outer_inner(shape, d);
+    let row = shape[d] * inner;
+    let total: usize = ranges.iter().map(|r| r.len() * outer * inner).sum();
+    let mut out = Vec::with_capacity(total);
+    for r in ranges {
+        for o in 0..outer {
+            let at = o * row + r.start * inner;
+            out.extend_from_slice(&src[at..at + r.len() * inner]);
+        }
+    }
+    out
+}
+
+/// Contiguous blocks laid one after another, block `i` being `shape` with `lens[i]` along `d`
+/// (`shape[d]` itself is ignored), joined along `d` into one tensor (no copy when nothing
+/// precedes `d`: the blocks are then already in place).
+pub(crate) fn join_along<T: Copy>(
+    blocks: Vec<T>,
+    shape: &[usize],
+    d: usize,
+    lens: &[usize],
+) -> Vec<T> {
+    let (outer, inner) = outer_inner(shape, d);
+    if outer == 1 {
+        return blocks;
+    }
+    let mut starts = Vec::with_capacity(lens.len());
+    let mut at = 0;
+    for &l in lens {
+        starts.push(at);
+        at += l * outer * inner;
+    }
+    let mut out = Vec::with_capacity(blocks.len());
+    for o in 0..outer {
+        for (&l, &s) in lens.iter().zip(&starts) {
+            let n = l * inner;
+            out.extend_from_slice(&blocks[s + o * n..s + (o + 1) * n]);
+        }
+    }
     out
 }
 
@@ -73,33 +66,26 @@ pub(crate) fn with_dim(shape: &[usize], dim: usize, len: usize) -> Vec<usize> {
     s
 }
 
-/// An offset vector that is zero except `at` along `dim`.
-pub(crate) fn offset_along(ndim: usize, dim: usize, at: usize) -> Vec<usize> {
-    let mut o = vec![0; ndim];
-    o[dim] = at;
-    o
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn boxes_copy_the_right_elements() {
-        // 3x4 tensor 0..12; box rows 1..3, cols 1..3.
+    #[allow(clippy::single_range_in_vec_init)] // one part, on purpose
+    fn take_and_join_are_inverse_along_any_dim() {
+        // 3x4 tensor 0..12.
         let src: Vec<u32> = (0..12).collect();
-        assert_eq!(slice_box(&src, &[3, 4], &[1, 1], &[2, 2]), [5, 6, 9, 10]);
-        assert_eq!(slice_box(&src, &[3, 4], &[0, 3], &[3, 1]), [3, 7, 11]);
-        assert!(slice_box(&src, &[3, 4], &[0, 0], &[0, 4]).is_empty());
-        assert_eq!(slice_box(&[7u8], &[], &[], &[]), [7]);
-        let mut dst = vec![0u32; 6];
-        copy_box(&src, &[3, 4], &[2, 2], &mut dst, &[2, 3], &[1, 1], &[1, 2]);
-        assert_eq!(dst, [0, 0, 0, 0, 10, 11]);
-        // 3-D: [2, 2, 3], take [.., 1.., 1..].
+        assert_eq!(take_along(&src, &[3, 4], 1, &[1..3]), [1, 2, 5, 6, 9, 10]);
+        assert_eq!(take_along(&src, &[3, 4], 0, &[2..3]), [8, 9, 10, 11]);
+        assert!(take_along(&src, &[3, 4], 1, &[4..4]).is_empty());
+        let parts = [0..3, 3..4];
+        let packed = take_along(&src, &[3, 4], 1, &parts);
+        assert_eq!(packed, [0, 1, 2, 4, 5, 6, 8, 9, 10, 3, 7, 11]);
+        assert_eq!(join_along(packed.clone(), &[3, 4], 1, &[3, 1]), src);
+        // 3-D [2, 3, 2], split the middle dim 2 + 0 + 1.
         let src: Vec<u32> = (0..12).collect();
-        assert_eq!(
-            slice_box(&src, &[2, 2, 3], &[0, 1, 1], &[2, 1, 2]),
-            [4, 5, 10, 11]
-        );
+        let parts = [0..2, 2..2, 2..3];
+        let packed = take_along(&src, &[2, 3, 2], 1, &parts);
+        assert_eq!(join_along(packed.clone(), &[2, 3, 2], 1, &[2, 0, 1]), src);
     }
 }

@@ -15,9 +15,11 @@
 //! A dimension whose placement stays `Shard(d)` must still be redone when an earlier mesh
 //! dimension changes how it splits `d`, since its piece is cut from that dimension's piece.
 
+use std::borrow::Cow;
+
 use dist_wire::Element;
 
-use super::boxes::{copy_box, offset_along, slice_box, with_dim};
+use super::boxes::{join_along, take_along, with_dim};
 use super::{DTensor, partition_keeps_all};
 use crate::group::ProcessGroup;
 use crate::placement::{Placement, chunk_range};
@@ -39,6 +41,24 @@ impl<T: Element> DTensor<T> {
         }
         let src = self.placements().to_vec();
         let n = src.len();
+        // Refuse a partition that cannot be done before anything is sent.
+        for (i, &want) in target.iter().enumerate() {
+            if let Placement::Partial(rop) = want
+                && src[i] != want
+                && partition_keeps_all(rop).is_none()
+            {
+                return Err(Error::invalid(
+                    rank,
+                    op,
+                    format!(
+                        "{} to {want} on mesh dimension {i} needs element arithmetic (a \
+                         replicated value split into partial values); reduce with another op \
+                         or keep it replicated",
+                        src[i]
+                    ),
+                ));
+            }
+        }
         // Which mesh dims must be (re)done: changed, or a shard cut from a changing piece.
         let touches = |p: Placement, d: usize| p == Placement::Shard(d);
         let changed = |k: usize| src[k] != target[k];
@@ -67,13 +87,14 @@ impl<T: Element> DTensor<T> {
             (0..n).any(|k| k != i && (touches(src[k], d) || touches(target[k], d)))
         };
 
-        let mut cur = self.clone();
+        // Borrowed until a step produces new data: no copy of the input unless needed.
+        let mut cur: Cow<'_, DTensor<T>> = Cow::Borrowed(self);
         for i in (0..n).rev() {
             if !redo[i] {
                 continue;
             }
             let g = self.mesh.dim_group(i);
-            cur = match (src[i], target[i]) {
+            let next = match (src[i], target[i]) {
                 (Placement::Shard(a), Placement::Shard(b))
                     if a != b && !unstable(i) && !others_shard(i, a) && !others_shard(i, b) =>
                 {
@@ -86,40 +107,44 @@ impl<T: Element> DTensor<T> {
                     cur.reduce_scatter_dim(g, i, d, rop)?
                 }
                 (Placement::Partial(rop), _) => {
-                    g.all_reduce(&mut cur.local, rop)?;
-                    cur.relayout(i, Placement::Replicate)?
+                    let mut t = cur.into_owned();
+                    g.all_reduce(&mut t.local, rop)?;
+                    t.relayout(i, Placement::Replicate)?
                 }
-                (Placement::Replicate, _) => cur,
+                (Placement::Replicate, _) => continue,
             };
+            cur = Cow::Owned(next);
         }
         for (i, &want) in target.iter().enumerate() {
             if cur.placements()[i] == want {
                 continue;
             }
             debug_assert_eq!(cur.placements()[i], Placement::Replicate);
-            cur = match want {
+            let next = match want {
                 Placement::Shard(d) => cur.slice_dim(i, d)?,
                 Placement::Partial(rop) => {
-                    let keep_all = partition_keeps_all(rop).ok_or_else(|| {
-                        Error::invalid(
-                            rank,
-                            op,
-                            format!(
-                                "Replicate() to {want} on mesh dimension {i} needs element \
-                                 arithmetic; reduce with another op or keep it replicated"
-                            ),
-                        )
-                    })?;
-                    if !keep_all && self.mesh.coordinate()[i] != 0 {
-                        cur.local.fill(T::zeroed());
+                    let mut t = cur.into_owned();
+                    if partition_keeps_all(rop) == Some(false) && self.mesh.coordinate()[i] != 0 {
+                        t.local.fill(T::zeroed());
                     }
-                    cur.relayout(i, want)?
+                    t.relayout(i, want)?
                 }
                 Placement::Replicate => unreachable!("phase 1 leaves only Replicate to change"),
             };
+            cur = Cow::Owned(next);
         }
+        let cur = cur.into_owned();
         debug_assert_eq!(cur.layout, target_layout);
         Ok(cur)
+    }
+
+    /// A new local buffer with placement `p` on mesh dim `i`.
+    fn with_local(&self, local: Vec<T>, i: usize, p: Placement) -> Result<Self> {
+        Ok(DTensor {
+            local,
+            layout: self.layout.with_placement(i, p)?,
+            mesh: self.mesh.clone(),
+        })
     }
 
     /// The same local buffer with placement `p` on mesh dim `i` (the caller moved the data).
@@ -142,45 +167,30 @@ impl<T: Element> DTensor<T> {
 
     /// `Shard(d)` on mesh dim `i` to `Replicate`: an uneven all_gather, then each rank's block
     /// placed at its offset along `d`.
-    fn all_gather_dim(mut self, g: &ProcessGroup, i: usize, d: usize) -> Result<Self> {
+    fn all_gather_dim(&self, g: &ProcessGroup, i: usize, d: usize) -> Result<Self> {
         let parts = self.layout.mesh_shape()[i];
         let shape = self.local_shape();
         let full_d = self.parent_len(i, d);
-        let block = |r: usize| with_dim(&shape, d, chunk_range(full_d, parts, r).len());
-        let counts: Vec<usize> = (0..parts).map(|r| block(r).iter().product()).collect();
+        let lens: Vec<usize> = (0..parts)
+            .map(|r| chunk_range(full_d, parts, r).len())
+            .collect();
+        let counts: Vec<usize> = lens
+            .iter()
+            .map(|&l| with_dim(&shape, d, l).iter().product())
+            .collect();
         let mut gathered = vec![T::zeroed(); counts.iter().sum()];
         g.all_gather_into_uneven(&self.local, &mut gathered, &counts)?;
-        let out_shape = with_dim(&shape, d, full_d);
-        // Blocks along the outermost non-trivial dim are already in place.
-        self.local = if shape[..d].iter().all(|&s| s == 1) {
-            gathered
-        } else {
-            let mut out = vec![T::zeroed(); gathered.len()];
-            let mut at = 0;
-            for (r, &c) in counts.iter().enumerate() {
-                let b = block(r);
-                let off = offset_along(shape.len(), d, chunk_range(full_d, parts, r).start);
-                let zero = vec![0; b.len()];
-                copy_box(
-                    &gathered[at..at + c],
-                    &b,
-                    &zero,
-                    &mut out,
-                    &out_shape,
-                    &off,
-                    &b,
-                );
-                at += c;
-            }
-            out
-        };
-        self.relayout(i, Placement::Replicate)
+        self.with_local(
+            join_along(gathered, &shape, d, &lens),
+            i,
+            Placement::Replicate,
+        )
     }
 
     /// `Partial(op)` on mesh dim `i` to `Shard(d)`: blocks packed per destination rank, one
     /// uneven reduce_scatter.
     fn reduce_scatter_dim(
-        mut self,
+        &self,
         g: &ProcessGroup,
         i: usize,
         d: usize,
@@ -192,93 +202,68 @@ impl<T: Element> DTensor<T> {
         let me = self.mesh.coordinate()[i];
         let mut out = vec![T::zeroed(); counts[me]];
         g.reduce_scatter_into_uneven(&packed, &mut out, &counts, rop)?;
-        self.local = out;
-        self.relayout(i, Placement::Shard(d))
+        self.with_local(out, i, Placement::Shard(d))
     }
 
     /// `Shard(a)` on mesh dim `i` to `Shard(b)`: each rank sends rank r the r-th chunk of its
     /// piece along `b` and places what it receives along `a`.
-    fn all_to_all_dim(mut self, g: &ProcessGroup, i: usize, a: usize, b: usize) -> Result<Self> {
+    fn all_to_all_dim(&self, g: &ProcessGroup, i: usize, a: usize, b: usize) -> Result<Self> {
         let parts = self.layout.mesh_shape()[i];
         let me = self.mesh.coordinate()[i];
         let shape = self.local_shape();
         let (send, send_counts) = pack_along(&self.local, &shape, b, parts);
         let full_a = self.parent_len(i, a);
         let mine_b = chunk_range(shape[b], parts, me).len();
-        let recv_block = |r: usize| {
-            with_dim(
-                &with_dim(&shape, b, mine_b),
-                a,
-                chunk_range(full_a, parts, r).len(),
-            )
-        };
-        let recv_counts: Vec<usize> = (0..parts).map(|r| recv_block(r).iter().product()).collect();
+        let recv_shape = with_dim(&shape, b, mine_b);
+        let lens: Vec<usize> = (0..parts)
+            .map(|r| chunk_range(full_a, parts, r).len())
+            .collect();
+        let recv_counts: Vec<usize> = lens
+            .iter()
+            .map(|&l| with_dim(&recv_shape, a, l).iter().product())
+            .collect();
         let mut recv = vec![T::zeroed(); recv_counts.iter().sum()];
         g.all_to_all_single(&mut recv, &send, Some(&recv_counts), Some(&send_counts))?;
-        let out_shape = with_dim(&with_dim(&shape, b, mine_b), a, full_a);
-        let mut out = vec![T::zeroed(); recv.len()];
-        let mut at = 0;
-        for (r, &c) in recv_counts.iter().enumerate() {
-            let blk = recv_block(r);
-            let off = offset_along(shape.len(), a, chunk_range(full_a, parts, r).start);
-            let zero = vec![0; blk.len()];
-            copy_box(
-                &recv[at..at + c],
-                &blk,
-                &zero,
-                &mut out,
-                &out_shape,
-                &off,
-                &blk,
-            );
-            at += c;
-        }
-        self.local = out;
-        self.relayout(i, Placement::Shard(b))
+        let out = join_along(recv, &recv_shape, a, &lens);
+        self.with_local(out, i, Placement::Shard(b))
     }
 
     /// `Replicate` on mesh dim `i` to `Shard(d)`: keep this coordinate's chunk.
-    fn slice_dim(mut self, i: usize, d: usize) -> Result<Self> {
+    fn slice_dim(&self, i: usize, d: usize) -> Result<Self> {
         let shape = self.local_shape();
         let r = chunk_range(
             shape[d],
             self.layout.mesh_shape()[i],
             self.mesh.coordinate()[i],
         );
-        let off = offset_along(shape.len(), d, r.start);
-        self.local = slice_box(&self.local, &shape, &off, &with_dim(&shape, d, r.len()));
-        self.relayout(i, Placement::Shard(d))
+        self.with_local(
+            take_along(&self.local, &shape, d, &[r]),
+            i,
+            Placement::Shard(d),
+        )
     }
 }
 
 /// `local` (of `shape`) cut along `d` into `parts` torch.chunk blocks, each made contiguous,
-/// in rank order; with each block's element count.
-fn pack_along<T: Element>(
-    local: &[T],
+/// in rank order; with each block's element count. Borrowed when the blocks already are
+/// contiguous (nothing precedes `d`).
+fn pack_along<'a, T: Element>(
+    local: &'a [T],
     shape: &[usize],
     d: usize,
     parts: usize,
-) -> (Vec<T>, Vec<usize>) {
-    let mut packed = vec![T::zeroed(); local.len()];
-    let mut counts = Vec::with_capacity(parts);
-    let mut at = 0;
-    for r in 0..parts {
-        let range = chunk_range(shape[d], parts, r);
-        let blk = with_dim(shape, d, range.len());
-        let c: usize = blk.iter().product();
-        let zero = vec![0; blk.len()];
-        let off = offset_along(shape.len(), d, range.start);
-        copy_box(
-            local,
-            shape,
-            &off,
-            &mut packed[at..at + c],
-            &blk,
-            &zero,
-            &blk,
-        );
-        counts.push(c);
-        at += c;
-    }
+) -> (Cow<'a, [T]>, Vec<usize>) {
+    let ranges: Vec<_> = (0..parts)
+        .map(|r| chunk_range(shape[d], parts, r))
+        .collect();
+    let counts = ranges
+        .iter()
+        .map(|r| with_dim(shape, d, r.len()).iter().product())
+        .collect();
+    let packed = if shape[..d].iter().product::<usize>() == 1 {
+        Cow::Borrowed(local)
+    } else {
+        Cow::Owned(take_along(local, shape, d, &ranges))
+    };
     (packed, counts)
 }
