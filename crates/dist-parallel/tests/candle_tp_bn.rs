@@ -4,6 +4,8 @@
 //! checked against a textbook batch norm in tests/sync_bn.rs); collectives per step counted.
 #![cfg(feature = "candle")]
 
+mod numeric;
+
 use std::collections::BTreeMap;
 
 use candle_core::{D, Device, Module, Tensor, Var};
@@ -12,19 +14,8 @@ use dist_collective::{DeviceMesh, ReduceOp, chunk_range};
 use dist_parallel::tp::ParallelStyle;
 use dist_parallel::tp::ParallelizePlan;
 use dist_parallel::tp::candle::{CandleTpLinear, Parallelized, parallelize_module};
-use dist_parallel::{BatchNormOptions, CandleSyncBatchNorm, SyncBatchNorm};
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            (s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
+use dist_parallel::{BatchNormOptions, CandleSyncBatchNorm};
+use numeric::{close, fresh_bn, values_f32 as values};
 
 fn model(spec: &[(&str, Vec<usize>)], seed: u64) -> BTreeMap<String, Tensor> {
     spec.iter()
@@ -37,16 +28,6 @@ fn model(spec: &[(&str, Vec<usize>)], seed: u64) -> BTreeMap<String, Tensor> {
             )
         })
         .collect()
-}
-
-fn close(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
-            "{what}[{i}]: {g} vs {w}"
-        );
-    }
 }
 
 fn flat(t: &Tensor) -> Vec<f32> {
@@ -253,16 +234,7 @@ fn candle_sync_batch_norm_matches_the_flat_one_over_the_global_batch() {
     let steps = 2;
     // The flat layer on one rank over the whole batch.
     let want = run_world(1, |pg| {
-        let mut bn = SyncBatchNorm::from_batch_norm(
-            pg,
-            w.clone(),
-            b.clone(),
-            vec![0.0; c],
-            vec![1.0; c],
-            0,
-            opts,
-        )
-        .unwrap();
+        let mut bn = fresh_bn(pg, &w, &b, opts);
         let mut out = Vec::new();
         for step in 0..steps {
             let (y, saved) = bn.forward(&values(n * per, step), &[n, c, s]).unwrap();
@@ -275,16 +247,7 @@ fn candle_sync_batch_norm_matches_the_flat_one_over_the_global_batch() {
     .remove(0);
     for world in [2, 4] {
         let got = run_world(world, |pg| {
-            let flat_bn = SyncBatchNorm::from_batch_norm(
-                pg.clone(),
-                w.clone(),
-                b.clone(),
-                vec![0.0; c],
-                vec![1.0; c],
-                0,
-                opts,
-            )
-            .unwrap();
+            let flat_bn = fresh_bn(pg.clone(), &w, &b, opts);
             let bn = CandleSyncBatchNorm::convert(&flat_bn, &Device::Cpu).unwrap();
             let rows = chunk_range(n, world, pg.rank());
             let mut out = Vec::new();

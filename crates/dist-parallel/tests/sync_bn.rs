@@ -2,9 +2,12 @@
 //! over the global batch computed here in f64: outputs, gradients, running statistics; one
 //! all_reduce in forward and one in backward; bad input as errors.
 
+mod numeric;
+
 use dist_collective::chunk_range;
 use dist_collective::testing::run_world;
 use dist_parallel::{BatchNormOptions, SyncBatchNorm};
+use numeric::{close, fresh_bn};
 
 /// Deterministic values in [-2, 2) with a per-channel offset, so channels differ in mean.
 fn data(len: usize, seed: u64) -> Vec<f32> {
@@ -77,16 +80,6 @@ fn reference(
     r
 }
 
-fn close(got: &[f32], want: &[f64], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()),
-            "{what}[{i}]: {g} vs {w}"
-        );
-    }
-}
-
 fn check(world: usize, n: usize, c: usize, spatial: &[usize], momentum: Option<f64>) {
     let s: usize = spatial.iter().product();
     let per = c * s;
@@ -98,16 +91,7 @@ fn check(world: usize, n: usize, c: usize, spatial: &[usize], momentum: Option<f
         ..Default::default()
     };
     let out = run_world(world, |pg| {
-        let mut bn = SyncBatchNorm::from_batch_norm(
-            pg.clone(),
-            w.clone(),
-            b.clone(),
-            vec![0.0; c],
-            vec![1.0; c],
-            0,
-            opts,
-        )
-        .unwrap();
+        let mut bn = fresh_bn(pg.clone(), &w, &b, opts);
         let rows = chunk_range(n, world, pg.rank());
         let mut shape = vec![rows.len(), c];
         shape.extend_from_slice(spatial);
@@ -182,9 +166,17 @@ fn matches_batch_norm_over_the_global_batch() {
 #[test]
 fn eval_mode_uses_running_stats_without_communication() {
     run_world(2, |pg| {
-        let mut bn = SyncBatchNorm::new(pg.clone(), 2, BatchNormOptions::default());
-        bn.running_mean = vec![1.0, -1.0];
-        bn.running_var = vec![4.0, 0.25];
+        // A converted batch norm's state (as from a trained model).
+        let mut bn = SyncBatchNorm::from_batch_norm(
+            pg.clone(),
+            vec![1.0; 2],
+            vec![0.0; 2],
+            vec![1.0, -1.0],
+            vec![4.0, 0.25],
+            5,
+            BatchNormOptions::default(),
+        )
+        .unwrap();
         bn.train(false);
         let before = pg.flight_recorder().len();
         let (y, saved) = bn.forward(&[3.0, 0.0], &[1, 2]).unwrap();
@@ -193,7 +185,7 @@ fn eval_mode_uses_running_stats_without_communication() {
         let inv = |v: f64| 1.0 / (v + 1e-5f64).sqrt();
         close(&y, &[2.0 * inv(4.0), inv(0.25)], "eval output");
         close(&g.input, &[inv(4.0), inv(0.25)], "eval grad");
-        assert_eq!(bn.num_batches_tracked, 0);
+        assert_eq!(bn.num_batches_tracked, 5);
         Ok(())
     })
     .unwrap();

@@ -3,29 +3,19 @@
 //! (so the reference shares no backward code with the layers). Also: collectives per step,
 //! sequence parallelism with uneven token splits, plan errors.
 
+mod numeric;
+
 use std::collections::BTreeMap;
 
 use dist_collective::testing::run_world;
 use dist_collective::{DTensor, DeviceMesh, Placement};
+use numeric::{close, values};
+
 use dist_parallel::tp::{
     FullParam, ParallelStyle, ParallelizePlan, TpAttention, TpLayerNorm, TpLinear, TpMlp,
 };
 
 type Params = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
-
-fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            let u = (s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f64 / (1u64 << 24) as f64;
-            // Rounded to f32 so the f32 model starts from exactly the same numbers.
-            ((u * 2.0 - 1.0) as f32) as f64
-        })
-        .collect()
-}
 
 fn params(spec: &[(&str, &[usize])], seed: u64) -> Params {
     spec.iter()
@@ -137,16 +127,6 @@ fn fd_grads(
     (grads, dx)
 }
 
-fn close(got: &[f32], want: &[f64], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g as f64 - w).abs() <= 1e-5 * w.abs().max(1.0),
-            "{what}[{i}]: {g} vs {w}"
-        );
-    }
-}
-
 fn f32s(v: &[f64]) -> Vec<f32> {
     v.iter().map(|&x| x as f32).collect()
 }
@@ -189,6 +169,30 @@ fn check_grads(got: &BTreeMap<String, Vec<f32>>, want: &Params, ctx: &str) {
     assert_eq!(got.len(), want.len(), "{ctx}");
     for (n, (_, w)) in want {
         close(&got[n], w, &format!("{ctx} grad {n}"));
+    }
+}
+
+/// Output, input gradient, gathered parameter gradients and the tp group's collectives of
+/// one rank's step.
+type RankStep = (
+    Vec<f32>,
+    Vec<f32>,
+    BTreeMap<String, Vec<f32>>,
+    Vec<&'static str>,
+);
+
+/// Every rank's step against the reference: one all_reduce each way, all values close.
+fn check_ranks(out: &[RankStep], y_ref: &[f64], dx_ref: &[f64], g_ref: &Params, what: &str) {
+    for (rank, (y, dx, grads, ops)) in out.iter().enumerate() {
+        let ctx = format!("{what} rank {rank}");
+        assert_eq!(
+            ops,
+            &["all_reduce", "all_reduce"],
+            "{ctx}: collectives per step"
+        );
+        close(y, y_ref, &format!("{ctx} output"));
+        close(dx, dx_ref, &format!("{ctx} grad input"));
+        check_grads(grads, g_ref, &ctx);
     }
 }
 
@@ -235,17 +239,7 @@ fn mlp_matches_one_process_and_uses_one_all_reduce_each_way() {
             Ok((y, dx, grads, ops))
         })
         .unwrap();
-        for (rank, (y, dx, grads, ops)) in out.iter().enumerate() {
-            let ctx = format!("mlp world {world} rank {rank}");
-            assert_eq!(
-                ops,
-                &["all_reduce", "all_reduce"],
-                "{ctx}: collectives per step"
-            );
-            close(y, &y_ref, &format!("{ctx} output"));
-            close(dx, &dx_ref, &format!("{ctx} grad input"));
-            check_grads(grads, &g_ref, &ctx);
-        }
+        check_ranks(&out, &y_ref, &dx_ref, &g_ref, &format!("mlp world {world}"));
     }
 }
 
@@ -292,17 +286,8 @@ fn attention_matches_one_process_and_uses_one_all_reduce_each_way() {
                 Ok((y, dx, grads, ops))
             })
             .unwrap();
-            for (rank, (y, dx, grads, ops)) in out.iter().enumerate() {
-                let ctx = format!("attention causal {causal} world {world} rank {rank}");
-                assert_eq!(
-                    ops,
-                    &["all_reduce", "all_reduce"],
-                    "{ctx}: collectives per step"
-                );
-                close(y, &y_ref, &format!("{ctx} output"));
-                close(dx, &dx_ref, &format!("{ctx} grad input"));
-                check_grads(grads, &g_ref, &ctx);
-            }
+            let what = format!("attention causal {causal} world {world}");
+            check_ranks(&out, &y_ref, &dx_ref, &g_ref, &what);
         }
     }
 }
