@@ -116,6 +116,20 @@ impl DeviceMesh {
         &self.dims[index]
     }
 
+    /// The 1-D mesh of dimension `name` alone (torch's `mesh["tp"]`): this rank's row along
+    /// that dimension, over the dimension's existing group (no communication), or `None` if
+    /// the mesh has no such dimension. Tensor parallelism takes such a mesh.
+    pub fn sub_mesh(&self, name: &str) -> Option<DeviceMesh> {
+        let i = self.index(name)?;
+        Some(DeviceMesh {
+            group: self.dims[i].clone(),
+            names: vec![self.names[i].clone()],
+            shape: vec![self.shape[i]],
+            coord: vec![self.coord[i]],
+            dims: vec![self.dims[i].clone()],
+        })
+    }
+
     /// The whole mesh's group.
     pub fn group(&self) -> &ProcessGroup {
         &self.group

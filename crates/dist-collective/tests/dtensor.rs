@@ -220,6 +220,15 @@ fn each_transition_uses_the_cheapest_collective() {
 fn distribute_from_one_rank_and_replicate_to_partial_zeros_the_others() {
     let out = run_world(4, |pg| {
         let mesh = DeviceMesh::new(&pg, &[("dp", 2), ("tp", 2)])?;
+        // The tp row alone, over the existing group: a 1-D DTensor on it.
+        let tp = mesh.sub_mesh("tp").expect("tp");
+        assert!(mesh.sub_mesh("pp").is_none());
+        assert_eq!(
+            (tp.shape(), tp.coordinate()),
+            (&[2][..], &[pg.rank() % 2][..])
+        );
+        let row = DTensor::distribute_tensor(&[1.0, 2.0, 3.0], &[3], &tp, &[Placement::Shard(0)])?;
+        assert_eq!(row.full_tensor()?, [1.0, 2.0, 3.0]);
         let g = global(&[5, 3]);
         let full = (pg.rank() == 2).then_some(&g[..]);
         let t = DTensor::distribute_from(

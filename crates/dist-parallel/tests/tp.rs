@@ -442,3 +442,55 @@ fn bad_plans_and_shapes_are_errors() {
     })
     .unwrap();
 }
+
+/// Data parallel across pairs, tensor parallel within them, on a 2x2 mesh: each `dp` replica
+/// runs the TP MLP on its half of the batch over the `tp` sub-mesh, and the parameter
+/// gradients are summed over `dp`; the result equals one process over the whole batch.
+#[test]
+fn mlp_on_a_2d_mesh_dp_by_tp_matches_one_process() {
+    let (t, h, f) = (8, 6, 10);
+    let p = params(
+        &[
+            ("fc1.weight", &[f, h]),
+            ("fc1.bias", &[f]),
+            ("fc2.weight", &[h, f]),
+            ("fc2.bias", &[h]),
+        ],
+        60,
+    );
+    let x = values(t * h, 70);
+    let r = values(t * h, 71);
+    let y_ref = mlp_ref(&p, &x);
+    let (g_ref, dx_ref) = fd_grads(&p, &x, &r, &mlp_ref);
+    let plan = ParallelizePlan::new()
+        .with("fc1", ParallelStyle::Colwise)
+        .with("fc2", ParallelStyle::Rowwise);
+    let out = run_world(4, |pg| {
+        let mesh = DeviceMesh::new(&pg, &[("dp", 2), ("tp", 2)])?;
+        let tp = mesh.sub_mesh("tp").expect("tp dimension");
+        let half = mesh.coordinate()[0] * (t / 2) * h..(mesh.coordinate()[0] + 1) * (t / 2) * h;
+        let [fc1, fc2]: [TpLinear; 2] = layers(&plan, &tp, &p, &["fc1", "fc2"]).try_into().unwrap();
+        let mut mlp = TpMlp::new(fc1, fc2, false).unwrap();
+        let (y, saved) = mlp.forward(&f32s(&x[half.clone()]), t / 2).unwrap();
+        let dx = mlp.backward(&saved, &f32s(&r[half.clone()])).unwrap();
+        let mut grads = BTreeMap::new();
+        for (name, l) in [("fc1", mlp.fc1()), ("fc2", mlp.fc2())] {
+            for (leaf, g) in ["weight", "bias"].iter().zip(l.grads().unwrap()) {
+                // Sum this shard's gradient over the data-parallel replicas, then gather.
+                let mut local = g.to_local().to_vec();
+                mesh.dim("dp")
+                    .all_reduce(&mut local, dist_collective::ReduceOp::Sum)?;
+                let g = DTensor::from_local(local, g.shape(), &tp, g.placements())?;
+                grads.insert(format!("{name}.{leaf}"), g.full_tensor()?);
+            }
+        }
+        Ok((half, y, dx, grads))
+    })
+    .unwrap();
+    for (rank, (half, y, dx, grads)) in out.iter().enumerate() {
+        let ctx = format!("dp x tp rank {rank}");
+        close(y, &y_ref[half.clone()], &format!("{ctx} output"));
+        close(dx, &dx_ref[half.clone()], &format!("{ctx} grad input"));
+        check_grads(grads, &g_ref, &ctx);
+    }
+}

@@ -91,7 +91,7 @@ impl ParallelizePlan {
         };
         if mesh.ndim() != 1 {
             return Err(err(format!(
-                "tensor parallelism takes a 1-D mesh, got shape {:?}; pass the tp dimension's mesh",
+                "tensor parallelism takes a 1-D mesh, got shape {:?}; pass mesh.sub_mesh(\"tp\")",
                 mesh.shape()
             )));
         }
