@@ -14,7 +14,14 @@ use super::{BatchNormOptions, SyncBatchNorm};
 use crate::candle_comm::all_reduce_sum;
 use crate::{Error, Result};
 
-/// Synchronised batch norm as a candle module; see the [module docs](self).
+/// Synchronised batch norm as a candle module.
+///
+/// [`CandleSyncBatchNorm`]: [`SyncBatchNorm`](super::SyncBatchNorm) as a candle [`Module`]
+/// (feature `candle`), built from candle ops around one differentiable all_reduce
+/// ([`all_reduce_sum`]) of `(Σx, Σx², count)`, so candle's autograd derives the backward and
+/// it has exactly one all_reduce (of the statistics' gradients). Statistics are computed in
+/// `f64`. [`CandleSyncBatchNorm::convert`] turns a batch norm's state (candle-nn's `BatchNorm`
+/// tensors, or a flat [`SyncBatchNorm`](super::SyncBatchNorm)) into one.
 #[derive(Debug)]
 pub struct CandleSyncBatchNorm {
     group: ProcessGroup,

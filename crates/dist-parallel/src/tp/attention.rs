@@ -11,7 +11,12 @@ use super::mlp::check_input;
 use super::{ParallelStyle, TpLinear};
 use crate::{Error, Result};
 
-/// A Megatron attention block; see the [module docs](self).
+/// A Megatron attention block.
+///
+/// [`TpAttention`]: multi-head self-attention with the query, key and value projections
+/// column-parallel (each rank owns whole heads) and the output projection row-parallel. Heads
+/// never leave their rank: one collective in forward (after the output projection) and one in
+/// backward (the three projections' input gradients summed locally, then reduced once).
 #[derive(Clone, Debug)]
 pub struct TpAttention {
     mesh: DeviceMesh,

@@ -1,8 +1,8 @@
 //! The candle adapter of tensor parallelism (feature `candle`): a candle model's full
 //! parameters sharded by a [`ParallelizePlan`] into candle [`Var`]s holding this rank's
 //! shards, and MLP and attention blocks that are ordinary candle [`Module`]s. The collectives
-//! are candle custom ops ([`copy_to_group`](crate::candle_comm::copy_to_group) before the
-//! column-parallel layers, [`reduce_from_group`](crate::candle_comm::reduce_from_group) after
+//! are candle custom ops ([`copy_to_group`] before the
+//! column-parallel layers, [`reduce_from_group`] after
 //! the row-parallel one), so candle's autograd gives every shard its gradient with one
 //! all_reduce in forward and one in backward per block.
 //!

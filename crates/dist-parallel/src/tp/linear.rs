@@ -8,7 +8,11 @@ use super::ParallelStyle;
 use super::math::{col_sums, mm_nn, mm_nt, mm_tn};
 use crate::{Error, Result};
 
-/// A column- or row-parallel linear layer; see the [module docs](self).
+/// A column- or row-parallel linear layer.
+///
+/// [`TpLinear`]: a linear layer `y = x Wᵀ + b` whose weight is a [`DTensor`] split by a
+/// [`ParallelStyle`]. It computes on its shard only; the block around it issues the collective
+/// (so that, for instance, the three projections of attention share one all_reduce).
 #[derive(Clone, Debug)]
 pub struct TpLinear {
     style: ParallelStyle,

@@ -9,7 +9,11 @@ use super::math::{gelu, gelu_grad};
 use super::{ParallelStyle, TpLinear};
 use crate::{Error, Result};
 
-/// A Megatron MLP block; see the [module docs](self).
+/// A Megatron MLP block.
+///
+/// [`TpMlp`]: `fc2(gelu(fc1(x)))` with `fc1` column-parallel and `fc2` row-parallel, so the
+/// hidden activation never leaves its rank: one collective in forward (after `fc2`) and one in
+/// backward (after `fc1`'s input gradient).
 #[derive(Clone, Debug)]
 pub struct TpMlp {
     mesh: DeviceMesh,

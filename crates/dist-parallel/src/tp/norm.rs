@@ -8,7 +8,13 @@ use dist_collective::{DTensor, DeviceMesh, Placement, ReduceOp};
 
 use crate::{Error, Result};
 
-/// A layer norm with weight and bias over `hidden`; see the [module docs](self).
+/// A layer norm with weight and bias over `hidden`.
+///
+/// [`TpLayerNorm`]: layer norm over the hidden dimension of whatever tokens this rank holds.
+/// Under sequence parallelism it runs on this rank's run of tokens only, so its parameter
+/// gradients are partial sums over the tensor-parallel group, reduced in one all_reduce by
+/// [`TpLayerNorm::reduce_grads`]; without it every rank sees every token and the gradients are
+/// already complete.
 #[derive(Clone, Debug)]
 pub struct TpLayerNorm {
     mesh: DeviceMesh,
