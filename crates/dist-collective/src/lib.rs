@@ -46,6 +46,13 @@
 //! the operation and both sizes). Object collectives (`broadcast_object`, ...) go through serde
 //! and are the slow path.
 //!
+//! # Distributed tensors
+//!
+//! [`Placement`] and [`ShardLayout`] describe which box of a global tensor each mesh coordinate
+//! holds (`torch.chunk` sizes); [`DTensor`] pairs a local buffer with one and redistributes it
+//! between any placements, each mesh dimension's change by one collective on that dimension's
+//! group.
+//!
 //! # Ordering and threads
 //!
 //! Each group has one worker thread: `*_async` operations queue on it and blocking operations
@@ -83,6 +90,7 @@ mod backend_spec;
 mod debug;
 mod device;
 mod dispatch;
+mod dtensor;
 mod error;
 mod exec;
 mod group;
@@ -100,6 +108,7 @@ mod work;
 
 pub use debug::{DEFAULT_FLIGHT_RECORDER_SIZE, DebugLevel, FlightEntry, OpState};
 pub use dist_wire::{DType, Element, ReduceOp};
+pub use dtensor::DTensor;
 pub use error::{Error, Result};
 pub use group::{AVAILABLE_BACKENDS, P2pOp, ProcessGroup};
 pub use init::{

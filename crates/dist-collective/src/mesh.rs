@@ -107,6 +107,29 @@ impl DeviceMesh {
         self.index(name).map(|i| &self.dims[i])
     }
 
+    /// The sub-group of dimension `index` (its group rank is this rank's coordinate there).
+    ///
+    /// # Panics
+    ///
+    /// If `index >= ndim()`.
+    pub fn dim_group(&self, index: usize) -> &ProcessGroup {
+        &self.dims[index]
+    }
+
+    /// The 1-D mesh of dimension `name` alone (torch's `mesh["tp"]`): this rank's row along
+    /// that dimension, over the dimension's existing group (no communication), or `None` if
+    /// the mesh has no such dimension. Tensor parallelism takes such a mesh.
+    pub fn sub_mesh(&self, name: &str) -> Option<DeviceMesh> {
+        let i = self.index(name)?;
+        Some(DeviceMesh {
+            group: self.dims[i].clone(),
+            names: vec![self.names[i].clone()],
+            shape: vec![self.shape[i]],
+            coord: vec![self.coord[i]],
+            dims: vec![self.dims[i].clone()],
+        })
+    }
+
     /// The whole mesh's group.
     pub fn group(&self) -> &ProcessGroup {
         &self.group

@@ -34,6 +34,21 @@ pub enum Error {
         /// What was wrong.
         reason: String,
     },
+    /// A tensor-parallel layer, parallelize plan or SyncBatchNorm got input it cannot use (a
+    /// shape that does not match, a feature count not divisible as the plan needs, ...).
+    #[error("rank {rank}: {op}: {reason}")]
+    InvalidInput {
+        /// This rank.
+        rank: usize,
+        /// The layer call (`"SyncBatchNorm::forward"`, `"ColwiseLinear::new"`, ...).
+        op: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// candle failed while building or reading a tensor (feature `candle`).
+    #[cfg(feature = "candle")]
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
     /// The communication thread stopped (a hook panicked or the process group was destroyed).
     #[error("rank {rank}: DDP communication thread stopped: {reason}")]
     CommThread {

@@ -1,7 +1,8 @@
 //! Parallelism layers over `dist-collective`: [`Ddp`], distributed data parallelism in the
-//! manner of torch's `DistributedDataParallel`, and [`pipeline`], pipeline parallelism
+//! manner of torch's `DistributedDataParallel`; [`pipeline`], pipeline parallelism
 //! (schedules as data, a validator and simulator, and an executor) in the manner of
-//! `torch.distributed.pipelining`.
+//! `torch.distributed.pipelining`; [`tp`], Megatron-style tensor parallelism on DTensor
+//! parameters (torch's `parallelize_module`); and [`SyncBatchNorm`].
 //!
 //! The core is framework-agnostic: a model is described by its parameters ([`ParamInfo`]:
 //! name and shape), and DDP reads gradients from, and writes averaged gradients back to,
@@ -33,11 +34,18 @@
 //! ```
 
 #![forbid(unsafe_code)]
+#[cfg(feature = "candle")]
+pub mod candle_comm;
 mod ddp;
 mod error;
 pub mod pipeline;
+pub mod sync_bn;
+pub mod tp;
 
 pub use ddp::bucket::{BucketLayout, BucketSpec};
 pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};
 pub use ddp::{Ddp, DdpOptions, ParamInfo, StepStats};
 pub use error::{Error, Result};
+#[cfg(feature = "candle")]
+pub use sync_bn::CandleSyncBatchNorm;
+pub use sync_bn::{BatchNormOptions, BnGrads, BnSaved, SyncBatchNorm};
