@@ -4,6 +4,7 @@
 //! different algorithms (say, a different size threshold) fail with a clear error instead of
 //! exchanging garbage.
 
+use std::cell::Cell;
 use std::ops::Range;
 
 use dist_backend::{Error, Result};
@@ -38,9 +39,12 @@ pub(crate) struct Op<'a> {
     pub(crate) ctx: StepCtx,
     /// Element count announced in every frame (agreed by all ranks).
     pub(crate) count: u64,
+    /// Whether the next step must also carry the argument agreement's frames (see
+    /// [`agree::fused`]); cleared once a step has carried them.
+    pub(crate) agree_pending: Cell<bool>,
 }
 
-impl Op<'_> {
+impl<'a> Op<'a> {
     pub(crate) fn rank(&self) -> usize {
         self.t.rank()
     }
@@ -53,20 +57,42 @@ impl Op<'_> {
         self.ctx.dtype
     }
 
-    /// One step with no frame callback.
-    pub(crate) fn step(&self, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>]) -> Result<()> {
-        self.t
-            .exchange(&self.ctx, sends, recvs, &mut |_, _, _| Ok(()))
+    /// An operation whose frames carry `count`, with no agreement pending.
+    pub(crate) fn new(t: &'a dyn Transport, ctx: StepCtx, count: u64) -> Self {
+        Op {
+            t,
+            ctx,
+            count,
+            agree_pending: Cell::new(false),
+        }
     }
 
-    /// One step with a frame callback.
+    /// One step with no frame callback.
+    pub(crate) fn step(&self, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>]) -> Result<()> {
+        self.step_with(sends, recvs, &mut |_, _, _| Ok(()))
+    }
+
+    /// One step with a frame callback. The first step of an operation with an agreement
+    /// pending also carries the agreement's frames, ahead of its own on every connection.
     pub(crate) fn step_with(
         &self,
         sends: &[Outgoing<'_>],
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
     ) -> Result<()> {
+        if self.agree_pending.replace(false) {
+            return agree::fused_step(self, sends, recvs, on_frame);
+        }
         self.t.exchange(&self.ctx, sends, recvs, on_frame)
+    }
+
+    /// Runs the pending agreement as a step of its own, for an algorithm that took no step
+    /// on this rank.
+    pub(crate) fn finish_agreement(&self) -> Result<()> {
+        if self.agree_pending.get() {
+            self.step(&[], &mut [])?;
+        }
+        Ok(())
     }
 
     pub(crate) fn send<'b>(&self, peer: usize, data: &'b [u8], tag: u32) -> Outgoing<'b> {
