@@ -34,7 +34,7 @@
 //! A [`CollectiveOp::Close`] frame is not data: it says why the sender leaves the group, as a
 //! [`CloseReason`] (a clean goodbye, or an abort naming the rank to blame and the cause). Its
 //! `tag` is 0 for a goodbye and `culprit + 1` for an abort, its `count` the cause code
-//! ([`CloseReason::LOST`], [`CloseReason::MISMATCH`]), and an abort for a mismatch carries the
+//! ([`CloseReason::LOST`], [`CloseReason::MISMATCH`], [`CloseReason::STALLED`]), and an abort for a mismatch carries the
 //! two headers that disagreed as its payload ([`MAX_CLOSE_PAYLOAD`] bytes at most).
 
 use std::fmt;
@@ -356,6 +356,12 @@ pub enum CloseReason {
         /// The other side: the header it received.
         met: FrameHeader,
     },
+    /// The sender aborted because its operation timed out waiting for rank `culprit` (which
+    /// may be stopped or stuck rather than gone), saw it itself or was told so.
+    Stalled {
+        /// The rank the sender was waiting for.
+        culprit: u32,
+    },
 }
 
 impl CloseReason {
@@ -363,12 +369,17 @@ impl CloseReason {
     pub const LOST: u64 = 0;
     /// Cause code (in `count`) of an abort after a mismatch.
     pub const MISMATCH: u64 = 1;
+    /// Cause code (in `count`) of an abort after a timeout.
+    pub const STALLED: u64 = 2;
 
     /// The whole `Close` frame from `sender`: header, then payload.
     pub fn encode(&self, sender: u32) -> Vec<u8> {
         let (tag, count, payload): (u32, u64, Vec<u8>) = match self {
             CloseReason::Goodbye => (0, 0, Vec::new()),
             CloseReason::Lost { culprit } => (culprit.saturating_add(1), Self::LOST, Vec::new()),
+            CloseReason::Stalled { culprit } => {
+                (culprit.saturating_add(1), Self::STALLED, Vec::new())
+            }
             CloseReason::Mismatch {
                 culprit,
                 found,
@@ -421,6 +432,7 @@ impl CloseReason {
         let culprit = h.tag - 1;
         match h.count {
             Self::LOST => Ok(CloseReason::Lost { culprit }),
+            Self::STALLED => Ok(CloseReason::Stalled { culprit }),
             Self::MISMATCH => {
                 if payload.len() != MAX_CLOSE_PAYLOAD {
                     return Err(WireError::Truncated {

@@ -37,6 +37,7 @@ fn close_reason() -> impl Strategy<Value = CloseReason> {
     prop_oneof![
         Just(CloseReason::Goodbye),
         (0u32..u32::MAX).prop_map(|culprit| CloseReason::Lost { culprit }),
+        (0u32..u32::MAX).prop_map(|culprit| CloseReason::Stalled { culprit }),
         (0u32..u32::MAX, header(), header()).prop_map(|(culprit, found, met)| {
             CloseReason::Mismatch {
                 culprit,

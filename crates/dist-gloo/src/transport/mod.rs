@@ -284,6 +284,18 @@ pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> 
             peer,
             "it aborted the group after losing its connection to this rank",
         ),
+        // The peer timed out waiting for `culprit`: so does this operation, for the same rank.
+        CloseReason::Stalled { culprit } if culprit as usize != ctx.rank => Error::Timeout {
+            rank: ctx.rank,
+            op: ctx.op,
+            seq: ctx.seq,
+            waited: ctx.started.elapsed(),
+            missing_peers: vec![culprit as usize],
+        },
+        CloseReason::Stalled { .. } => ctx.peer_lost(
+            peer,
+            "it timed out waiting for this rank and aborted the group",
+        ),
         CloseReason::Mismatch { found, met, .. } => Error::MismatchReported {
             rank: ctx.rank,
             op: ctx.op,
@@ -300,10 +312,19 @@ pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> 
 }
 
 /// What this rank tells its peers when a step fails with `e`: whom to blame and why. `None`
-/// for failures that say nothing about another rank (a timeout names who was slow, not who
-/// failed; a caller's mistake is local).
+/// for failures that say nothing about another rank (a caller's mistake is local).
 pub(crate) fn abort_reason(e: &Error) -> Option<CloseReason> {
     match e {
+        // The rank it waited for, so that ranks waiting on this one (which now stops) name
+        // the stalled rank rather than this one; passed on like the other causes.
+        Error::Timeout {
+            rank,
+            missing_peers,
+            ..
+        } => missing_peers
+            .iter()
+            .find(|&&p| p != *rank)
+            .map(|&p| CloseReason::Stalled { culprit: p as u32 }),
         Error::PeerLost { peer, .. } => Some(CloseReason::Lost {
             culprit: *peer as u32,
         }),
