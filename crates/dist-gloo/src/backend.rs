@@ -294,12 +294,13 @@ impl GlooBackend {
         ctx.reduce = reduce.map_or(0, |r| r.code());
         ctx.root = root.map_or(NO_ROOT, |r| r as u32);
         ctx.splits = splits.map_or(0, dist_wire::splits_fingerprint);
+        ctx.reduce_arg = reduce.map_or(0, |r| r.param_fingerprint());
         let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let res = if !name.rooted() || self.world_size == 1 {
             f(&o, &mut scratch)
         } else if self.world_size <= self.fused_agreement_max_ranks {
-            o.agree_pending.set(true);
+            *o.agree.borrow_mut() = Some(agree::Pending::new(self.world_size, self.rank));
             f(&o, &mut scratch).and_then(|r| o.finish_agreement().map(|()| r))
         } else {
             agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))

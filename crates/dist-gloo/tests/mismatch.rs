@@ -355,3 +355,50 @@ fn split_sizes_that_differ_with_the_same_total_are_a_mismatch() {
         assert!(e.to_string().contains("split sizes #"), "{e}");
     }
 }
+
+/// `PremulSum` scales that differ between ranks are a mismatch like any other reduce-op one,
+/// on every rank, in all_reduce and in reduce (with either agreement scheme); equal scales work.
+#[test]
+fn premul_sum_scales_that_differ_are_a_mismatch_on_every_rank() {
+    let n = 3;
+    let scale_of = |r: usize| if r == 2 { 0.25 } else { 0.5 };
+    for (what, fused) in [("all_reduce", 16), ("reduce", 16), ("reduce", 1)] {
+        let ranks = tcp_world(
+            n,
+            &GlooOptions {
+                fused_agreement_max_ranks: Some(fused),
+                ..GlooOptions::default()
+            },
+        );
+        let run = |b: &dist_gloo::GlooBackend, scale: f64| {
+            let mut v = vec![1f32; 8];
+            let buf = BufMut::Host(bytemuck::cast_slice_mut(&mut v));
+            let op = ReduceOp::PremulSum(scale);
+            let r = if what == "all_reduce" {
+                b.all_reduce(buf, DType::F32, op, &opts())
+            } else {
+                b.reduce(buf, DType::F32, op, 0, &opts())
+            };
+            r.map(|()| v[0])
+        };
+        // The same scale everywhere: 3 × 0.5 on every rank (all_reduce) or the root.
+        let ok = on_all(&ranks, |b| run(b, 0.5));
+        for (r, v) in ok.iter().enumerate() {
+            let v = v
+                .as_ref()
+                .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+            if what == "all_reduce" || r == 0 {
+                assert_eq!(*v, 1.5, "{what}: rank {r}");
+            }
+        }
+        let errs = on_all(&ranks, |b| {
+            run(b, scale_of(b.rank())).expect_err("different scales must not succeed")
+        });
+        for (r, e) in errs.iter().enumerate() {
+            let (ours, theirs) = sides(e);
+            assert_ne!(ours.reduce_arg, theirs.reduce_arg, "{what}: rank {r}: {e}");
+            assert_eq!((ours.reduce, theirs.reduce), (Some(8), Some(8)), "{e}");
+            assert!(e.to_string().contains("scale #"), "{what}: rank {r}: {e}");
+        }
+    }
+}

@@ -44,42 +44,79 @@ pub(crate) const FUSED_MAX_RANKS: usize = 16;
 /// configured differently fail naming the step.
 const FUSED_TAG: u32 = tags::AGREE | 0x8000;
 
-/// Runs `sends` and `recvs` as one step that also sends this rank's arguments (a header-only
-/// frame) to every other rank and checks every other rank's, ahead of the step's own frames
-/// on each connection. Frame indices passed to `on_frame` are those of `recvs`.
+/// What is left of a fused agreement on one rank.
+pub(crate) struct Pending {
+    /// Whether this rank's frames have gone out.
+    sent: bool,
+    /// Per peer rank: its frame is still to be read.
+    unread: Vec<bool>,
+}
+
+impl Pending {
+    /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`.
+    pub(crate) fn new(n: usize, rank: usize) -> Self {
+        Pending {
+            sent: false,
+            unread: (0..n).map(|p| p != rank).collect(),
+        }
+    }
+
+    /// Whether every frame has been sent and read.
+    pub(crate) fn done(&self) -> bool {
+        self.sent && !self.unread.contains(&true)
+    }
+}
+
+/// Runs `sends` and `recvs` as one step that also carries what is left of the agreement: this
+/// rank's header-only frame to every other rank (in the first step, ahead of anything else it
+/// sends this operation), and the frame of every peer the step receives from (ahead of that
+/// peer's data: its frame is the first thing it sent) or sends to (a send by reference waits
+/// for its receiver, which, disagreeing, might never take it: its frame says so). Frames of
+/// other peers are read by the `last` step, so a rank that forwards data (a chain's middle)
+/// does not wait for ranks it exchanges nothing with. Frame indices passed to `on_frame` are
+/// those of `recvs`.
 pub(crate) fn fused_step(
     o: &Op<'_>,
+    pending: &mut Pending,
     sends: &[Outgoing<'_>],
     recvs: &mut [Incoming<'_>],
     on_frame: &mut OnFrame<'_>,
+    last: bool,
 ) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
-    let k = n - 1;
-    let peers = (1..n).map(|d| (r + d) % n);
-    let mut all_sends: Vec<Outgoing<'_>> = Vec::with_capacity(k + sends.len());
-    all_sends.extend(peers.clone().map(|p| o.send(p, &[], FUSED_TAG)));
+    let mut all_sends: Vec<Outgoing<'_>> = Vec::with_capacity(n + sends.len());
+    if !pending.sent {
+        all_sends.extend((1..n).map(|d| o.send((r + d) % n, &[], FUSED_TAG)));
+        pending.sent = true;
+    }
     all_sends.extend(sends.iter().map(|s| Outgoing {
         peer: s.peer,
         data: s.data,
         count: s.count,
         tag: s.tag,
     }));
+    let agree_from: Vec<usize> = (0..n)
+        .filter(|&p| {
+            pending.unread[p]
+                && (last || recvs.iter().any(|x| x.peer == p) || sends.iter().any(|s| s.peer == p))
+        })
+        .collect();
+    let k = agree_from.len();
     let mut all_recvs: Vec<Incoming<'_>> = Vec::with_capacity(k + recvs.len());
-    all_recvs.extend(peers.map(|p| o.recv(p, &mut [], FUSED_TAG)));
+    all_recvs.extend(agree_from.iter().map(|&p| o.recv(p, &mut [], FUSED_TAG)));
     all_recvs.extend(recvs.iter_mut().map(|x| Incoming {
         peer: x.peer,
         buf: &mut *x.buf,
         count: x.count,
         tag: x.tag,
     }));
-    let mut agreed = vec![false; k];
     let res = o.t.exchange(
         &o.ctx,
         &all_sends,
         &mut all_recvs,
         &mut |i, range, bytes| {
             if i < k {
-                agreed[i] = true;
+                pending.unread[agree_from[i]] = false;
                 Ok(())
             } else {
                 on_frame(i - k, range, bytes)
@@ -87,7 +124,7 @@ pub(crate) fn fused_step(
         },
     );
     match res {
-        Err(e @ Error::MismatchReported { .. }) => Err(first_hand(o, &agreed).unwrap_or(e)),
+        Err(e @ Error::MismatchReported { .. }) => Err(first_hand(o, &pending.unread).unwrap_or(e)),
         res => res,
     }
 }
@@ -97,11 +134,10 @@ pub(crate) fn fused_step(
 /// the rank sent this operation on the connection, so it is there (or the rank is gone, or
 /// the deadline passes: then the notice stands); a rank that can name the other side itself
 /// says so rather than relay what it heard.
-fn first_hand(o: &Op<'_>, agreed: &[bool]) -> Option<Error> {
-    let (n, r) = (o.n(), o.rank());
-    let mut rest: Vec<Incoming<'_>> = (1..n)
-        .filter(|d| !agreed[d - 1])
-        .map(|d| o.recv((r + d) % n, &mut [], FUSED_TAG))
+fn first_hand(o: &Op<'_>, unread: &[bool]) -> Option<Error> {
+    let mut rest: Vec<Incoming<'_>> = (0..o.n())
+        .filter(|&p| unread[p])
+        .map(|p| o.recv(p, &mut [], FUSED_TAG))
         .collect();
     match o.t.exchange(&o.ctx, &[], &mut rest, &mut |_, _, _| Ok(())) {
         Err(e @ Error::Mismatch { .. }) => Some(e),
@@ -117,12 +153,20 @@ struct Sig {
     dtype: u8,
     reduce: u8,
     splits: u32,
+    reduce_arg: u32,
     rank: u32,
 }
 
 impl Sig {
-    fn key(&self) -> (u32, u64, u8, u8, u32) {
-        (self.root, self.count, self.dtype, self.reduce, self.splits)
+    fn key(&self) -> (u32, u64, u8, u8, u32, u32) {
+        (
+            self.root,
+            self.count,
+            self.dtype,
+            self.reduce,
+            self.splits,
+            self.reduce_arg,
+        )
     }
 
     fn words(&self) -> [u64; 4] {
@@ -130,7 +174,7 @@ impl Sig {
             u64::from(self.root),
             self.count,
             u64::from(self.dtype) << 40 | u64::from(self.reduce) << 32 | u64::from(self.splits),
-            u64::from(self.rank),
+            u64::from(self.reduce_arg) << 32 | u64::from(self.rank),
         ]
     }
 
@@ -142,10 +186,11 @@ impl Sig {
             dtype: (w[2] >> 40) as u8,
             reduce: (w[2] >> 32) as u8,
             splits: w[2] as u32,
-            rank: u32::try_from(w[3]).ok()?,
+            reduce_arg: (w[3] >> 32) as u32,
+            rank: w[3] as u32,
         };
         DType::from_code(sig.dtype)?;
-        (w[2] >> 48 == 0).then_some(sig)
+        (w[2] >> 48 == 0 && w[3] >> 56 == 0).then_some(sig)
     }
 }
 
@@ -175,6 +220,7 @@ pub(crate) fn rooted_args(o: &Op<'_>) -> Result<()> {
         dtype: ctx.dtype.code(),
         reduce: ctx.reduce,
         splits: ctx.splits,
+        reduce_arg: ctx.reduce_arg,
         rank: r as u32,
     };
     let (mut lo, mut hi) = (me, me);
@@ -227,6 +273,7 @@ pub(crate) fn rooted_args(o: &Op<'_>) -> Result<()> {
             reduce: ctx.op.reduces().then_some(other.reduce),
             root: (other.root != NO_ROOT).then_some(other.root as usize),
             splits: other.splits,
+            reduce_arg: other.reduce_arg,
         },
     })
 }
@@ -243,6 +290,7 @@ mod tests {
             dtype: DType::F32.code(),
             reduce: 3,
             splits: 0xdead_beef,
+            reduce_arg: 0x00ab_cdef,
             rank: 7,
         };
         let mut w = [0u64; 4];
@@ -256,12 +304,12 @@ mod tests {
         assert!(b < a, "root 0 sorts first whatever the rank");
         let c = Sig { rank: 8, ..a };
         assert!(a < c && a.key() == c.key());
-        // A dtype code no build has, or a rank beyond u32, is refused.
+        // A dtype code no build has, or a scale fingerprint beyond 24 bits, is refused.
         let mut bad = w;
         bad[2] |= 0xff << 40;
         assert_eq!(Sig::from_words(&bad), None);
         bad = w;
-        bad[3] = u64::MAX;
+        bad[3] |= 0xff << 56;
         assert_eq!(Sig::from_words(&bad), None);
     }
 }

@@ -4,7 +4,7 @@
 //! different algorithms (say, a different size threshold) fail with a clear error instead of
 //! exchanging garbage.
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::ops::Range;
 
 use dist_backend::{Error, Result};
@@ -39,9 +39,9 @@ pub(crate) struct Op<'a> {
     pub(crate) ctx: StepCtx,
     /// Element count announced in every frame (agreed by all ranks).
     pub(crate) count: u64,
-    /// Whether the next step must also carry the argument agreement's frames (see
-    /// [`agree::fused`]); cleared once a step has carried them.
-    pub(crate) agree_pending: Cell<bool>,
+    /// The argument agreement's frames still to send or read, carried by the steps the
+    /// algorithm runs (see [`agree::fused_step`]); `None` when the op needs none.
+    pub(crate) agree: RefCell<Option<agree::Pending>>,
 }
 
 impl<'a> Op<'a> {
@@ -63,7 +63,7 @@ impl<'a> Op<'a> {
             t,
             ctx,
             count,
-            agree_pending: Cell::new(false),
+            agree: RefCell::new(None),
         }
     }
 
@@ -72,25 +72,29 @@ impl<'a> Op<'a> {
         self.step_with(sends, recvs, &mut |_, _, _| Ok(()))
     }
 
-    /// One step with a frame callback. The first step of an operation with an agreement
-    /// pending also carries the agreement's frames, ahead of its own on every connection.
+    /// One step with a frame callback. While an agreement is pending the step also carries
+    /// its frames, each ahead of the step's own on its connection (see [`agree::fused_step`]).
     pub(crate) fn step_with(
         &self,
         sends: &[Outgoing<'_>],
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
     ) -> Result<()> {
-        if self.agree_pending.replace(false) {
-            return agree::fused_step(self, sends, recvs, on_frame);
+        if let Some(p) = self.agree.borrow_mut().as_mut()
+            && !p.done()
+        {
+            return agree::fused_step(self, p, sends, recvs, on_frame, false);
         }
         self.t.exchange(&self.ctx, sends, recvs, on_frame)
     }
 
-    /// Runs the pending agreement as a step of its own, for an algorithm that took no step
-    /// on this rank.
+    /// Reads (and sends, if no step did) what is left of a pending agreement, once the
+    /// algorithm's own steps are done.
     pub(crate) fn finish_agreement(&self) -> Result<()> {
-        if self.agree_pending.get() {
-            self.step(&[], &mut [])?;
+        if let Some(p) = self.agree.borrow_mut().as_mut()
+            && !p.done()
+        {
+            return agree::fused_step(self, p, &[], &mut [], &mut |_, _, _| Ok(()), true);
         }
         Ok(())
     }

@@ -41,6 +41,9 @@ pub struct StepCtx {
     pub root: u32,
     /// [`dist_wire::splits_fingerprint`] of the per-rank split sizes, 0 when none.
     pub splits: u32,
+    /// [`dist_wire::ReduceOp::param_fingerprint`] of the reduce op (`PremulSum`'s scale), 0
+    /// when none.
+    pub reduce_arg: u32,
     /// The step exchanges the operation's arguments as values (see `algo::agree`), so that
     /// every rank, not only the pair whose frames disagree, can report a disagreement: the
     /// receiver checks only op, sequence number and step of its frames.
@@ -71,6 +74,7 @@ impl StepCtx {
             reduce: 0,
             root: NO_ROOT,
             splits: 0,
+            reduce_arg: 0,
             args_in_payload: false,
             started,
             deadline: dist_backend::deadline_after(started, timeout),
@@ -93,6 +97,7 @@ impl StepCtx {
             payload_len: payload_len as u64,
             flags: 0,
             splits: self.splits,
+            reduce_arg: self.reduce_arg,
         }
     }
 
@@ -237,7 +242,8 @@ pub(crate) fn judge(
             && h.count == want_count
             && h.reduce == ctx.reduce
             && h.root == ctx.root
-            && h.splits == ctx.splits);
+            && h.splits == ctx.splits
+            && h.reduce_arg == ctx.reduce_arg);
     if h.op != ctx.op || h.seq != ctx.seq || !same_args {
         return Err(Error::Mismatch {
             ours: ctx.desc(want_count),
@@ -359,6 +365,7 @@ fn desc_header(d: &OpDesc) -> FrameHeader {
         payload_len: 0,
         flags: 0,
         splits: d.splits,
+        reduce_arg: d.reduce_arg,
     }
 }
 
