@@ -27,9 +27,9 @@
 //! with an [`FrameHeader::ACK`] frame once it has the whole message, after which the sender may
 //! reuse its buffer.
 //!
-//! The receiver compares op, dtype, count, reduce op, root, split sizes and sequence number with
-//! what it expects, so two ranks that disagree fail fast with both sides named instead of
-//! exchanging garbage.
+//! The receiver compares op, dtype, count, reduce op (with its parameter, `PremulSum`'s
+//! scale), root, split sizes and sequence number with what it expects, so two ranks that
+//! disagree fail fast with both sides named instead of exchanging garbage.
 //!
 //! A [`CollectiveOp::Close`] frame is not data: it says why the sender leaves the group, as a
 //! [`CloseReason`] (a clean goodbye, or an abort naming the rank to blame and the cause). Its

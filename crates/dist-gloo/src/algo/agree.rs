@@ -1,4 +1,4 @@
-//! Agreement on a rooted operation's arguments before any of its data moves.
+//! Agreement on a rooted operation's arguments.
 //!
 //! Why: in `broadcast`, `reduce`, `gather` and `scatter` data flows only away from or towards
 //! the root, so ranks that disagree about the root may never exchange a frame whose header
@@ -8,24 +8,28 @@
 //! always reaches every rank through the headers (and the abort notices of the ranks that see
 //! it); these four need this extra exchange.
 //!
-//! Up to [`FUSED_MAX_RANKS`] ranks it costs no round of its own ([`fused_step`]): the first
-//! step of the operation's algorithm also carries one header-only frame from every rank to
-//! every other, ahead of any data on each connection. Every frame header carries root, count,
-//! dtype, reduce op and split sizes, and a receiver compares them with its own (as it does for
-//! data frames), so any two ranks that disagree each see the other's header and fail
-//! first-hand, while the data moves in the same step: a receiver may already have written
-//! into its buffer when it fails, whose content is then unspecified (as in torch). A root
-//! still waits until every rank has entered the operation (it hears from each), which is what
-//! "every rank fails" costs; it no longer waits for a round trip before its data leaves.
+//! Up to [`FUSED_MAX_RANKS`] ranks it costs no round of its own ([`fused_step`]): the
+//! operation's first step also sends one header-only frame from every rank to every other,
+//! ahead of any data on each connection, and each step reads the frames of the peers it
+//! exchanges data with, the rest being read once the algorithm's steps are done. Every frame
+//! header carries root, count, dtype, reduce op (with `PremulSum`'s scale) and split sizes,
+//! and a receiver compares them with its own (as it does for data frames), so any two ranks
+//! that disagree each see the other's header and fail first-hand while the data moves: a
+//! receiver may already have written into its buffer when it fails, whose content is then
+//! unspecified (as in torch). Every rank still reads every other rank's frame before it
+//! returns, so none returns before every rank has entered the operation, which is what "every
+//! rank fails" costs; but no data waits for a round trip, and a rank forwarding data waits
+//! only for the peers it exchanges data with.
 //!
 //! Above that, n − 1 frames per rank cost more than a few serial rounds, and
-//! [`rooted_args`] runs a dissemination exchange before the data: in round k each rank sends to rank + 2^k and receives from
-//! rank − 2^k the lowest and the highest argument signature (root, count, dtype, reduce op,
-//! split sizes; ties broken by rank) it has heard of, so after ⌈log2 n⌉ rounds of 64-byte
-//! messages every rank knows the same two. If they differ every rank fails alike, before any
-//! data moves, naming itself and a rank that disagrees with it. Data never moving matters
-//! for large buffers: a send by reference waits for a receiver that, disagreeing, would never
-//! receive it, and the step would only end at the timeout.
+//! [`rooted_args`] runs a dissemination exchange before the data: in round k each rank sends
+//! to rank + 2^k and receives from rank − 2^k the lowest and the highest argument signature
+//! (root, count, dtype, reduce op and its parameter, split sizes; ties broken by rank) it has
+//! heard of, so after ⌈log2 n⌉ rounds of 64-byte messages every rank knows the same two. If
+//! they differ every rank fails alike, before any data moves, naming itself and a rank that
+//! disagrees with it. Data never moving matters for large buffers: a send by reference waits
+//! for a receiver that, disagreeing, would never receive it, and the step would only end at
+//! the timeout.
 
 use std::cmp::Ordering;
 
@@ -35,9 +39,10 @@ use dist_wire::{DType, NO_ROOT};
 use super::{Op, tags};
 use crate::transport::{Incoming, OnFrame, Outgoing};
 
-/// Largest group whose rooted ops agree inside their first step ([`fused_step`]) by default;
-/// larger groups run [`rooted_args`] first. Measured with `benches/rooted.rs`: at 4 ranks the
-/// fused frames cost a few microseconds, the dissemination rounds tens.
+/// Largest group whose rooted ops agree inside their own steps ([`fused_step`]) by default;
+/// larger groups run [`rooted_args`] first. A judgement, not a measurement: n − 1 header-only
+/// frames per rank against ⌈log2 n⌉ serial rounds; `benches/rooted.rs` compares the two at 2
+/// and 4 ranks.
 pub(crate) const FUSED_MAX_RANKS: usize = 16;
 
 /// The tag of the fused agreement's frames, unlike any dissemination round's, so that ranks
