@@ -30,6 +30,9 @@ pub struct OpDesc {
     pub root: Option<usize>,
     /// Fingerprint of the split sizes ([`dist_wire::splits_fingerprint`]), 0 when none.
     pub splits: u32,
+    /// Fingerprint of the reduce op's parameter, `PremulSum`'s scale
+    /// ([`ReduceOp::param_fingerprint`]), 0 when none.
+    pub reduce_arg: u32,
 }
 
 impl From<&FrameHeader> for OpDesc {
@@ -43,6 +46,7 @@ impl From<&FrameHeader> for OpDesc {
             reduce: h.op.reduces().then_some(h.reduce),
             root: (h.root != NO_ROOT).then_some(h.root as usize),
             splits: h.splits,
+            reduce_arg: h.reduce_arg,
         }
     }
 }
@@ -65,6 +69,9 @@ impl fmt::Display for OpDesc {
         }
         if self.splits != 0 {
             write!(f, ", split sizes #{:08x}", self.splits)?;
+        }
+        if self.reduce_arg != 0 {
+            write!(f, ", scale #{:06x}", self.reduce_arg)?;
         }
         f.write_str(")")
     }

@@ -21,7 +21,15 @@ pub struct GlooOptions {
     /// [`GlooOptions::auto_small_bytes`]. Every rank must use the same value: a disagreement
     /// fails with an error naming the algorithm step.
     pub small_bytes: Option<usize>,
+    /// Groups of up to this many ranks check a rooted op's arguments inside its first step
+    /// (no extra round); larger ones run a dissemination exchange before the data. `None`
+    /// picks [`FUSED_AGREEMENT_MAX_RANKS`]. Every rank must use the same value: a
+    /// disagreement fails with an error naming the algorithm step.
+    pub fused_agreement_max_ranks: Option<usize>,
 }
+
+/// The default of [`GlooOptions::fused_agreement_max_ranks`].
+pub const FUSED_AGREEMENT_MAX_RANKS: usize = agree::FUSED_MAX_RANKS;
 
 impl GlooOptions {
     /// The switch point, measured with `cargo xtask bench all_reduce -b 4K -e 4M -f 4` over
@@ -69,6 +77,7 @@ pub struct GlooBackend {
     group: u32,
     transport: Box<dyn Transport>,
     small_bytes: usize,
+    fused_agreement_max_ranks: usize,
     seq: AtomicU64,
     /// The first error; once set, the group refuses further operations.
     poisoned: Mutex<Option<String>>,
@@ -122,6 +131,9 @@ impl GlooBackend {
             small_bytes: opts
                 .small_bytes
                 .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
+            fused_agreement_max_ranks: opts
+                .fused_agreement_max_ranks
+                .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
             seq: AtomicU64::new(0),
             poisoned: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
@@ -246,7 +258,7 @@ impl GlooBackend {
     }
 
     /// Runs one operation: refuses if the group is aborted, assigns the next sequence number,
-    /// has every rank agree on a rooted op's arguments first (see [`agree`]), and aborts the
+    /// has every rank agree on a rooted op's arguments (see [`agree`]), and aborts the
     /// group if the operation fails (its connections are then in an unknown state, as in
     /// Gloo). `splits` are the per-rank element counts every rank must pass alike, if any.
     #[allow(
@@ -288,16 +300,16 @@ impl GlooBackend {
         ctx.reduce = reduce.map_or(0, |r| r.code());
         ctx.root = root.map_or(NO_ROOT, |r| r as u32);
         ctx.splits = splits.map_or(0, dist_wire::splits_fingerprint);
-        let o = Op {
-            t: &*self.transport,
-            ctx,
-            count: count as u64,
-        };
+        ctx.reduce_arg = reduce.map_or(0, |r| r.param_fingerprint());
+        let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let res = if name.rooted() {
-            agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
-        } else {
+        let res = if !name.rooted() || self.world_size == 1 {
             f(&o, &mut scratch)
+        } else if self.world_size <= self.fused_agreement_max_ranks {
+            *o.agree.borrow_mut() = Some(agree::Pending::new(self.world_size, self.rank));
+            f(&o, &mut scratch).and_then(|r| o.finish_agreement().map(|()| r))
+        } else {
+            agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
         };
         if let Err(e) = &res {
             tracing::warn!(rank = self.rank, error = %e, "operation failed; the group is aborted");

@@ -45,4 +45,4 @@ mod algo;
 mod backend;
 pub mod transport;
 
-pub use backend::{GlooBackend, GlooOptions};
+pub use backend::{FUSED_AGREEMENT_MAX_RANKS, GlooBackend, GlooOptions};

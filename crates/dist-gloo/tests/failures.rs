@@ -162,8 +162,11 @@ fn a_late_peer_cannot_copy_a_buffer_whose_sender_gave_up() {
         .0
         .as_ref()
         .expect_err("the late rank must not succeed");
+    // The copy finds the offer withdrawn; the notice the sender queued before withdrawing it
+    // (it timed out waiting for this rank) explains why, when it has arrived.
+    let msg = late.to_string();
     assert!(
-        late.to_string().contains("withdrew its offer"),
+        msg.contains("withdrew its offer") || msg.contains("timed out waiting for this rank"),
         "rank 1: {late}"
     );
     assert!(ranks[0].messages_by_reference() > 0);
@@ -246,4 +249,71 @@ fn an_ipv6_mesh_works_when_the_host_has_ipv6_loopback() {
         v
     });
     assert!(out.iter().all(|v| *v == [6; 3]));
+}
+
+/// A rank whose collective times out tells its peers which rank it waited for, so ranks that
+/// wait on it (not on the stalled rank) name the stalled rank too, long before their own
+/// (much longer) timeouts. 4 ranks, recursive doubling: rank 2 waits on the stalled rank 3
+/// first and has the short timeout; rank 0 waits only on rank 2, rank 1 on 3 in round two.
+#[test]
+fn a_timeout_is_passed_on_naming_the_stalled_rank() {
+    let n = 4;
+    let ranks = tcp_world(n, &GlooOptions::default());
+    let long = Duration::from_secs(30);
+    let released = std::sync::Barrier::new(n);
+    let out = on_all(&ranks, |b| {
+        let mut v = vec![1u8; 4];
+        if b.rank() == 3 {
+            // Stalls until every other rank has failed, then finds the group aborted: at once,
+            // or one op later (the peers' frames of this one were sent before they gave up,
+            // and the notices queue behind them).
+            released.wait();
+            let e = b
+                .all_reduce(BufMut::Host(&mut v), DType::U8, ReduceOp::Sum, &quick(5000))
+                .and_then(|()| b.barrier(&quick(5000)))
+                .expect_err("the stalled rank joins an aborted group");
+            return (e, Duration::ZERO);
+        }
+        let timeout = if b.rank() == 2 {
+            Duration::from_secs(1)
+        } else {
+            long
+        };
+        let t0 = Instant::now();
+        let e = b
+            .all_reduce(
+                BufMut::Host(&mut v),
+                DType::U8,
+                ReduceOp::Sum,
+                &OpOptions::with_timeout(timeout),
+            )
+            .expect_err("a group with a stalled rank fails");
+        let took = t0.elapsed();
+        released.wait();
+        (e, took)
+    });
+    for (r, (e, took)) in out.iter().enumerate().take(3) {
+        match e {
+            Error::Timeout {
+                rank,
+                op,
+                missing_peers,
+                ..
+            } => {
+                assert_eq!((*rank, *op), (r, CollectiveOp::AllReduce), "{e}");
+                assert_eq!(missing_peers, &[3], "rank {r}: {e}");
+            }
+            other => panic!("rank {r}: expected a timeout naming rank 3, got {other}"),
+        }
+        assert!(*took < long / 2, "rank {r} took {took:?}: {e}");
+    }
+    // The stalled rank hears that a peer gave up on it.
+    assert!(
+        out[3]
+            .0
+            .to_string()
+            .contains("timed out waiting for this rank"),
+        "rank 3: {}",
+        out[3].0
+    );
 }

@@ -27,7 +27,17 @@ fn sides(e: &Error) -> (OpDesc, OpDesc) {
 
 /// Every rank broadcasts `count` f32 from the root `root_of(rank)`; returns each rank's error.
 fn broadcast_roots(n: usize, count: usize, root_of: impl Fn(usize) -> usize + Sync) -> Vec<Error> {
-    let ranks = tcp_world(n, &GlooOptions::default());
+    broadcast_roots_with(&GlooOptions::default(), n, count, root_of)
+}
+
+/// [`broadcast_roots`] with the given backend options.
+fn broadcast_roots_with(
+    gopts: &GlooOptions,
+    n: usize,
+    count: usize,
+    root_of: impl Fn(usize) -> usize + Sync,
+) -> Vec<Error> {
+    let ranks = tcp_world(n, gopts);
     on_all(&ranks, |b| {
         let mut v = vec![b.rank() as f32; count];
         let root = root_of(b.rank());
@@ -43,6 +53,75 @@ fn broadcast_roots(n: usize, count: usize, root_of: impl Fn(usize) -> usize + Sy
 
 #[test]
 fn a_broadcast_with_different_roots_fails_on_every_rank_naming_both_roots() {
+    every_rank_names_both_roots(&GlooOptions::default());
+}
+
+/// Groups larger than `fused_agreement_max_ranks` agree in dissemination rounds before the
+/// data instead; forced here at 2 to 4 ranks, the outcome is the same.
+#[test]
+fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
+    every_rank_names_both_roots(&GlooOptions {
+        fused_agreement_max_ranks: Some(1),
+        ..GlooOptions::default()
+    });
+}
+
+/// Ranks configured with different agreement schemes all fail, one at least naming the step.
+/// (A rank that finds the ranks run different algorithms sends no abort notice, as for any
+/// other step disagreement, so a rank that waits on it fails by its timeout, kept short.)
+#[test]
+fn ranks_that_agree_by_different_schemes_all_fail() {
+    let ranks = common::tcp_world_with(3, |r| GlooOptions {
+        fused_agreement_max_ranks: Some(if r == 1 { 1 } else { 16 }),
+        ..GlooOptions::default()
+    });
+    let errs = on_all(&ranks, |b| {
+        let mut v = vec![0f32; 10];
+        b.broadcast(
+            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+            DType::F32,
+            0,
+            &OpOptions::with_timeout(Duration::from_secs(5)),
+        )
+        .expect_err("ranks running different agreements must not succeed")
+    });
+    assert!(
+        errs.iter()
+            .any(|e| e.to_string().contains("different algorithms")),
+        "{errs:?}"
+    );
+}
+
+/// A large broadcast on 4 ranks (the pipelined chain, by reference where possible) whose
+/// ranks disagree on the count fails on every rank as a mismatch, long before the timeout.
+#[test]
+fn a_large_chain_broadcast_with_a_count_mismatch_fails_on_every_rank() {
+    let ranks = tcp_world(4, &GlooOptions::default());
+    let t0 = Instant::now();
+    let errs = on_all(&ranks, |b| {
+        let count = if b.rank() == 2 {
+            (4 << 20) + 1
+        } else {
+            4 << 20
+        };
+        let mut v = vec![b.rank() as f32; count];
+        b.broadcast(
+            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+            DType::F32,
+            0,
+            &opts(),
+        )
+        .expect_err("ranks that disagree on the count must not succeed")
+    });
+    for (r, e) in errs.iter().enumerate() {
+        let (ours, theirs) = sides(e);
+        assert_ne!(ours.count, theirs.count, "rank {r}: {e}");
+        assert!(ours.rank == 2 || theirs.rank == 2, "rank {r}: {e}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+}
+
+fn every_rank_names_both_roots(gopts: &GlooOptions) {
     for n in 2..=4 {
         for (name, root_of) in [
             (
@@ -57,7 +136,7 @@ fn a_broadcast_with_different_roots_fails_on_every_rank_naming_both_roots() {
             if name.starts_with("the last") && n != 4 {
                 continue;
             }
-            let errs = broadcast_roots(n, 100, root_of);
+            let errs = broadcast_roots_with(gopts, n, 100, root_of);
             for (r, e) in errs.iter().enumerate() {
                 let msg = e.to_string();
                 // Every rank finds it itself, from the agreement every rank takes part in.
@@ -274,5 +353,52 @@ fn split_sizes_that_differ_with_the_same_total_are_a_mismatch() {
         assert_eq!((ours.rank, theirs.rank), (r, 1 - r), "{e}");
         assert_ne!(ours.splits, theirs.splits, "{e}");
         assert!(e.to_string().contains("split sizes #"), "{e}");
+    }
+}
+
+/// `PremulSum` scales that differ between ranks are a mismatch like any other reduce-op one,
+/// on every rank, in all_reduce and in reduce (with either agreement scheme); equal scales work.
+#[test]
+fn premul_sum_scales_that_differ_are_a_mismatch_on_every_rank() {
+    let n = 3;
+    let scale_of = |r: usize| if r == 2 { 0.25 } else { 0.5 };
+    for (what, fused) in [("all_reduce", 16), ("reduce", 16), ("reduce", 1)] {
+        let ranks = tcp_world(
+            n,
+            &GlooOptions {
+                fused_agreement_max_ranks: Some(fused),
+                ..GlooOptions::default()
+            },
+        );
+        let run = |b: &dist_gloo::GlooBackend, scale: f64| {
+            let mut v = vec![1f32; 8];
+            let buf = BufMut::Host(bytemuck::cast_slice_mut(&mut v));
+            let op = ReduceOp::PremulSum(scale);
+            let r = if what == "all_reduce" {
+                b.all_reduce(buf, DType::F32, op, &opts())
+            } else {
+                b.reduce(buf, DType::F32, op, 0, &opts())
+            };
+            r.map(|()| v[0])
+        };
+        // The same scale everywhere: 3 × 0.5 on every rank (all_reduce) or the root.
+        let ok = on_all(&ranks, |b| run(b, 0.5));
+        for (r, v) in ok.iter().enumerate() {
+            let v = v
+                .as_ref()
+                .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+            if what == "all_reduce" || r == 0 {
+                assert_eq!(*v, 1.5, "{what}: rank {r}");
+            }
+        }
+        let errs = on_all(&ranks, |b| {
+            run(b, scale_of(b.rank())).expect_err("different scales must not succeed")
+        });
+        for (r, e) in errs.iter().enumerate() {
+            let (ours, theirs) = sides(e);
+            assert_ne!(ours.reduce_arg, theirs.reduce_arg, "{what}: rank {r}: {e}");
+            assert_eq!((ours.reduce, theirs.reduce), (Some(8), Some(8)), "{e}");
+            assert!(e.to_string().contains("scale #"), "{what}: rank {r}: {e}");
+        }
     }
 }

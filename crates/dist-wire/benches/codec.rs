@@ -26,6 +26,7 @@ fn codec(c: &mut Criterion) {
         payload_len: 1 << 20,
         flags: 0,
         splits: 0,
+        reduce_arg: 0,
     };
     c.bench_function("frame_header/encode", |b| {
         b.iter(|| black_box(black_box(&h).encode()))

@@ -19,7 +19,7 @@
 //! | 48..56 | payload length in bytes (of the data, wherever it lies) |
 //! | 56 | flags: [`FrameHeader::REMOTE`], [`FrameHeader::ACK`] |
 //! | 57..61 | split-sizes fingerprint ([`splits_fingerprint`]; 0 when the op has none) |
-//! | 61..64 | reserved, zero |
+//! | 61..64 | reduce-op parameter fingerprint ([`crate::ReduceOp::param_fingerprint`], 24 bits; 0 when none) |
 //!
 //! A frame's payload normally follows its header. A [`FrameHeader::REMOTE`] frame carries a
 //! [`PayloadRef`] (16 bytes) instead: the receiver copies the data straight out of the
@@ -27,14 +27,14 @@
 //! with an [`FrameHeader::ACK`] frame once it has the whole message, after which the sender may
 //! reuse its buffer.
 //!
-//! The receiver compares op, dtype, count, reduce op, root, split sizes and sequence number with
-//! what it expects, so two ranks that disagree fail fast with both sides named instead of
-//! exchanging garbage.
+//! The receiver compares op, dtype, count, reduce op (with its parameter, `PremulSum`'s
+//! scale), root, split sizes and sequence number with what it expects, so two ranks that
+//! disagree fail fast with both sides named instead of exchanging garbage.
 //!
 //! A [`CollectiveOp::Close`] frame is not data: it says why the sender leaves the group, as a
 //! [`CloseReason`] (a clean goodbye, or an abort naming the rank to blame and the cause). Its
 //! `tag` is 0 for a goodbye and `culprit + 1` for an abort, its `count` the cause code
-//! ([`CloseReason::LOST`], [`CloseReason::MISMATCH`]), and an abort for a mismatch carries the
+//! ([`CloseReason::LOST`], [`CloseReason::MISMATCH`], [`CloseReason::STALLED`]), and an abort for a mismatch carries the
 //! two headers that disagreed as its payload ([`MAX_CLOSE_PAYLOAD`] bytes at most).
 
 use std::fmt;
@@ -44,7 +44,7 @@ use crate::{DType, WireError};
 /// Frame magic: `b"DST1"` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DST1");
 /// The protocol version this build speaks.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Encoded size of a [`FrameHeader`].
 pub const HEADER_LEN: usize = 64;
 /// Encoded size of a [`PayloadRef`].
@@ -196,6 +196,9 @@ pub struct FrameHeader {
     pub flags: u8,
     /// [`splits_fingerprint`] of the op's per-rank split sizes, 0 when it has none.
     pub splits: u32,
+    /// [`crate::ReduceOp::param_fingerprint`] of the reduce op's parameter (`PremulSum`'s
+    /// scale), 0 when it has none. Only the low 24 bits travel.
+    pub reduce_arg: u32,
 }
 
 impl FrameHeader {
@@ -235,6 +238,7 @@ impl FrameHeader {
         b[48..56].copy_from_slice(&self.payload_len.to_le_bytes());
         b[56] = self.flags;
         b[57..61].copy_from_slice(&self.splits.to_le_bytes());
+        b[61..64].copy_from_slice(&self.reduce_arg.to_le_bytes()[..3]);
         b
     }
 
@@ -305,12 +309,6 @@ impl FrameHeader {
                 });
             }
         }
-        if let Some(i) = (61..HEADER_LEN).find(|&i| b[i] != 0) {
-            return Err(WireError::UnknownCode {
-                field: "reserved header byte",
-                value: u64::from(b[i]),
-            });
-        }
         Ok(FrameHeader {
             op,
             dtype,
@@ -325,6 +323,7 @@ impl FrameHeader {
             payload_len: u64_at(48),
             flags,
             splits: u32_at(57),
+            reduce_arg: u32::from_le_bytes([b[61], b[62], b[63], 0]),
         })
     }
 }
@@ -356,6 +355,12 @@ pub enum CloseReason {
         /// The other side: the header it received.
         met: FrameHeader,
     },
+    /// The sender aborted because its operation timed out waiting for rank `culprit` (which
+    /// may be stopped or stuck rather than gone), saw it itself or was told so.
+    Stalled {
+        /// The rank the sender was waiting for.
+        culprit: u32,
+    },
 }
 
 impl CloseReason {
@@ -363,12 +368,17 @@ impl CloseReason {
     pub const LOST: u64 = 0;
     /// Cause code (in `count`) of an abort after a mismatch.
     pub const MISMATCH: u64 = 1;
+    /// Cause code (in `count`) of an abort after a timeout.
+    pub const STALLED: u64 = 2;
 
     /// The whole `Close` frame from `sender`: header, then payload.
     pub fn encode(&self, sender: u32) -> Vec<u8> {
         let (tag, count, payload): (u32, u64, Vec<u8>) = match self {
             CloseReason::Goodbye => (0, 0, Vec::new()),
             CloseReason::Lost { culprit } => (culprit.saturating_add(1), Self::LOST, Vec::new()),
+            CloseReason::Stalled { culprit } => {
+                (culprit.saturating_add(1), Self::STALLED, Vec::new())
+            }
             CloseReason::Mismatch {
                 culprit,
                 found,
@@ -393,6 +403,7 @@ impl CloseReason {
             payload_len: payload.len() as u64,
             flags: 0,
             splits: 0,
+            reduce_arg: 0,
         };
         let mut out = h.encode().to_vec();
         out.extend_from_slice(&payload);
@@ -421,6 +432,7 @@ impl CloseReason {
         let culprit = h.tag - 1;
         match h.count {
             Self::LOST => Ok(CloseReason::Lost { culprit }),
+            Self::STALLED => Ok(CloseReason::Stalled { culprit }),
             Self::MISMATCH => {
                 if payload.len() != MAX_CLOSE_PAYLOAD {
                     return Err(WireError::Truncated {

@@ -79,7 +79,23 @@ impl ReduceOp {
         }
     }
 
-    /// The one-byte wire code (the scale of `PremulSum` does not travel in the header).
+    /// A fingerprint of the op's parameter, for headers: for `PremulSum(s)` FNV-1a over the
+    /// bits of `s` folded to 24 bits and never 0 (so two ranks whose scales differ disagree
+    /// unless they collide, one chance in 2^24); 0 for ops without one.
+    pub fn param_fingerprint(&self) -> u32 {
+        let ReduceOp::PremulSum(s) = self else {
+            return 0;
+        };
+        let mut h: u32 = 0x811c_9dc5;
+        for b in s.to_bits().to_le_bytes() {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+        let folded = (h >> 24) ^ (h & 0x00ff_ffff);
+        if folded == 0 { 1 } else { folded }
+    }
+
+    /// The one-byte wire code (the scale of `PremulSum` travels as
+    /// [`ReduceOp::param_fingerprint`]).
     pub const fn code(self) -> u8 {
         match self {
             ReduceOp::Sum => 0,
@@ -129,6 +145,21 @@ impl fmt::Display for ReduceOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_premul_sum_has_a_parameter_fingerprint_and_it_tells_scales_apart() {
+        let fp = |s: f64| ReduceOp::PremulSum(s).param_fingerprint();
+        let scales = [0.5, 0.25, 1.0, -1.0, 0.0, -0.0, 1e-300, 3.0, 1.0 / 3.0];
+        for (i, a) in scales.iter().enumerate() {
+            assert!(fp(*a) != 0 && fp(*a) < 1 << 24, "{a}");
+            for b in &scales[i + 1..] {
+                assert_ne!(fp(*a), fp(*b), "{a} and {b}");
+            }
+        }
+        assert_eq!(fp(0.5), fp(0.5));
+        assert_eq!(ReduceOp::Sum.param_fingerprint(), 0);
+        assert_eq!(ReduceOp::Avg.param_fingerprint(), 0);
+    }
 
     #[test]
     fn bitwise_ops_reject_floats_and_premul_rejects_integers() {

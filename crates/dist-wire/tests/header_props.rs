@@ -29,6 +29,7 @@ fn header() -> impl Strategy<Value = FrameHeader> {
             payload_len: d[3],
             flags,
             splits: w[4],
+            reduce_arg: d[0] as u32 & 0x00ff_ffff,
         })
 }
 
@@ -37,6 +38,7 @@ fn close_reason() -> impl Strategy<Value = CloseReason> {
     prop_oneof![
         Just(CloseReason::Goodbye),
         (0u32..u32::MAX).prop_map(|culprit| CloseReason::Lost { culprit }),
+        (0u32..u32::MAX).prop_map(|culprit| CloseReason::Stalled { culprit }),
         (0u32..u32::MAX, header(), header()).prop_map(|(culprit, found, met)| {
             CloseReason::Mismatch {
                 culprit,
@@ -117,7 +119,7 @@ proptest! {
 }
 
 #[test]
-fn unknown_flags_and_reserved_bytes_are_rejected() {
+fn unknown_flags_are_rejected_and_the_last_bytes_are_the_reduce_arg() {
     let h = FrameHeader {
         op: CollectiveOp::AllReduce,
         dtype: DType::F32,
@@ -132,6 +134,7 @@ fn unknown_flags_and_reserved_bytes_are_rejected() {
         payload_len: 16,
         flags: FrameHeader::REMOTE,
         splits: 0,
+        reduce_arg: 0,
     };
     assert_eq!(h.wire_payload_len(), PAYLOAD_REF_LEN as u64);
     let mut b = h.encode();
@@ -142,11 +145,11 @@ fn unknown_flags_and_reserved_bytes_are_rejected() {
     b[56] = 0;
     b[57] = 1;
     assert_eq!(FrameHeader::decode(&b).map(|h| h.splits), Ok(1));
-    for i in 61..HEADER_LEN {
-        let mut r = b;
-        r[i] = 1;
-        assert!(FrameHeader::decode(&r).is_err(), "reserved byte {i}");
-    }
+    b[63] = 0xab;
+    assert_eq!(
+        FrameHeader::decode(&b).map(|h| h.reduce_arg),
+        Ok(0x00ab_0000)
+    );
     assert!(
         PayloadRef::decode(&[0u8; PAYLOAD_REF_LEN]).is_err(),
         "offer 0 is never valid"

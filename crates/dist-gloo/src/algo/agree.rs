@@ -1,4 +1,4 @@
-//! Agreement on a rooted operation's arguments before any of its data moves.
+//! Agreement on a rooted operation's arguments.
 //!
 //! Why: in `broadcast`, `reduce`, `gather` and `scatter` data flows only away from or towards
 //! the root, so ranks that disagree about the root may never exchange a frame whose header
@@ -8,13 +8,28 @@
 //! always reaches every rank through the headers (and the abort notices of the ranks that see
 //! it); these four need this extra exchange.
 //!
-//! It is a dissemination exchange: in round k each rank sends to rank + 2^k and receives from
-//! rank − 2^k the lowest and the highest argument signature (root, count, dtype, reduce op,
-//! split sizes; ties broken by rank) it has heard of, so after ⌈log2 n⌉ rounds of 64-byte
-//! messages every rank knows the same two. If they differ every rank fails alike, before any
-//! data moves, naming itself and a rank that disagrees with it. Data never moving matters
-//! for large buffers: a send by reference waits for a receiver that, disagreeing, would never
-//! receive it, and the step would only end at the timeout.
+//! Up to [`FUSED_MAX_RANKS`] ranks it costs no round of its own ([`fused_step`]): the
+//! operation's first step also sends one header-only frame from every rank to every other,
+//! ahead of any data on each connection, and each step reads the frames of the peers it
+//! exchanges data with, the rest being read once the algorithm's steps are done. Every frame
+//! header carries root, count, dtype, reduce op (with `PremulSum`'s scale) and split sizes,
+//! and a receiver compares them with its own (as it does for data frames), so any two ranks
+//! that disagree each see the other's header and fail first-hand while the data moves: a
+//! receiver may already have written into its buffer when it fails, whose content is then
+//! unspecified (as in torch). Every rank still reads every other rank's frame before it
+//! returns, so none returns before every rank has entered the operation, which is what "every
+//! rank fails" costs; but no data waits for a round trip, and a rank forwarding data waits
+//! only for the peers it exchanges data with.
+//!
+//! Above that, n − 1 frames per rank cost more than a few serial rounds, and
+//! [`rooted_args`] runs a dissemination exchange before the data: in round k each rank sends
+//! to rank + 2^k and receives from rank − 2^k the lowest and the highest argument signature
+//! (root, count, dtype, reduce op and its parameter, split sizes; ties broken by rank) it has
+//! heard of, so after ⌈log2 n⌉ rounds of 64-byte messages every rank knows the same two. If
+//! they differ every rank fails alike, before any data moves, naming itself and a rank that
+//! disagrees with it. Data never moving matters for large buffers: a send by reference waits
+//! for a receiver that, disagreeing, would never receive it, and the step would only end at
+//! the timeout.
 
 use std::cmp::Ordering;
 
@@ -22,6 +37,118 @@ use dist_backend::{Error, OpDesc, Result};
 use dist_wire::{DType, NO_ROOT};
 
 use super::{Op, tags};
+use crate::transport::{Incoming, OnFrame, Outgoing};
+
+/// Largest group whose rooted ops agree inside their own steps ([`fused_step`]) by default;
+/// larger groups run [`rooted_args`] first. A judgement, not a measurement: n − 1 header-only
+/// frames per rank against ⌈log2 n⌉ serial rounds; `benches/rooted.rs` compares the two at 2
+/// and 4 ranks.
+pub(crate) const FUSED_MAX_RANKS: usize = 16;
+
+/// The tag of the fused agreement's frames, unlike any dissemination round's, so that ranks
+/// configured differently fail naming the step.
+const FUSED_TAG: u32 = tags::AGREE | 0x8000;
+
+/// What is left of a fused agreement on one rank.
+pub(crate) struct Pending {
+    /// Whether this rank's frames have gone out.
+    sent: bool,
+    /// Per peer rank: its frame is still to be read.
+    unread: Vec<bool>,
+}
+
+impl Pending {
+    /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`.
+    pub(crate) fn new(n: usize, rank: usize) -> Self {
+        Pending {
+            sent: false,
+            unread: (0..n).map(|p| p != rank).collect(),
+        }
+    }
+
+    /// Whether every frame has been sent and read.
+    pub(crate) fn done(&self) -> bool {
+        self.sent && !self.unread.contains(&true)
+    }
+}
+
+/// Runs `sends` and `recvs` as one step that also carries what is left of the agreement: this
+/// rank's header-only frame to every other rank (in the first step, ahead of anything else it
+/// sends this operation), and the frame of every peer the step receives from (ahead of that
+/// peer's data: its frame is the first thing it sent) or sends to (a send by reference waits
+/// for its receiver, which, disagreeing, might never take it: its frame says so). Frames of
+/// other peers are read by the `last` step, so a rank that forwards data (a chain's middle)
+/// does not wait for ranks it exchanges nothing with. Frame indices passed to `on_frame` are
+/// those of `recvs`.
+pub(crate) fn fused_step(
+    o: &Op<'_>,
+    pending: &mut Pending,
+    sends: &[Outgoing<'_>],
+    recvs: &mut [Incoming<'_>],
+    on_frame: &mut OnFrame<'_>,
+    last: bool,
+) -> Result<()> {
+    let (n, r) = (o.n(), o.rank());
+    let mut all_sends: Vec<Outgoing<'_>> = Vec::with_capacity(n + sends.len());
+    if !pending.sent {
+        all_sends.extend((1..n).map(|d| o.send((r + d) % n, &[], FUSED_TAG)));
+        pending.sent = true;
+    }
+    all_sends.extend(sends.iter().map(|s| Outgoing {
+        peer: s.peer,
+        data: s.data,
+        count: s.count,
+        tag: s.tag,
+    }));
+    let agree_from: Vec<usize> = (0..n)
+        .filter(|&p| {
+            pending.unread[p]
+                && (last || recvs.iter().any(|x| x.peer == p) || sends.iter().any(|s| s.peer == p))
+        })
+        .collect();
+    let k = agree_from.len();
+    let mut all_recvs: Vec<Incoming<'_>> = Vec::with_capacity(k + recvs.len());
+    all_recvs.extend(agree_from.iter().map(|&p| o.recv(p, &mut [], FUSED_TAG)));
+    all_recvs.extend(recvs.iter_mut().map(|x| Incoming {
+        peer: x.peer,
+        buf: &mut *x.buf,
+        count: x.count,
+        tag: x.tag,
+    }));
+    let res = o.t.exchange(
+        &o.ctx,
+        &all_sends,
+        &mut all_recvs,
+        &mut |i, range, bytes| {
+            if i < k {
+                pending.unread[agree_from[i]] = false;
+                Ok(())
+            } else {
+                on_frame(i - k, range, bytes)
+            }
+        },
+    );
+    match res {
+        Err(e @ Error::MismatchReported { .. }) => Err(first_hand(o, &pending.unread).unwrap_or(e)),
+        res => res,
+    }
+}
+
+/// After a disagreement learnt from another rank's abort notice: this rank's own, if a rank
+/// whose agreement frame it had not read yet disagrees with it. That frame is the first thing
+/// the rank sent this operation on the connection, so it is there (or the rank is gone, or
+/// the deadline passes: then the notice stands); a rank that can name the other side itself
+/// says so rather than relay what it heard.
+fn first_hand(o: &Op<'_>, unread: &[bool]) -> Option<Error> {
+    let mut rest: Vec<Incoming<'_>> = (0..o.n())
+        .filter(|&p| unread[p])
+        .map(|p| o.recv(p, &mut [], FUSED_TAG))
+        .collect();
+    match o.t.exchange(&o.ctx, &[], &mut rest, &mut |_, _, _| Ok(())) {
+        Err(e @ Error::Mismatch { .. }) => Some(e),
+        _ => None,
+    }
+}
 
 /// One rank's arguments, ordered by the arguments first and the rank last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,12 +158,20 @@ struct Sig {
     dtype: u8,
     reduce: u8,
     splits: u32,
+    reduce_arg: u32,
     rank: u32,
 }
 
 impl Sig {
-    fn key(&self) -> (u32, u64, u8, u8, u32) {
-        (self.root, self.count, self.dtype, self.reduce, self.splits)
+    fn key(&self) -> (u32, u64, u8, u8, u32, u32) {
+        (
+            self.root,
+            self.count,
+            self.dtype,
+            self.reduce,
+            self.splits,
+            self.reduce_arg,
+        )
     }
 
     fn words(&self) -> [u64; 4] {
@@ -44,7 +179,7 @@ impl Sig {
             u64::from(self.root),
             self.count,
             u64::from(self.dtype) << 40 | u64::from(self.reduce) << 32 | u64::from(self.splits),
-            u64::from(self.rank),
+            u64::from(self.reduce_arg) << 32 | u64::from(self.rank),
         ]
     }
 
@@ -56,10 +191,11 @@ impl Sig {
             dtype: (w[2] >> 40) as u8,
             reduce: (w[2] >> 32) as u8,
             splits: w[2] as u32,
-            rank: u32::try_from(w[3]).ok()?,
+            reduce_arg: (w[3] >> 32) as u32,
+            rank: w[3] as u32,
         };
         DType::from_code(sig.dtype)?;
-        (w[2] >> 48 == 0).then_some(sig)
+        (w[2] >> 48 == 0 && w[3] >> 56 == 0).then_some(sig)
     }
 }
 
@@ -89,6 +225,7 @@ pub(crate) fn rooted_args(o: &Op<'_>) -> Result<()> {
         dtype: ctx.dtype.code(),
         reduce: ctx.reduce,
         splits: ctx.splits,
+        reduce_arg: ctx.reduce_arg,
         rank: r as u32,
     };
     let (mut lo, mut hi) = (me, me);
@@ -97,11 +234,7 @@ pub(crate) fn rooted_args(o: &Op<'_>) -> Result<()> {
     // values, below, rather than fail on the first frame that differs.
     let mut step_ctx = *ctx;
     step_ctx.args_in_payload = true;
-    let step = Op {
-        t: o.t,
-        ctx: step_ctx,
-        count: o.count,
-    };
+    let step = Op::new(o.t, step_ctx, o.count);
     let (mut dist, mut round) = (1, 0);
     while dist < n {
         let mut out = [0u64; 8];
@@ -145,6 +278,7 @@ pub(crate) fn rooted_args(o: &Op<'_>) -> Result<()> {
             reduce: ctx.op.reduces().then_some(other.reduce),
             root: (other.root != NO_ROOT).then_some(other.root as usize),
             splits: other.splits,
+            reduce_arg: other.reduce_arg,
         },
     })
 }
@@ -161,6 +295,7 @@ mod tests {
             dtype: DType::F32.code(),
             reduce: 3,
             splits: 0xdead_beef,
+            reduce_arg: 0x00ab_cdef,
             rank: 7,
         };
         let mut w = [0u64; 4];
@@ -174,12 +309,12 @@ mod tests {
         assert!(b < a, "root 0 sorts first whatever the rank");
         let c = Sig { rank: 8, ..a };
         assert!(a < c && a.key() == c.key());
-        // A dtype code no build has, or a rank beyond u32, is refused.
+        // A dtype code no build has, or a scale fingerprint beyond 24 bits, is refused.
         let mut bad = w;
         bad[2] |= 0xff << 40;
         assert_eq!(Sig::from_words(&bad), None);
         bad = w;
-        bad[3] = u64::MAX;
+        bad[3] |= 0xff << 56;
         assert_eq!(Sig::from_words(&bad), None);
     }
 }

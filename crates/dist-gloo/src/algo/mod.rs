@@ -4,6 +4,7 @@
 //! different algorithms (say, a different size threshold) fail with a clear error instead of
 //! exchanging garbage.
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use dist_backend::{Error, Result};
@@ -38,9 +39,12 @@ pub(crate) struct Op<'a> {
     pub(crate) ctx: StepCtx,
     /// Element count announced in every frame (agreed by all ranks).
     pub(crate) count: u64,
+    /// The argument agreement's frames still to send or read, carried by the steps the
+    /// algorithm runs (see [`agree::fused_step`]); `None` when the op needs none.
+    pub(crate) agree: RefCell<Option<agree::Pending>>,
 }
 
-impl Op<'_> {
+impl<'a> Op<'a> {
     pub(crate) fn rank(&self) -> usize {
         self.t.rank()
     }
@@ -53,20 +57,46 @@ impl Op<'_> {
         self.ctx.dtype
     }
 
-    /// One step with no frame callback.
-    pub(crate) fn step(&self, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>]) -> Result<()> {
-        self.t
-            .exchange(&self.ctx, sends, recvs, &mut |_, _, _| Ok(()))
+    /// An operation whose frames carry `count`, with no agreement pending.
+    pub(crate) fn new(t: &'a dyn Transport, ctx: StepCtx, count: u64) -> Self {
+        Op {
+            t,
+            ctx,
+            count,
+            agree: RefCell::new(None),
+        }
     }
 
-    /// One step with a frame callback.
+    /// One step with no frame callback.
+    pub(crate) fn step(&self, sends: &[Outgoing<'_>], recvs: &mut [Incoming<'_>]) -> Result<()> {
+        self.step_with(sends, recvs, &mut |_, _, _| Ok(()))
+    }
+
+    /// One step with a frame callback. While an agreement is pending the step also carries
+    /// its frames, each ahead of the step's own on its connection (see [`agree::fused_step`]).
     pub(crate) fn step_with(
         &self,
         sends: &[Outgoing<'_>],
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
     ) -> Result<()> {
+        if let Some(p) = self.agree.borrow_mut().as_mut()
+            && !p.done()
+        {
+            return agree::fused_step(self, p, sends, recvs, on_frame, false);
+        }
         self.t.exchange(&self.ctx, sends, recvs, on_frame)
+    }
+
+    /// Reads (and sends, if no step did) what is left of a pending agreement, once the
+    /// algorithm's own steps are done.
+    pub(crate) fn finish_agreement(&self) -> Result<()> {
+        if let Some(p) = self.agree.borrow_mut().as_mut()
+            && !p.done()
+        {
+            return agree::fused_step(self, p, &[], &mut [], &mut |_, _, _| Ok(()), true);
+        }
+        Ok(())
     }
 
     pub(crate) fn send<'b>(&self, peer: usize, data: &'b [u8], tag: u32) -> Outgoing<'b> {

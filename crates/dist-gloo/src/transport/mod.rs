@@ -41,6 +41,9 @@ pub struct StepCtx {
     pub root: u32,
     /// [`dist_wire::splits_fingerprint`] of the per-rank split sizes, 0 when none.
     pub splits: u32,
+    /// [`dist_wire::ReduceOp::param_fingerprint`] of the reduce op (`PremulSum`'s scale), 0
+    /// when none.
+    pub reduce_arg: u32,
     /// The step exchanges the operation's arguments as values (see `algo::agree`), so that
     /// every rank, not only the pair whose frames disagree, can report a disagreement: the
     /// receiver checks only op, sequence number and step of its frames.
@@ -71,6 +74,7 @@ impl StepCtx {
             reduce: 0,
             root: NO_ROOT,
             splits: 0,
+            reduce_arg: 0,
             args_in_payload: false,
             started,
             deadline: dist_backend::deadline_after(started, timeout),
@@ -93,6 +97,7 @@ impl StepCtx {
             payload_len: payload_len as u64,
             flags: 0,
             splits: self.splits,
+            reduce_arg: self.reduce_arg,
         }
     }
 
@@ -242,7 +247,8 @@ pub(crate) fn judge(
             && h.count == want_count
             && h.reduce == ctx.reduce
             && h.root == ctx.root
-            && h.splits == ctx.splits);
+            && h.splits == ctx.splits
+            && h.reduce_arg == ctx.reduce_arg);
     if h.op != ctx.op || h.seq != ctx.seq || !same_args {
         return Err(Error::Mismatch {
             ours: ctx.desc(want_count),
@@ -289,6 +295,18 @@ pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> 
             peer,
             "it aborted the group after losing its connection to this rank",
         ),
+        // The peer timed out waiting for `culprit`: so does this operation, for the same rank.
+        CloseReason::Stalled { culprit } if culprit as usize != ctx.rank => Error::Timeout {
+            rank: ctx.rank,
+            op: ctx.op,
+            seq: ctx.seq,
+            waited: ctx.started.elapsed(),
+            missing_peers: vec![culprit as usize],
+        },
+        CloseReason::Stalled { .. } => ctx.peer_lost(
+            peer,
+            "it timed out waiting for this rank and aborted the group",
+        ),
         CloseReason::Mismatch { found, met, .. } => Error::MismatchReported {
             rank: ctx.rank,
             op: ctx.op,
@@ -305,10 +323,19 @@ pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> 
 }
 
 /// What this rank tells its peers when a step fails with `e`: whom to blame and why. `None`
-/// for failures that say nothing about another rank (a timeout names who was slow, not who
-/// failed; a caller's mistake is local).
+/// for failures that say nothing about another rank (a caller's mistake is local).
 pub(crate) fn abort_reason(e: &Error) -> Option<CloseReason> {
     match e {
+        // The rank it waited for, so that ranks waiting on this one (which now stops) name
+        // the stalled rank rather than this one; passed on like the other causes.
+        Error::Timeout {
+            rank,
+            missing_peers,
+            ..
+        } => missing_peers
+            .iter()
+            .find(|&&p| p != *rank)
+            .map(|&p| CloseReason::Stalled { culprit: p as u32 }),
         Error::PeerLost { peer, .. } => Some(CloseReason::Lost {
             culprit: *peer as u32,
         }),
@@ -343,6 +370,7 @@ fn desc_header(d: &OpDesc) -> FrameHeader {
         payload_len: 0,
         flags: 0,
         splits: d.splits,
+        reduce_arg: d.reduce_arg,
     }
 }
 

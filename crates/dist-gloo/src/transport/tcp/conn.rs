@@ -406,6 +406,7 @@ mod tests {
             payload_len: 16,
             flags: 0,
             splits: 0,
+            reduce_arg: 0,
         }
     }
 

@@ -143,6 +143,9 @@ impl Engine {
         } else {
             e
         };
+        let e = self
+            .stalled_on(ctx, &e, sends, recvs, &tx, &rx)
+            .unwrap_or(e);
         if let Some(reason) = abort_reason(&e) {
             self.notify_abort(ctx.rank, &reason, seg, sends, &tx);
         }
@@ -176,6 +179,48 @@ impl Engine {
             }
         }
         None
+    }
+
+    /// After a peer's notice that it timed out waiting for this rank (or this rank's own
+    /// timeout once such a notice came): a timeout naming the ranks this step is itself still
+    /// waiting for, the peers that gave up on it aside. Reported and passed on, it moves the
+    /// blame down the chain of waits towards the stalled rank instead of back up it.
+    fn stalled_on(
+        &self,
+        ctx: &StepCtx,
+        e: &Error,
+        sends: &[Outgoing<'_>],
+        recvs: &[Incoming<'_>],
+        tx: &[SendState],
+        rx: &[RecvState],
+    ) -> Option<Error> {
+        let me = CloseReason::Stalled {
+            culprit: ctx.rank as u32,
+        };
+        let gave_up = |p: usize| matches!(self.conns.get(p), Some(Some(c)) if c.state == PeerState::Aborted(me));
+        let applies = match e {
+            Error::PeerLost { peer, .. } => gave_up(*peer),
+            Error::Timeout { .. } => (0..self.conns.len()).any(gave_up),
+            _ => false,
+        };
+        if !applies {
+            return None;
+        }
+        let missing: Vec<usize> = recvs
+            .iter()
+            .zip(rx)
+            .filter(|(_, s)| !s.done)
+            .map(|(r, _)| r.peer)
+            .chain(
+                sends
+                    .iter()
+                    .zip(tx)
+                    .filter(|(_, s)| !s.done)
+                    .map(|(s, _)| s.peer),
+            )
+            .filter(|&p| !gave_up(p))
+            .collect();
+        (!missing.is_empty()).then(|| ctx.timeout(missing))
     }
 
     #[allow(
