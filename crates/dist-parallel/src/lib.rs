@@ -33,11 +33,16 @@
 //! ```
 
 #![forbid(unsafe_code)]
+pub mod checkpoint;
 mod ddp;
 mod error;
+mod fsdp;
+pub mod optim;
 pub mod pipeline;
 
 pub use ddp::bucket::{BucketLayout, BucketSpec};
 pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};
 pub use ddp::{Ddp, DdpOptions, ParamInfo, StepStats};
 pub use error::{Error, Result};
+pub use fsdp::precision::{ComputeElement, ReduceDtype};
+pub use fsdp::{Fsdp, FsdpMemory, FsdpOptions, FsdpStepStats, ShardMut};
