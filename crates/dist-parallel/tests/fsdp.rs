@@ -51,7 +51,10 @@ fn train_fsdp<C: ComputeElement>(world: usize, opts: FsdpOptions) -> Vec<Vec<Vec
 fn f32_matches_one_process_and_ddp_at_1_2_3_4_ranks() {
     let reference = mlp::train_single(&DIMS, SEED, STEPS, opt());
     let start = mlp::init(&DIMS, SEED);
-    assert!(mlp::max_diff(&reference, &start) > 1e-2, "training must move the parameters");
+    assert!(
+        mlp::max_diff(&reference, &start) > 1e-2,
+        "training must move the parameters"
+    );
     for world in [1, 2, 3, 4] {
         if BATCH % world != 0 {
             continue;
@@ -59,7 +62,10 @@ fn f32_matches_one_process_and_ddp_at_1_2_3_4_ranks() {
         let models = train_fsdp::<f32>(world, FsdpOptions::default());
         for (r, m) in models.iter().enumerate() {
             let d = mlp::max_diff(m, &reference);
-            assert!(d <= 1e-5, "world {world} rank {r}: max |FSDP - one process| = {d}");
+            assert!(
+                d <= 1e-5,
+                "world {world} rank {r}: max |FSDP - one process| = {d}"
+            );
         }
         let ddp = run_world(world, |pg| {
             let mut p = mlp::init(&DIMS, SEED);
@@ -116,7 +122,12 @@ fn three_ranks_shard_unevenly_and_still_match() {
     })
     .unwrap();
     assert!(out[1].is_none() && out[2].is_none(), "rank0_only");
-    let full: Vec<Vec<f32>> = out[0].clone().unwrap().into_iter().map(|(_, v)| v).collect();
+    let full: Vec<Vec<f32>> = out[0]
+        .clone()
+        .unwrap()
+        .into_iter()
+        .map(|(_, v)| v)
+        .collect();
     let d = mlp::max_diff(&full, &single);
     assert!(d <= 1e-5, "max diff {d}");
 }
@@ -168,7 +179,10 @@ fn keeping_parameters_after_forward_gathers_once_per_unit() {
                 mlp::fsdp_opt_step(&mut fsdp, opt(), &mut st);
             }
             let full = fsdp.full_state_dict(false).unwrap().unwrap();
-            Ok((gathers, full.into_iter().map(|(_, v)| v).collect::<Vec<_>>()))
+            Ok((
+                gathers,
+                full.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
+            ))
         })
         .unwrap();
         // Resharding gathers every unit twice (forward and backward); keeping them, once.
@@ -185,9 +199,15 @@ fn hybrid_sharding_on_a_2x2_mesh_matches_one_process() {
         let mesh = DeviceMesh::new(&pg, &[("replicate", 2), ("shard", 2)])?;
         let init = mlp::init(&DIMS, SEED);
         let values: Vec<&[f32]> = init.iter().map(Vec::as_slice).collect();
-        let mut fsdp: Fsdp =
-            Fsdp::new_hybrid(&mesh, "replicate", "shard", mlp::units(&DIMS), FsdpOptions::default(), &values)
-                .unwrap();
+        let mut fsdp: Fsdp = Fsdp::new_hybrid(
+            &mesh,
+            "replicate",
+            "shard",
+            mlp::units(&DIMS),
+            FsdpOptions::default(),
+            &values,
+        )
+        .unwrap();
         assert_eq!(fsdp.coordinate(), mesh.coordinate());
         let mut st = Vec::new();
         for s in 0..STEPS {
@@ -210,9 +230,16 @@ fn hybrid_sharding_on_a_2x2_mesh_matches_one_process() {
         let mesh = DeviceMesh::new(&pg, &[("a", 2), ("b", 2)])?;
         let init = mlp::init(&DIMS, SEED);
         let values: Vec<&[f32]> = init.iter().map(Vec::as_slice).collect();
-        Ok(Fsdp::<f32>::new_hybrid(&mesh, "a", "nope", mlp::units(&DIMS), FsdpOptions::default(), &values)
-            .unwrap_err()
-            .to_string())
+        Ok(Fsdp::<f32>::new_hybrid(
+            &mesh,
+            "a",
+            "nope",
+            mlp::units(&DIMS),
+            FsdpOptions::default(),
+            &values,
+        )
+        .unwrap_err()
+        .to_string())
     })
     .unwrap();
     assert!(e[0].contains("\"nope\""), "{}", e[0]);
@@ -257,16 +284,31 @@ fn no_sync_accumulates_and_clipping_uses_the_global_norm() {
         Ok((grads, got_norm, after))
     })
     .unwrap();
-    let names: Vec<String> = mlp::units(&DIMS).concat().into_iter().map(|p| p.name).collect();
+    let names: Vec<String> = mlp::units(&DIMS)
+        .concat()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
     for (grads, got_norm, after) in &out {
-        assert!((got_norm - norm).abs() <= 1e-5 * norm, "{got_norm} vs {norm}");
-        assert!((after - norm / 2.0).abs() <= 1e-4 * norm, "{after} vs {}", norm / 2.0);
+        assert!(
+            (got_norm - norm).abs() <= 1e-5 * norm,
+            "{got_norm} vs {norm}"
+        );
+        assert!(
+            (after - norm / 2.0).abs() <= 1e-4 * norm,
+            "{after} vs {}",
+            norm / 2.0
+        );
         for (name, off, g) in grads {
             let i = names.iter().position(|n| n == name).unwrap();
             let cols = if i % 2 == 0 { DIMS[i / 2] } else { 1 };
             let start = off[0] * cols;
             for (k, v) in g.iter().enumerate() {
-                assert!((v - want[i][start + k]).abs() <= 1e-5, "{name}[{}]", start + k);
+                assert!(
+                    (v - want[i][start + k]).abs() <= 1e-5,
+                    "{name}[{}]",
+                    start + k
+                );
             }
         }
     }
@@ -278,14 +320,19 @@ fn memory_is_a_shard_of_ddps_plus_the_units_in_flight() {
     let dims = [64, 256, 256, 256, 256, 8];
     let units = mlp::units(&dims);
     let total: usize = units.iter().flatten().map(ParamInfo::numel).sum();
-    let largest_unit = units.iter().map(|u| u.iter().map(ParamInfo::numel).sum::<usize>()).max().unwrap();
+    let largest_unit = units
+        .iter()
+        .map(|u| u.iter().map(ParamInfo::numel).sum::<usize>())
+        .max()
+        .unwrap();
     // DDP: parameters, gradients and two AdamW moments, whole, in f32.
     let ddp_bytes = 4 * total * 4;
     for world in [2, 4] {
         let out = run_world(world, |pg| {
             let init = mlp::init(&dims, SEED);
             let values: Vec<&[f32]> = init.iter().map(Vec::as_slice).collect();
-            let mut fsdp: Fsdp = Fsdp::new(pg.clone(), units.clone(), FsdpOptions::default(), &values).unwrap();
+            let mut fsdp: Fsdp =
+                Fsdp::new(pg.clone(), units.clone(), FsdpOptions::default(), &values).unwrap();
             let (x, t) = mlp::batch(&dims, 0, BATCH);
             let x = mlp::rows(&x, dims[0], pg.rank(), world);
             let t = mlp::rows(&t, dims[5], pg.rank(), world);
@@ -303,15 +350,23 @@ fn memory_is_a_shard_of_ddps_plus_the_units_in_flight() {
             let sharded = m.param_shards + m.grad_shards + moments;
             let ideal = ddp_bytes / world;
             // Padding of each parameter to the largest rank's piece: under 1% here.
-            assert!(sharded >= ideal * 99 / 100 && sharded <= ideal * 101 / 100,
-                "world {world} rank {r}: sharded state {sharded} B vs DDP/N {ideal} B");
+            assert!(
+                sharded >= ideal * 99 / 100 && sharded <= ideal * 101 / 100,
+                "world {world} rank {r}: sharded state {sharded} B vs DDP/N {ideal} B"
+            );
             // In flight: at most prefetch + 1 = 2 units gathered (padded buffer while the
             // copy-out runs) and 2 reduce-scatter inputs.
             let bound = 2 * (largest_unit + 1024) * (world + 2) * 4 + 2 * (largest_unit + 1024) * 4;
-            assert!(m.peak_in_flight > 0 && m.peak_in_flight <= bound,
-                "world {world} rank {r}: peak in flight {} B, bound {bound} B", m.peak_in_flight);
+            assert!(
+                m.peak_in_flight > 0 && m.peak_in_flight <= bound,
+                "world {world} rank {r}: peak in flight {} B, bound {bound} B",
+                m.peak_in_flight
+            );
             assert_eq!(m.in_flight, 0, "everything is freed after the step");
-            eprintln!("world {world} rank {r}: FSDP state {sharded} B + peak in flight {} B; DDP {ddp_bytes} B", m.peak_in_flight);
+            eprintln!(
+                "world {world} rank {r}: FSDP state {sharded} B + peak in flight {} B; DDP {ddp_bytes} B",
+                m.peak_in_flight
+            );
         }
     }
 }
@@ -319,15 +374,29 @@ fn memory_is_a_shard_of_ddps_plus_the_units_in_flight() {
 #[test]
 fn bad_input_is_an_error_naming_the_parameter_or_unit() {
     let out = run_world(2, |pg| {
-        let units = vec![vec![ParamInfo::new("a.weight", &[3, 2])], vec![ParamInfo::new("b.scale", &[])]];
-        let e1 = Fsdp::<f32>::new(pg.clone(), units, FsdpOptions::default(), &[&[0.0; 6], &[1.0]])
-            .unwrap_err()
-            .to_string();
+        let units = vec![
+            vec![ParamInfo::new("a.weight", &[3, 2])],
+            vec![ParamInfo::new("b.scale", &[])],
+        ];
+        let e1 = Fsdp::<f32>::new(
+            pg.clone(),
+            units,
+            FsdpOptions::default(),
+            &[&[0.0; 6], &[1.0]],
+        )
+        .unwrap_err()
+        .to_string();
         let units = vec![vec![ParamInfo::new("a.weight", &[3, 2])]];
-        let e2 = Fsdp::<f32>::new(pg.clone(), units.clone(), FsdpOptions::default(), &[&[0.0; 5]])
-            .unwrap_err()
-            .to_string();
-        let mut f = Fsdp::<f32>::new(pg.clone(), units, FsdpOptions::default(), &[&[0.0; 6]]).unwrap();
+        let e2 = Fsdp::<f32>::new(
+            pg.clone(),
+            units.clone(),
+            FsdpOptions::default(),
+            &[&[0.0; 5]],
+        )
+        .unwrap_err()
+        .to_string();
+        let mut f =
+            Fsdp::<f32>::new(pg.clone(), units, FsdpOptions::default(), &[&[0.0; 6]]).unwrap();
         let e3 = f.pre_forward(1).unwrap_err().to_string();
         f.pre_backward(0).unwrap();
         let e4 = f.post_backward(0, &[0.0; 4]).unwrap_err();
@@ -339,9 +408,18 @@ fn bad_input_is_an_error_naming_the_parameter_or_unit() {
     })
     .unwrap();
     let (e1, e2, e3, e4, e5) = &out[1];
-    assert!(e1.contains("rank 1") && e1.contains("b.scale") && e1.contains("0-D"), "{e1}");
-    assert!(e2.contains("a.weight") && e2.contains("[3, 2]") && e2.contains('5'), "{e2}");
+    assert!(
+        e1.contains("rank 1") && e1.contains("b.scale") && e1.contains("0-D"),
+        "{e1}"
+    );
+    assert!(
+        e2.contains("a.weight") && e2.contains("[3, 2]") && e2.contains('5'),
+        "{e2}"
+    );
     assert!(e3.contains("unit 1") && e3.contains("1 units"), "{e3}");
-    assert!(e4.contains("unit 0") && e4.contains("a.weight") && e4.contains("4 gradient"), "{e4}");
+    assert!(
+        e4.contains("unit 0") && e4.contains("a.weight") && e4.contains("4 gradient"),
+        "{e4}"
+    );
     assert!(e5.contains("max_norm"), "{e5}");
 }

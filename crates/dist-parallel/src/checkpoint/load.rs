@@ -46,7 +46,10 @@ fn read_index(dir: &Path, rank: usize) -> Result<Index> {
             rank,
             op: "load",
             tensor: String::new(),
-            reason: format!("index version {} (this build reads {VERSION})", index.version),
+            reason: format!(
+                "index version {} (this build reads {VERSION})",
+                index.version
+            ),
         });
     }
     Ok(index)
@@ -103,7 +106,10 @@ fn load_one(
         }
         let file = files.get_mut(&piece.file).expect("inserted above");
         let stored = file.tensors.get(&t.name).ok_or_else(|| {
-            bad(format!("{} holds no tensor of this name, though the index says it does", piece.file))
+            bad(format!(
+                "{} holds no tensor of this name, though the index says it does",
+                piece.file
+            ))
         })?;
         if stored.dtype != entry.dtype || stored.shape != piece.chunk.shape {
             return Err(bad(format!(
@@ -113,7 +119,10 @@ fn load_one(
         }
         let (start, end) = (stored.data_offsets[0], stored.data_offsets[1]);
         if end - start != piece.chunk.numel() * elem {
-            return Err(bad(format!("{}: data offsets {start}..{end} do not fit its shape", piece.file)));
+            return Err(bad(format!(
+                "{}: data offsets {start}..{end} do not fit its shape",
+                piece.file
+            )));
         }
         // The byte span of the stored piece that the overlap touches: exact for dim-0 slices.
         let first = row_major_offset(&piece.chunk, &overlap.offsets);
@@ -124,7 +133,12 @@ fn load_one(
             .map(|(o, s)| o + s - 1)
             .collect();
         let last = row_major_offset(&piece.chunk, &last_corner);
-        let span = file.read(start + first * elem, (last + 1 - first) * elem, rank, &t.name)?;
+        let span = file.read(
+            start + first * elem,
+            (last + 1 - first) * elem,
+            rank,
+            &t.name,
+        )?;
         copy_box(&overlap, &piece.chunk, first, &span, &mine, t.data, elem);
         covered += overlap.numel();
     }
@@ -214,7 +228,10 @@ impl ShardFile {
                 rank,
                 op: "load",
                 tensor: tensor.to_string(),
-                reason: format!("{} is not a safetensors file (header of {n} bytes)", path.display()),
+                reason: format!(
+                    "{} is not a safetensors file (header of {n} bytes)",
+                    path.display()
+                ),
             });
         }
         let mut header = vec![0u8; n as usize];

@@ -117,8 +117,9 @@ impl SaveHandle {
         } else {
             Ok(())
         };
-        let committed: std::result::Result<(), String> =
-            self.pg.broadcast_object((rank == 0).then_some(&committed), 0)?;
+        let committed: std::result::Result<(), String> = self
+            .pg
+            .broadcast_object((rank == 0).then_some(&committed), 0)?;
         committed.map_err(|reason| Error::Checkpoint {
             rank,
             op: "save",
@@ -148,10 +149,21 @@ fn plan(rank: usize, tensors: &[LocalTensor]) -> Result<Vec<Written>> {
             return Err(bad(t, "appears twice among this rank's tensors".into()));
         }
         if st_dtype(t.dtype).is_none() {
-            return Err(bad(t, format!("dtype {:?} has no safetensors name", t.dtype)));
+            return Err(bad(
+                t,
+                format!("dtype {:?} has no safetensors name", t.dtype),
+            ));
         }
-        if let Some(p) = t.layout.placements().iter().find(|p| matches!(p, Placement::Partial(_))) {
-            return Err(bad(t, format!("placement {p} holds partial values; reduce it before saving")));
+        if let Some(p) = t
+            .layout
+            .placements()
+            .iter()
+            .find(|p| matches!(p, Placement::Partial(_)))
+        {
+            return Err(bad(
+                t,
+                format!("placement {p} holds partial values; reduce it before saving"),
+            ));
         }
         let chunk = chunk_of(rank, "save", &t.name, &t.layout, &t.coord)?;
         let want = chunk.numel() * t.dtype.size();
@@ -260,11 +272,13 @@ fn commit(
     };
     let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
     for w in written {
-        let e = tensors.entry(w.name.clone()).or_insert_with(|| TensorEntry {
-            dtype: w.dtype.clone(),
-            global_shape: w.global_shape.clone(),
-            chunks: Vec::new(),
-        });
+        let e = tensors
+            .entry(w.name.clone())
+            .or_insert_with(|| TensorEntry {
+                dtype: w.dtype.clone(),
+                global_shape: w.global_shape.clone(),
+                chunks: Vec::new(),
+            });
         if e.dtype != w.dtype || e.global_shape != w.global_shape {
             return Err(bad(
                 &w.name,
@@ -288,7 +302,10 @@ fn commit(
         if let Some((a, b)) = overlap {
             return Err(bad(
                 name,
-                format!("pieces overlap: {:?} in {} and {:?} in {}", a.chunk, a.file, b.chunk, b.file),
+                format!(
+                    "pieces overlap: {:?} in {} and {:?} in {}",
+                    a.chunk, a.file, b.chunk, b.file
+                ),
             ));
         }
         if covered != total {
@@ -319,7 +336,9 @@ fn commit(
     let dst = dir.join(INDEX_FILE);
     fs::rename(&tmp, &dst).map_err(|e| io(&dst, e))?;
     // The rename is durable once the directory is synced.
-    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io(dir, e))?;
     remove_stale(dir, save_id);
     Ok(())
 }

@@ -266,7 +266,10 @@ impl<C: ComputeElement> Fsdp<C> {
         let mut at = 0;
         for (u, params) in units.into_iter().enumerate() {
             if params.is_empty() {
-                return Err(bad(&format!("unit {u}"), "a unit needs at least one parameter".into()));
+                return Err(bad(
+                    &format!("unit {u}"),
+                    "a unit needs at least one parameter".into(),
+                ));
             }
             let mut pl = Vec::with_capacity(params.len());
             for (p, v) in params.iter().zip(&values[at..]) {
@@ -280,7 +283,12 @@ impl<C: ComputeElement> Fsdp<C> {
                 if v.len() != p.numel() {
                     return Err(bad(
                         &p.name,
-                        format!("shape {:?} has {} elements but its values have {}", p.shape, p.numel(), v.len()),
+                        format!(
+                            "shape {:?} has {} elements but its values have {}",
+                            p.shape,
+                            p.numel(),
+                            v.len()
+                        ),
                     ));
                 }
                 pl.push(ShardLayout::new(&p.shape, mesh_shape, &placements)?);
@@ -502,7 +510,9 @@ impl<C: ComputeElement> Fsdp<C> {
         if !self.sync {
             let acc = self.no_sync_acc[u].get_or_insert_with(|| vec![0.0; grads.len()]);
             if acc.len() == grads.len() {
-                acc.iter_mut().zip(grads).for_each(|(a, g)| *a += g.to_f32());
+                acc.iter_mut()
+                    .zip(grads)
+                    .for_each(|(a, g)| *a += g.to_f32());
             }
             self.mem.accumulated = self.no_sync_acc.iter().flatten().map(|a| a.len() * 4).sum();
             return Ok(());
@@ -515,20 +525,27 @@ impl<C: ComputeElement> Fsdp<C> {
         self.mem.accumulated = self.no_sync_acc.iter().flatten().map(|a| a.len() * 4).sum();
         let l = &self.units[u];
         let work = match (self.opts.reduce_dtype, acc) {
-            (ReduceDtype::Compute, None) => {
-                GradWork::Compute(self.shard_pg.reduce_scatter_async(l.pack(grads), ReduceOp::Avg)?)
-            }
+            (ReduceDtype::Compute, None) => GradWork::Compute(
+                self.shard_pg
+                    .reduce_scatter_async(l.pack(grads), ReduceOp::Avg)?,
+            ),
             (ReduceDtype::Compute, Some(mut a)) => {
                 a.iter_mut().zip(grads).for_each(|(a, g)| *a += g.to_f32());
                 let g: Vec<C> = convert(&a);
-                GradWork::Compute(self.shard_pg.reduce_scatter_async(l.pack(&g), ReduceOp::Avg)?)
+                GradWork::Compute(
+                    self.shard_pg
+                        .reduce_scatter_async(l.pack(&g), ReduceOp::Avg)?,
+                )
             }
             (ReduceDtype::F32, acc) => {
                 let mut g: Vec<f32> = convert(grads);
                 if let Some(a) = acc {
                     g.iter_mut().zip(a).for_each(|(g, a)| *g += a);
                 }
-                GradWork::F32(self.shard_pg.reduce_scatter_async(l.pack(&g), ReduceOp::Avg)?)
+                GradWork::F32(
+                    self.shard_pg
+                        .reduce_scatter_async(l.pack(&g), ReduceOp::Avg)?,
+                )
             }
         };
         let bytes = self.units[u].seg_len * self.shard_pg.world_size() * self.reduce_size();
@@ -603,7 +620,12 @@ impl<C: ComputeElement> Fsdp<C> {
             }
         }
         let seqs = std::mem::take(&mut self.seqs);
-        let pick = |d: Dim| seqs.iter().filter(|s| s.0 == d).map(|s| s.1).collect::<Vec<_>>();
+        let pick = |d: Dim| {
+            seqs.iter()
+                .filter(|s| s.0 == d)
+                .map(|s| s.1)
+                .collect::<Vec<_>>()
+        };
         self.stats.comm = busy_time(&self.shard_pg, &pick(Dim::Shard))
             + self
                 .replicate_pg

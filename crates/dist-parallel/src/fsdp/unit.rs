@@ -166,7 +166,11 @@ mod tests {
                 let u = unit(world, rank);
                 for i in 0..3 {
                     let c = u.local_chunk(i, &[rank]);
-                    assert_eq!(u.local_range(i).len(), c.numel(), "world {world} rank {rank}");
+                    assert_eq!(
+                        u.local_range(i).len(),
+                        c.numel(),
+                        "world {world} rank {rank}"
+                    );
                 }
             }
         }

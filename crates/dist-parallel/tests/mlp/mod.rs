@@ -47,7 +47,11 @@ pub(crate) fn init(dims: &[usize], seed: u64) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
     for k in 0..dims.len() - 1 {
         let scale = 1.0 / (dims[k] as f32).sqrt();
-        out.push((0..dims[k] * dims[k + 1]).map(|_| rng.next() * scale).collect());
+        out.push(
+            (0..dims[k] * dims[k + 1])
+                .map(|_| rng.next() * scale)
+                .collect(),
+        );
         out.push((0..dims[k + 1]).map(|_| rng.next() * 0.1).collect());
     }
     out
@@ -57,7 +61,9 @@ pub(crate) fn init(dims: &[usize], seed: u64) -> Vec<Vec<f32>> {
 pub(crate) fn batch(dims: &[usize], s: usize, batch: usize) -> (Vec<f32>, Vec<f32>) {
     let mut rng = Rng::new(1000 + s as u64);
     let x = (0..batch * dims[0]).map(|_| rng.next()).collect();
-    let t = (0..batch * dims[dims.len() - 1]).map(|_| rng.next()).collect();
+    let t = (0..batch * dims[dims.len() - 1])
+        .map(|_| rng.next())
+        .collect();
     (x, t)
 }
 
@@ -68,7 +74,14 @@ pub(crate) fn rows(m: &[f32], width: usize, part: usize, parts: usize) -> Vec<f3
 }
 
 /// `tanh(h W^T + b)` (or without tanh), `h` is `[batch, din]`.
-pub(crate) fn forward(w: &[f32], b: &[f32], h: &[f32], din: usize, dout: usize, act: bool) -> Vec<f32> {
+pub(crate) fn forward(
+    w: &[f32],
+    b: &[f32],
+    h: &[f32],
+    din: usize,
+    dout: usize,
+    act: bool,
+) -> Vec<f32> {
     let batch = h.len() / din;
     let mut out = vec![0.0; batch * dout];
     for i in 0..batch {
@@ -119,7 +132,11 @@ pub(crate) fn backward(
 /// global one (so the ranks' average is the global mean's gradient).
 pub(crate) fn loss(y: &[f32], t: &[f32], local_batch: usize) -> (f32, Vec<f32>) {
     let l = 0.5 * y.iter().zip(t).map(|(a, b)| (a - b) * (a - b)).sum::<f32>() / local_batch as f32;
-    let g = y.iter().zip(t).map(|(a, b)| (a - b) / local_batch as f32).collect();
+    let g = y
+        .iter()
+        .zip(t)
+        .map(|(a, b)| (a - b) / local_batch as f32)
+        .collect();
     (l, g)
 }
 
@@ -128,13 +145,28 @@ pub(crate) fn grads(dims: &[usize], p: &[Vec<f32>], x: &[f32], t: &[f32]) -> (f3
     let n = dims.len() - 1;
     let mut acts = vec![x.to_vec()];
     for k in 0..n {
-        let a = forward(&p[2 * k], &p[2 * k + 1], &acts[k], dims[k], dims[k + 1], k + 1 < n);
+        let a = forward(
+            &p[2 * k],
+            &p[2 * k + 1],
+            &acts[k],
+            dims[k],
+            dims[k + 1],
+            k + 1 < n,
+        );
         acts.push(a);
     }
     let (l, mut da) = loss(&acts[n], t, x.len() / dims[0]);
     let mut g = vec![Vec::new(); 2 * n];
     for k in (0..n).rev() {
-        let (dw, db, dh) = backward(&p[2 * k], &acts[k], &acts[k + 1], &da, dims[k], dims[k + 1], k + 1 < n);
+        let (dw, db, dh) = backward(
+            &p[2 * k],
+            &acts[k],
+            &acts[k + 1],
+            &da,
+            dims[k],
+            dims[k + 1],
+            k + 1 < n,
+        );
         g[2 * k] = dw;
         g[2 * k + 1] = db;
         da = dh;
@@ -166,11 +198,22 @@ pub(crate) fn fsdp_forward_backward<C: ComputeElement>(
     let n = dims.len() - 1;
     let unit = |fsdp: &mut Fsdp<C>, u: usize, fwd: bool| -> (Vec<f32>, Vec<f32>) {
         let full: Vec<f32> = if fwd {
-            fsdp.pre_forward(u).unwrap().iter().map(|v| v.to_f32()).collect()
+            fsdp.pre_forward(u)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_f32())
+                .collect()
         } else {
-            fsdp.pre_backward(u).unwrap().iter().map(|v| v.to_f32()).collect()
+            fsdp.pre_backward(u)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_f32())
+                .collect()
         };
-        (full[fsdp.param_range(u, 0)].to_vec(), full[fsdp.param_range(u, 1)].to_vec())
+        (
+            full[fsdp.param_range(u, 0)].to_vec(),
+            full[fsdp.param_range(u, 1)].to_vec(),
+        )
     };
     let mut acts = vec![x.to_vec()];
     for k in 0..n {
@@ -181,7 +224,15 @@ pub(crate) fn fsdp_forward_backward<C: ComputeElement>(
     let (l, mut da) = loss(&acts[n], t, x.len() / dims[0]);
     for k in (0..n).rev() {
         let (w, _) = unit(fsdp, k, false);
-        let (dw, db, dh) = backward(&w, &acts[k], &acts[k + 1], &da, dims[k], dims[k + 1], k + 1 < n);
+        let (dw, db, dh) = backward(
+            &w,
+            &acts[k],
+            &acts[k + 1],
+            &da,
+            dims[k],
+            dims[k + 1],
+            k + 1 < n,
+        );
         let g: Vec<C> = dw.iter().chain(&db).map(|&v| C::from_f32(v)).collect();
         fsdp.post_backward(k, &g).unwrap();
         da = dh;
@@ -190,7 +241,11 @@ pub(crate) fn fsdp_forward_backward<C: ComputeElement>(
 }
 
 /// AdamW on every local shard; `st` is created on first use.
-pub(crate) fn fsdp_opt_step<C: ComputeElement>(fsdp: &mut Fsdp<C>, opt: AdamW, st: &mut Vec<AdamWState>) {
+pub(crate) fn fsdp_opt_step<C: ComputeElement>(
+    fsdp: &mut Fsdp<C>,
+    opt: AdamW,
+    st: &mut Vec<AdamWState>,
+) {
     let shards = fsdp.shards_mut();
     if st.is_empty() {
         st.extend(shards.iter().map(|s| AdamWState::new(s.param.len())));
@@ -202,7 +257,15 @@ pub(crate) fn fsdp_opt_step<C: ComputeElement>(fsdp: &mut Fsdp<C>, opt: AdamW, s
 }
 
 /// One DDP step (forward, backward with gradients marked last layer first, AdamW).
-pub(crate) fn ddp_step(ddp: &mut Ddp, dims: &[usize], p: &mut [Vec<f32>], st: &mut [AdamWState], x: &[f32], t: &[f32], opt: AdamW) {
+pub(crate) fn ddp_step(
+    ddp: &mut Ddp,
+    dims: &[usize],
+    p: &mut [Vec<f32>],
+    st: &mut [AdamWState],
+    x: &[f32],
+    t: &[f32],
+    opt: AdamW,
+) {
     let (_, mut g) = grads(dims, p, x, t);
     for i in (0..g.len()).rev() {
         ddp.mark_ready(i, &g[i]).unwrap();
