@@ -150,6 +150,20 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A candle operation of the FSDP adapter failed.
+    #[cfg(feature = "candle")]
+    #[error("rank {rank}: FSDP {op}: {tensor}: candle: {source}")]
+    Candle {
+        /// This rank.
+        rank: usize,
+        /// The adapter call.
+        op: &'static str,
+        /// The parameter or unit concerned.
+        tensor: String,
+        /// Candle's error.
+        #[source]
+        source: candle_core::Error,
+    },
     /// The safetensors crate refused to write a shard file.
     #[error("rank {rank}: checkpoint save: {path}: {source}")]
     Safetensors {

@@ -44,5 +44,7 @@ pub use ddp::bucket::{BucketLayout, BucketSpec};
 pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};
 pub use ddp::{Ddp, DdpOptions, ParamInfo, StepStats};
 pub use error::{Error, Result};
+#[cfg(feature = "candle")]
+pub use fsdp::CandleFsdp;
 pub use fsdp::precision::{ComputeElement, ReduceDtype};
 pub use fsdp::{Fsdp, FsdpMemory, FsdpOptions, FsdpStepStats, ShardMut};

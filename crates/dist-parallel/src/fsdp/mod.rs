@@ -25,6 +25,8 @@
 //! goes on; at most `prefetch + 1` units are gathered and `prefetch + 1` reduce-scatters in
 //! flight, so memory stays bounded.
 
+#[cfg(feature = "candle")]
+mod candle;
 mod comm;
 pub(crate) mod precision;
 pub(crate) mod unit;
@@ -41,6 +43,9 @@ use crate::{Error, ParamInfo, Result};
 use comm::{Dim, GradWork, busy_time};
 use precision::{ComputeElement, ReduceDtype, convert};
 use unit::UnitLayout;
+
+#[cfg(feature = "candle")]
+pub use candle::CandleFsdp;
 
 /// FSDP settings; the defaults are torch's.
 #[derive(Clone, Debug)]
