@@ -473,10 +473,11 @@ impl<C: ComputeElement> Fsdp<C> {
         self.gathered(u)
     }
 
-    /// After unit `u`'s forward: frees its gathered parameters when `reshard_after_forward`.
+    /// After unit `u`'s forward: frees its gathered parameters when `reshard_after_forward`,
+    /// except for the last unit, whose backward comes next (as torch keeps the root's).
     pub fn post_forward(&mut self, u: usize) -> Result<()> {
         self.check_unit("post_forward", u)?;
-        if self.opts.reshard_after_forward {
+        if self.opts.reshard_after_forward && u + 1 < self.units.len() {
             self.free(u);
         }
         Ok(())
