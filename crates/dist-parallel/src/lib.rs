@@ -47,4 +47,4 @@ pub use error::{Error, Result};
 #[cfg(feature = "candle")]
 pub use fsdp::CandleFsdp;
 pub use fsdp::precision::{ComputeElement, ReduceDtype};
-pub use fsdp::{Fsdp, FsdpMemory, FsdpOptions, FsdpStepStats, ShardMut};
+pub use fsdp::{Fsdp, FsdpMemory, FsdpOptions, FsdpStepStats, ShardMut, StateDict};

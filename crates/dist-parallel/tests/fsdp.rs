@@ -48,17 +48,15 @@ fn train_fsdp<C: ComputeElement>(world: usize, opts: FsdpOptions) -> Vec<Vec<Vec
 }
 
 #[test]
-fn f32_matches_one_process_and_ddp_at_1_2_3_4_ranks() {
+fn f32_matches_one_process_and_ddp_at_1_2_and_4_ranks() {
     let reference = mlp::train_single(&DIMS, SEED, STEPS, opt());
     let start = mlp::init(&DIMS, SEED);
     assert!(
         mlp::max_diff(&reference, &start) > 1e-2,
         "training must move the parameters"
     );
-    for world in [1, 2, 3, 4] {
-        if BATCH % world != 0 {
-            continue;
-        }
+    // 3 ranks (BATCH is not divisible by 3) in `three_ranks_shard_unevenly_and_still_match`.
+    for world in [1, 2, 4] {
         let models = train_fsdp::<f32>(world, FsdpOptions::default());
         for (r, m) in models.iter().enumerate() {
             let d = mlp::max_diff(m, &reference);

@@ -153,11 +153,11 @@ fn load_one(
 
 /// Element offset of global index `at` inside box `c` (row-major).
 fn row_major_offset(c: &Chunk, at: &[usize]) -> usize {
-    let mut off = 0;
-    for d in 0..c.shape.len() {
-        off = off * c.shape[d] + (at[d] - c.offsets[d]);
-    }
-    off
+    c.shape
+        .iter()
+        .zip(&c.offsets)
+        .zip(at)
+        .fold(0, |off, ((n, o), a)| off * n + (a - o))
 }
 
 /// Copies box `overlap` from `src` (the stored piece `from`, starting at element `base`) into

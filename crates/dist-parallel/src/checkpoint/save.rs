@@ -352,10 +352,11 @@ fn remove_stale(dir: &Path, save_id: &str) {
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let ours = name.starts_with("ckpt-") || name.starts_with(&format!("{INDEX_FILE}."));
-        if ours && !name.starts_with(save_id) {
-            if let Err(err) = fs::remove_file(e.path()) {
-                tracing::warn!("checkpoint: could not remove stale {name}: {err}");
-            }
+        if ours
+            && !name.starts_with(save_id)
+            && let Err(err) = fs::remove_file(e.path())
+        {
+            tracing::warn!("checkpoint: could not remove stale {name}: {err}");
         }
     }
 }

@@ -109,6 +109,9 @@ pub struct FsdpMemory {
     pub peak_in_flight: usize,
 }
 
+/// A whole model: `(name, values)` per parameter, in unit order.
+pub type StateDict = Vec<(String, Vec<f32>)>;
+
 /// One parameter's local shard, for the optimizer (see [`Fsdp::shards_mut`]).
 #[derive(Debug)]
 pub struct ShardMut<'a> {
@@ -741,7 +744,7 @@ impl<C: ComputeElement> Fsdp<C> {
     /// The whole model, unsharded (`f32`), as `(name, values)` in unit order: on every rank, or
     /// only on rank 0 of the shard group when `rank0_only` (other ranks get `None`). Every rank
     /// calls it; it all-gathers one unit at a time.
-    pub fn full_state_dict(&self, rank0_only: bool) -> Result<Option<Vec<(String, Vec<f32>)>>> {
+    pub fn full_state_dict(&self, rank0_only: bool) -> Result<Option<StateDict>> {
         let mut out = Vec::new();
         let world = self.shard_pg.world_size();
         for (l, s) in self.units.iter().zip(&self.shards) {
