@@ -1,7 +1,8 @@
 //! Parallelism layers over `dist-collective`: [`Ddp`], distributed data parallelism in the
-//! manner of torch's `DistributedDataParallel`, and [`pipeline`], pipeline parallelism
-//! (schedules as data, a validator and simulator, and an executor) in the manner of
-//! `torch.distributed.pipelining`.
+//! manner of torch's `DistributedDataParallel`; [`Fsdp`], fully sharded data parallelism in the
+//! manner of torch's FSDP2, with [`checkpoint`], a sharded checkpoint that reloads at any world
+//! size; and [`pipeline`], pipeline parallelism (schedules as data, a validator and simulator,
+//! and an executor) in the manner of `torch.distributed.pipelining`.
 //!
 //! The core is framework-agnostic: a model is described by its parameters ([`ParamInfo`]:
 //! name and shape), and DDP reads gradients from, and writes averaged gradients back to,
