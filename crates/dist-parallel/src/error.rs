@@ -164,6 +164,14 @@ pub enum Error {
         #[source]
         source: candle_core::Error,
     },
+    /// An optimizer step got slices of different lengths (a local computation: no rank).
+    #[error("optimizer {op}: {reason}")]
+    Optimizer {
+        /// The optimizer call.
+        op: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
     /// The safetensors crate refused to write a shard file.
     #[error("rank {rank}: checkpoint save: {path}: {source}")]
     Safetensors {

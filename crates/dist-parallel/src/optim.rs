@@ -2,6 +2,8 @@
 //! optimizer state sharded: each rank steps only the slices it holds, and the moments are
 //! saved and resharded by the [`checkpoint`](crate::checkpoint) like the parameters.
 
+use crate::{Error, Result};
+
 /// AdamW's hyper-parameters; the defaults are torch's.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamW {
@@ -55,14 +57,19 @@ impl AdamWState {
 impl AdamW {
     /// One step of `param` with `grad` (equal lengths, and `state` made for that length).
     /// Element-wise, so stepping the shards of a tensor equals stepping the whole tensor.
-    pub fn step(&self, param: &mut [f32], grad: &[f32], state: &mut AdamWState) {
-        assert!(
-            param.len() == grad.len() && param.len() == state.exp_avg.len(),
-            "AdamW::step: param {}, grad {}, state {} elements",
-            param.len(),
-            grad.len(),
-            state.exp_avg.len()
-        );
+    pub fn step(&self, param: &mut [f32], grad: &[f32], state: &mut AdamWState) -> Result<()> {
+        let n = param.len();
+        if grad.len() != n || state.exp_avg.len() != n || state.exp_avg_sq.len() != n {
+            return Err(Error::Optimizer {
+                op: "AdamW::step",
+                reason: format!(
+                    "param has {n} elements, grad {}, state moments {} and {}",
+                    grad.len(),
+                    state.exp_avg.len(),
+                    state.exp_avg_sq.len()
+                ),
+            });
+        }
         state.step += 1;
         let t = state.step as i32;
         let bc1 = 1.0 - self.beta1.powi(t);
@@ -82,5 +89,32 @@ impl AdamW {
             let denom = v.sqrt() / bc2_sqrt + self.eps;
             *p -= step_size * *m / denom;
         }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_step_matches_torch_formula_and_bad_lengths_are_errors() {
+        let opt = AdamW {
+            lr: 0.1,
+            ..AdamW::default()
+        };
+        let mut p = [1.0f32, -2.0];
+        let mut st = AdamWState::new(2);
+        opt.step(&mut p, &[0.5, -0.25], &mut st).unwrap();
+        // First step: m̂ = g, v̂ = g², so the update is lr·sign(g) (eps aside) after decay.
+        let want = [
+            1.0 * (1.0 - 0.1 * 0.01) - 0.1,
+            -2.0 * (1.0 - 0.1 * 0.01) + 0.1,
+        ];
+        for (a, b) in p.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+        let e = opt.step(&mut p, &[0.0], &mut st).unwrap_err().to_string();
+        assert!(e.contains("AdamW::step") && e.contains("grad 1"), "{e}");
     }
 }

@@ -100,7 +100,7 @@ fn three_ranks_shard_unevenly_and_still_match() {
             let (x, t) = mlp::batch(&dims, s, 6);
             let (_, g) = mlp::grads(&dims, &p, &x, &t);
             for ((p, g), st) in p.iter_mut().zip(&g).zip(&mut st) {
-                opt().step(p, g, st);
+                opt().step(p, g, st).unwrap();
             }
         }
         p

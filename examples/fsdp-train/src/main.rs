@@ -207,7 +207,7 @@ fn main() -> Res<()> {
                 .collect();
         }
         for (s, st) in shards.into_iter().zip(&mut states) {
-            adamw.step(s.param, s.grad, st);
+            adamw.step(s.param, s.grad, st)?;
         }
         fsdp.inner_mut().zero_grad();
 

@@ -182,7 +182,7 @@ pub(crate) fn train_single(dims: &[usize], seed: u64, steps: usize, opt: AdamW) 
         let (x, t) = batch(dims, s, BATCH);
         let (_, g) = grads(dims, &p, &x, &t);
         for ((p, g), st) in p.iter_mut().zip(&g).zip(&mut st) {
-            opt.step(p, g, st);
+            opt.step(p, g, st).unwrap();
         }
     }
     p
@@ -251,7 +251,7 @@ pub(crate) fn fsdp_opt_step<C: ComputeElement>(
         st.extend(shards.iter().map(|s| AdamWState::new(s.param.len())));
     }
     for (s, st) in shards.into_iter().zip(st.iter_mut()) {
-        opt.step(s.param, s.grad, st);
+        opt.step(s.param, s.grad, st).unwrap();
     }
     fsdp.zero_grad();
 }
@@ -273,7 +273,7 @@ pub(crate) fn ddp_step(
     let mut gs: Vec<&mut [f32]> = g.iter_mut().map(|v| v.as_mut_slice()).collect();
     ddp.finish(&mut gs).unwrap();
     for ((p, g), st) in p.iter_mut().zip(&g).zip(st.iter_mut()) {
-        opt.step(p, g, st);
+        opt.step(p, g, st).unwrap();
     }
 }
 
