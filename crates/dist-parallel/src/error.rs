@@ -124,6 +124,80 @@ pub enum Error {
         #[source]
         source: StageError,
     },
+    /// An FSDP call got input inconsistent with the units it was built with (`tensor` names
+    /// the parameter or unit at fault).
+    #[error("rank {rank}: FSDP {op}: {tensor}: {reason}")]
+    Fsdp {
+        /// This rank.
+        rank: usize,
+        /// The FSDP call.
+        op: &'static str,
+        /// The parameter or unit concerned.
+        tensor: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A checkpoint could not be saved or loaded: a tensor missing from the index or the
+    /// model, a shape or dtype that does not match, slices that do not cover a tensor.
+    #[error("rank {rank}: checkpoint {op}: tensor {tensor:?}: {reason}")]
+    Checkpoint {
+        /// This rank.
+        rank: usize,
+        /// `"save"` or `"load"`.
+        op: &'static str,
+        /// The tensor concerned (empty when the problem is the checkpoint as a whole).
+        tensor: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Reading or writing a checkpoint file failed.
+    #[error("rank {rank}: checkpoint {op}: tensor {tensor:?}: {path}: {source}")]
+    CheckpointIo {
+        /// This rank.
+        rank: usize,
+        /// `"save"` or `"load"`.
+        op: &'static str,
+        /// The tensor being read or written (empty for the index and whole files).
+        tensor: String,
+        /// The file.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A candle operation of the FSDP adapter failed.
+    #[cfg(feature = "candle")]
+    #[error("rank {rank}: FSDP {op}: {tensor}: candle: {source}")]
+    FsdpCandle {
+        /// This rank.
+        rank: usize,
+        /// The adapter call.
+        op: &'static str,
+        /// The parameter or unit concerned.
+        tensor: String,
+        /// Candle's error.
+        #[source]
+        source: candle_core::Error,
+    },
+    /// An optimizer step got slices of different lengths (a local computation: no rank).
+    #[error("optimizer {op}: {reason}")]
+    Optimizer {
+        /// The optimizer call.
+        op: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The safetensors crate refused to write a shard file.
+    #[error("rank {rank}: checkpoint save: {path}: {source}")]
+    Safetensors {
+        /// This rank.
+        rank: usize,
+        /// The file.
+        path: std::path::PathBuf,
+        /// The crate's error.
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
 }
 
 impl Error {

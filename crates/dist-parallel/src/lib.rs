@@ -1,8 +1,9 @@
 //! Parallelism layers over `dist-collective`: [`Ddp`], distributed data parallelism in the
-//! manner of torch's `DistributedDataParallel`; [`pipeline`], pipeline parallelism
-//! (schedules as data, a validator and simulator, and an executor) in the manner of
-//! `torch.distributed.pipelining`; [`tp`], Megatron-style tensor parallelism on DTensor
-//! parameters (torch's `parallelize_module`); and [`SyncBatchNorm`].
+//! manner of torch's `DistributedDataParallel`; [`Fsdp`], fully sharded data parallelism in the
+//! manner of torch's FSDP2, with [`checkpoint`], a sharded checkpoint that reloads at any world
+//! size; [`pipeline`], pipeline parallelism (schedules as data, a validator and simulator, and
+//! an executor) in the manner of `torch.distributed.pipelining`; [`tp`], Megatron-style tensor
+//! parallelism on DTensor parameters (torch's `parallelize_module`); and [`SyncBatchNorm`].
 //!
 //! The core is framework-agnostic: a model is described by its parameters ([`ParamInfo`]:
 //! name and shape), and DDP reads gradients from, and writes averaged gradients back to,
@@ -36,8 +37,11 @@
 #![forbid(unsafe_code)]
 #[cfg(feature = "candle")]
 pub mod candle_comm;
+pub mod checkpoint;
 mod ddp;
 mod error;
+mod fsdp;
+pub mod optim;
 pub mod pipeline;
 pub mod sync_bn;
 pub mod tp;
@@ -46,6 +50,10 @@ pub use ddp::bucket::{BucketLayout, BucketSpec};
 pub use ddp::hooks::{AllReduceMean, Bf16Compress, Bucket, CommHook, Fp16Compress, PowerSgd};
 pub use ddp::{Ddp, DdpOptions, ParamInfo, StepStats};
 pub use error::{Error, Result};
+#[cfg(feature = "candle")]
+pub use fsdp::CandleFsdp;
+pub use fsdp::precision::{ComputeElement, ReduceDtype};
+pub use fsdp::{Fsdp, FsdpMemory, FsdpOptions, FsdpStepStats, ShardMut, StateDict};
 #[cfg(feature = "candle")]
 pub use sync_bn::CandleSyncBatchNorm;
 pub use sync_bn::{BatchNormOptions, BnGrads, BnSaved, SyncBatchNorm};

@@ -1,0 +1,281 @@
+//! Loading: every rank reads the index, then, for each of its slices, only the byte ranges of
+//! the stored pieces that overlap it.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use dist_collective::Chunk;
+use serde::Deserialize;
+
+use super::index::{Index, VERSION, dtype_name};
+use super::{INDEX_FILE, LocalTensorMut, chunk_of};
+use crate::{Error, Result};
+
+/// Loads the checkpoint in `dir` into `targets` (this rank's slices; any layout and world
+/// size, whatever the checkpoint was saved with). `rank` only labels errors: loading needs no
+/// communication. Fails, naming the tensor, when a target is not in the checkpoint, its shape
+/// or dtype differs, or a file is missing or does not hold what the index says.
+pub fn load(dir: &Path, rank: usize, targets: &mut [LocalTensorMut<'_>]) -> Result<()> {
+    let index = read_index(dir, rank)?;
+    let mut files: HashMap<String, ShardFile> = HashMap::new();
+    for t in targets.iter_mut() {
+        load_one(dir, rank, &index, &mut files, t)?;
+    }
+    Ok(())
+}
+
+fn read_index(dir: &Path, rank: usize) -> Result<Index> {
+    let path = dir.join(INDEX_FILE);
+    let bytes = std::fs::read(&path).map_err(|source| Error::CheckpointIo {
+        rank,
+        op: "load",
+        tensor: String::new(),
+        path: path.clone(),
+        source,
+    })?;
+    let index: Index = serde_json::from_slice(&bytes).map_err(|e| Error::Checkpoint {
+        rank,
+        op: "load",
+        tensor: String::new(),
+        reason: format!("{} is not a checkpoint index: {e}", path.display()),
+    })?;
+    if index.version != VERSION {
+        return Err(Error::Checkpoint {
+            rank,
+            op: "load",
+            tensor: String::new(),
+            reason: format!(
+                "index version {} (this build reads {VERSION})",
+                index.version
+            ),
+        });
+    }
+    Ok(index)
+}
+
+fn load_one(
+    dir: &Path,
+    rank: usize,
+    index: &Index,
+    files: &mut HashMap<String, ShardFile>,
+    t: &mut LocalTensorMut<'_>,
+) -> Result<()> {
+    let name = t.name.clone();
+    let bad = |reason: String| Error::Checkpoint {
+        rank,
+        op: "load",
+        tensor: name.clone(),
+        reason,
+    };
+    let entry = index.tensors.get(&t.name).ok_or_else(|| {
+        let some: Vec<&String> = index.tensors.keys().take(8).collect();
+        bad(format!(
+            "not in the checkpoint (it holds {} tensors: {some:?}{})",
+            index.tensors.len(),
+            if index.tensors.len() > 8 { ", ..." } else { "" }
+        ))
+    })?;
+    let want_dtype = dtype_name(t.dtype);
+    if entry.dtype != want_dtype || entry.global_shape != t.layout.global_shape() {
+        return Err(bad(format!(
+            "the checkpoint holds {} {:?}, the model wants {want_dtype} {:?}",
+            entry.dtype,
+            entry.global_shape,
+            t.layout.global_shape()
+        )));
+    }
+    let mine = chunk_of(rank, "load", &t.name, &t.layout, &t.coord)?;
+    let elem = t.dtype.size();
+    if t.data.len() != mine.numel() * elem {
+        return Err(bad(format!(
+            "its slice {mine:?} needs {} bytes, the destination has {}",
+            mine.numel() * elem,
+            t.data.len()
+        )));
+    }
+    let mut covered = 0;
+    for piece in &entry.chunks {
+        let Some(overlap) = mine.intersect(&piece.chunk) else {
+            continue;
+        };
+        if !files.contains_key(&piece.file) {
+            let f = ShardFile::open(dir.join(&piece.file), rank, &t.name)?;
+            files.insert(piece.file.clone(), f);
+        }
+        let file = files.get_mut(&piece.file).expect("inserted above");
+        let stored = file.tensors.get(&t.name).ok_or_else(|| {
+            bad(format!(
+                "{} holds no tensor of this name, though the index says it does",
+                piece.file
+            ))
+        })?;
+        if stored.dtype != entry.dtype || stored.shape != piece.chunk.shape {
+            return Err(bad(format!(
+                "{} holds it as {} {:?}, the index says {} {:?}",
+                piece.file, stored.dtype, stored.shape, entry.dtype, piece.chunk.shape
+            )));
+        }
+        let (start, end) = (stored.data_offsets[0], stored.data_offsets[1]);
+        if end - start != piece.chunk.numel() * elem {
+            return Err(bad(format!(
+                "{}: data offsets {start}..{end} do not fit its shape",
+                piece.file
+            )));
+        }
+        // The byte span of the stored piece that the overlap touches: exact for dim-0 slices.
+        let first = row_major_offset(&piece.chunk, &overlap.offsets);
+        let last_corner: Vec<usize> = overlap
+            .offsets
+            .iter()
+            .zip(&overlap.shape)
+            .map(|(o, s)| o + s - 1)
+            .collect();
+        let last = row_major_offset(&piece.chunk, &last_corner);
+        let span = file.read(
+            start + first * elem,
+            (last + 1 - first) * elem,
+            rank,
+            &t.name,
+        )?;
+        copy_box(&overlap, &piece.chunk, first, &span, &mine, t.data, elem);
+        covered += overlap.numel();
+    }
+    if covered != mine.numel() {
+        return Err(bad(format!(
+            "the checkpoint's pieces cover {covered} of the {} elements of slice {mine:?}",
+            mine.numel()
+        )));
+    }
+    Ok(())
+}
+
+/// Element offset of global index `at` inside box `c` (row-major).
+fn row_major_offset(c: &Chunk, at: &[usize]) -> usize {
+    c.shape
+        .iter()
+        .zip(&c.offsets)
+        .zip(at)
+        .fold(0, |off, ((n, o), a)| off * n + (a - o))
+}
+
+/// Copies box `overlap` from `src` (the stored piece `from`, starting at element `base`) into
+/// `dst` (the box `to`), one innermost run at a time.
+fn copy_box(
+    overlap: &Chunk,
+    from: &Chunk,
+    base: usize,
+    src: &[u8],
+    to: &Chunk,
+    dst: &mut [u8],
+    elem: usize,
+) {
+    let nd = overlap.shape.len();
+    if nd == 0 {
+        dst[..elem].copy_from_slice(&src[..elem]);
+        return;
+    }
+    let run = overlap.shape[nd - 1] * elem;
+    let outer: usize = overlap.shape[..nd - 1].iter().product();
+    let mut idx = overlap.offsets.clone();
+    for _ in 0..outer {
+        let s = (row_major_offset(from, &idx) - base) * elem;
+        let d = row_major_offset(to, &idx) * elem;
+        dst[d..d + run].copy_from_slice(&src[s..s + run]);
+        // Next index over every dimension but the last.
+        for k in (0..nd - 1).rev() {
+            idx[k] += 1;
+            if idx[k] < overlap.offsets[k] + overlap.shape[k] {
+                break;
+            }
+            idx[k] = overlap.offsets[k];
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct StoredTensor {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: [usize; 2],
+}
+
+/// An open shard file whose safetensors header has been read (and nothing else yet).
+struct ShardFile {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    tensors: HashMap<String, StoredTensor>,
+}
+
+impl ShardFile {
+    fn open(path: PathBuf, rank: usize, tensor: &str) -> Result<Self> {
+        let io = |source| Error::CheckpointIo {
+            rank,
+            op: "load",
+            tensor: tensor.to_string(),
+            path: path.clone(),
+            source,
+        };
+        let mut file = File::open(&path).map_err(io)?;
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n).map_err(io)?;
+        let n = u64::from_le_bytes(n);
+        let len = file.metadata().map_err(io)?.len();
+        if n > len.saturating_sub(8) {
+            return Err(Error::Checkpoint {
+                rank,
+                op: "load",
+                tensor: tensor.to_string(),
+                reason: format!(
+                    "{} is not a safetensors file (header of {n} bytes)",
+                    path.display()
+                ),
+            });
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact(&mut header).map_err(io)?;
+        let mut raw: HashMap<String, serde_json::Value> =
+            serde_json::from_slice(&header).map_err(|e| Error::Checkpoint {
+                rank,
+                op: "load",
+                tensor: tensor.to_string(),
+                reason: format!("{}: bad safetensors header: {e}", path.display()),
+            })?;
+        raw.remove("__metadata__");
+        let mut tensors = HashMap::new();
+        for (k, v) in raw {
+            let t: StoredTensor = serde_json::from_value(v).map_err(|e| Error::Checkpoint {
+                rank,
+                op: "load",
+                tensor: tensor.to_string(),
+                reason: format!("{}: bad header entry {k:?}: {e}", path.display()),
+            })?;
+            tensors.insert(k, t);
+        }
+        Ok(ShardFile {
+            path,
+            file,
+            data_start: 8 + n,
+            tensors,
+        })
+    }
+
+    /// Reads `len` bytes at `offset` of the data section.
+    fn read(&mut self, offset: usize, len: usize, rank: usize, tensor: &str) -> Result<Vec<u8>> {
+        let io = |source| Error::CheckpointIo {
+            rank,
+            op: "load",
+            tensor: tensor.to_string(),
+            path: self.path.clone(),
+            source,
+        };
+        let mut buf = vec![0u8; len];
+        self.file
+            .seek(SeekFrom::Start(self.data_start + offset as u64))
+            .map_err(io)?;
+        self.file.read_exact(&mut buf).map_err(io)?;
+        Ok(buf)
+    }
+}
