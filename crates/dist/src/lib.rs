@@ -72,18 +72,25 @@ pub use dist_backend as backend;
 /// Re-export of the `dist-gloo` crate.
 pub use dist_gloo as gloo;
 
+/// The GPU backend over NCCL (feature `nccl`; libcuda and libnccl are loaded at run time).
+///
+/// Re-export of the `dist-nccl` crate.
+#[cfg(feature = "nccl")]
+pub use dist_nccl as nccl;
+
 /// The typed, torch-shaped API: process groups, collectives, async work, sub-groups, meshes.
 ///
 /// Re-export of the `dist-collective` crate.
 pub use dist_collective as collective;
 
-/// Parallelism layers: DDP (bucketed, overlapped gradient all-reduce and its hooks) and
-/// pipeline parallelism (`parallel::pipeline`: schedules, simulator, executor).
+/// Parallelism layers: DDP (bucketed, overlapped gradient all-reduce and its hooks), FSDP and
+/// the sharded checkpoint (`parallel::checkpoint`), pipeline parallelism
+/// (`parallel::pipeline`), tensor parallelism (`parallel::tp`) and SyncBatchNorm.
 ///
 /// Re-export of the `dist-parallel` crate.
 pub use dist_parallel as parallel;
 
-pub use dist_parallel::{Ddp, DdpOptions, ParamInfo};
+pub use dist_parallel::{Ddp, DdpOptions, Fsdp, FsdpOptions, ParamInfo};
 
 /// Remote procedure calls and remote references, after `torch.distributed.rpc`: `init_rpc`,
 /// `rpc_sync`/`rpc_async`/`remote` by function name, `RRef` with distributed reference
@@ -94,8 +101,8 @@ pub use dist_rpc as rpc;
 
 pub use dist_collective::testing::run_world;
 pub use dist_collective::{
-    DeviceMesh, InitOptions, P2pOp, ProcessGroup, Work, destroy_process_group, get_rank,
-    get_world_size, init_process_group, is_initialized, new_group,
+    DTensor, DeviceMesh, InitOptions, P2pOp, Placement, ProcessGroup, ShardLayout, Work,
+    destroy_process_group, get_rank, get_world_size, init_process_group, is_initialized, new_group,
 };
 
 mod error;
