@@ -106,6 +106,11 @@ pub(crate) fn scatter(
 
 /// Pairwise exchange of blocks with every peer, all in flight at once. Each frame announces
 /// the element count of its block, so split sizes that disagree between two ranks are caught.
+///
+/// The engine writes a step's sends in list order, so the lists are staggered: rank r sends to
+/// r+1, r+2, ... and receives from r-1, r-2, ... If every rank listed its peers in rank order,
+/// all of them would first fill rank 0's socket, then rank 1's: incast on one receiver while
+/// the others sit idle. Staggered, each receiver is fed by a different sender at every moment.
 pub(crate) fn all_to_all(
     o: &Op<'_>,
     input: &[u8],
@@ -113,31 +118,32 @@ pub(crate) fn all_to_all(
     send_counts: &[usize],
     recv_counts: &[usize],
 ) -> Result<()> {
-    let (r, elem) = (o.rank(), o.dtype().size());
+    let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
     let sb = blocks_of(send_counts, elem);
     let rb = blocks_of(recv_counts, elem);
-    let mut parts = split_blocks(output, &rb);
-    parts[r].copy_from_slice(&input[sb[r].clone()]);
-    let sends: Vec<_> = sb
-        .iter()
-        .enumerate()
-        .filter(|(p, _)| *p != r)
-        .map(|(p, b)| crate::transport::Outgoing {
+    let mut parts: Vec<Option<&mut [u8]>> =
+        split_blocks(output, &rb).into_iter().map(Some).collect();
+    if let Some(mine) = parts[r].take() {
+        mine.copy_from_slice(&input[sb[r].clone()]);
+    }
+    let sends: Vec<_> = (1..n)
+        .map(|k| (r + k) % n)
+        .map(|p| crate::transport::Outgoing {
             peer: p,
-            data: &input[b.clone()],
+            data: &input[sb[p].clone()],
             count: send_counts[p] as u64,
             tag: tags::DIRECT,
         })
         .collect();
-    let mut recvs: Vec<_> = parts
-        .iter_mut()
-        .enumerate()
-        .filter(|(p, _)| *p != r)
-        .map(|(p, b)| crate::transport::Incoming {
-            peer: p,
-            buf: b,
-            count: recv_counts[p] as u64,
-            tag: tags::DIRECT,
+    let mut recvs: Vec<_> = (1..n)
+        .map(|k| (r + n - k) % n)
+        .filter_map(|p| {
+            parts[p].take().map(|buf| crate::transport::Incoming {
+                peer: p,
+                buf,
+                count: recv_counts[p] as u64,
+                tag: tags::DIRECT,
+            })
         })
         .collect();
     o.step(&sends, &mut recvs)

@@ -1,0 +1,133 @@
+//! The cross-host path: broadcast and all_to_all with single-copy transfers off, so every byte
+//! goes through the sockets, on 1..=5 ranks, every root, sizes 0, 1, uneven and large (many
+//! segments, so the chain broadcast's pipeline and the staggered all_to_all both run with
+//! several frames in flight per peer). Checked against the values each rank was built from.
+
+mod common;
+
+use common::{encode, on_all, tcp_world, value};
+use dist_backend::{Backend, BufMut, BufRef, OpOptions};
+use dist_gloo::{GlooBackend, GlooOptions};
+use dist_wire::{DType, ReduceOp};
+
+/// 0, 1, uneven (not a multiple of the ranks or the segment), past the tree/chain switch, and
+/// many segments.
+const COUNTS: [usize; 5] = [0, 1, 7, (16 << 10) + 5, (1 << 20) + 3];
+
+fn opts() -> OpOptions {
+    OpOptions::with_timeout(std::time::Duration::from_secs(60))
+}
+
+/// Sockets only, and 64 KiB segments so that the large counts span many frames.
+fn tcp_only_world(n: usize) -> Vec<GlooBackend> {
+    let mut o = GlooOptions::default();
+    o.mesh.cross_memory = false;
+    o.mesh.segment_bytes = 64 << 10;
+    tcp_world(n, &o)
+}
+
+fn check_broadcast(ranks: &[GlooBackend]) {
+    let n = ranks.len();
+    for d in [DType::U8, DType::F32] {
+        for count in COUNTS {
+            for root in 0..n {
+                let mine = |r: usize| encode(d, (0..count).map(|i| value(d, ReduceOp::Sum, r, i)));
+                let outs = on_all(ranks, |b| {
+                    let mut buf = if b.rank() == root {
+                        mine(root)
+                    } else {
+                        vec![0xA5u8; count * d.size()]
+                    };
+                    b.broadcast(BufMut::Host(&mut buf), d, root, &opts())
+                        .unwrap();
+                    buf
+                });
+                for (r, o) in outs.iter().enumerate() {
+                    assert!(
+                        *o == mine(root),
+                        "broadcast ws {n} {d} count {count} root {root}: rank {r} differs"
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn check_all_to_all(ranks: &[GlooBackend]) {
+    let n = ranks.len();
+    for d in [DType::U8, DType::F32] {
+        for count in COUNTS {
+            // Uneven splits, some of them empty: rank s sends split(s, r) elements to rank r.
+            let split = |s: usize, r: usize| {
+                if (s + 2 * r) % 3 == 1 {
+                    0
+                } else {
+                    count + s * n + r
+                }
+            };
+            let block = |s: usize, r: usize| {
+                encode(
+                    d,
+                    (0..split(s, r)).map(|i| value(d, ReduceOp::Sum, s * n + r, i)),
+                )
+            };
+            let outs = on_all(ranks, |b| {
+                let me = b.rank();
+                let send_counts: Vec<usize> = (0..n).map(|r| split(me, r)).collect();
+                let recv_counts: Vec<usize> = (0..n).map(|s| split(s, me)).collect();
+                let input: Vec<u8> = (0..n).flat_map(|r| block(me, r)).collect();
+                let mut out = vec![0xA5u8; recv_counts.iter().sum::<usize>() * d.size()];
+                b.all_to_all(
+                    BufRef::Host(&input),
+                    BufMut::Host(&mut out),
+                    d,
+                    &send_counts,
+                    &recv_counts,
+                    &opts(),
+                )
+                .unwrap();
+                out
+            });
+            for (r, o) in outs.iter().enumerate() {
+                let want: Vec<u8> = (0..n).flat_map(|s| block(s, r)).collect();
+                assert!(*o == want, "all_to_all ws {n} {d} count {count} rank {r}");
+            }
+        }
+    }
+}
+
+fn over_sockets(n: usize) {
+    let ranks = tcp_only_world(n);
+    check_broadcast(&ranks);
+    check_all_to_all(&ranks);
+    let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
+    assert_eq!(
+        by_ref, 0,
+        "ws {n}: every byte must have gone through the sockets"
+    );
+}
+
+#[test]
+fn world_size_1_over_sockets_only() {
+    over_sockets(1);
+}
+
+#[test]
+fn world_size_2_over_sockets_only() {
+    over_sockets(2);
+}
+
+#[test]
+fn world_size_3_over_sockets_only() {
+    over_sockets(3);
+}
+
+#[test]
+fn world_size_4_over_sockets_only() {
+    over_sockets(4);
+}
+
+#[test]
+fn world_size_5_over_sockets_only() {
+    over_sockets(5);
+}
