@@ -39,6 +39,12 @@ fn losses(world: usize, tp: usize) -> Vec<f32> {
 
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), 10);
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / w.abs().max(1.0))
+        .fold(0.0f32, f32::max);
+    eprintln!("{what}: largest relative loss difference over 10 steps {worst:e}");
     for (s, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(
             (g - w).abs() <= TOL * w.abs().max(1.0),
