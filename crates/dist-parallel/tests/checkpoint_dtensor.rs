@@ -131,7 +131,7 @@ fn saved_on_2x2_loads_back_on_2x2_with_other_placements() {
         let mesh = DeviceMesh::new(&pg, &[("dp", 2), ("tp", 2)])?;
         // Transposed: columns over dp, rows over tp.
         let p = [Placement::Shard(1), Placement::Shard(0)];
-        let n = DTensor::<f32>::distribute_tensor(&vec![0.0; 35], &SHAPE, &mesh, &p)?
+        let n = DTensor::<f32>::distribute_tensor(&[0.0; 35], &SHAPE, &mesh, &p)?
             .to_local()
             .len();
         let mut t = DTensor::from_local(vec![f32::NAN; n], &SHAPE, &mesh, &p)?;
