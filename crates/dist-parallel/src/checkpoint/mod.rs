@@ -37,6 +37,7 @@
 //! assert_eq!(w, [0., 1., 2., 3., 4., 5., 6., 7.]);
 //! ```
 
+mod dtensor;
 mod index;
 mod load;
 mod save;
