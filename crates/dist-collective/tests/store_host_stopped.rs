@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use dist_backend::Store;
 use dist_backend::store::{TcpStore, TcpStoreServer};
 use dist_collective::{InitOptions, destroy_process_group, init_process_group};
 
@@ -67,7 +68,9 @@ fn rank_main(scenario: &str, rank: usize, port: u16) {
     std::io::stdin().read_line(&mut go).expect("go");
     let start = Instant::now();
     let outcome: Result<(), String> = match scenario {
-        "init" => init_process_group(opts).map(drop).map_err(|e| e.to_string()),
+        "init" => init_process_group(opts)
+            .map(drop)
+            .map_err(|e| e.to_string()),
         "new_group" => pg
             .as_ref()
             .expect("group")
@@ -134,13 +137,15 @@ fn wait_stopped(c: &Child) {
     let tasks = format!("/proc/{}/task", c.id());
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let all = std::fs::read_dir(&tasks).expect("list the host's threads").all(|t| {
-            let stat = std::fs::read_to_string(t.expect("thread entry").path().join("stat"))
-                .unwrap_or_default();
-            // The state follows the parenthesised command name.
-            stat.rsplit_once(") ")
-                .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
-        });
+        let all = std::fs::read_dir(&tasks)
+            .expect("list the host's threads")
+            .all(|t| {
+                let stat = std::fs::read_to_string(t.expect("thread entry").path().join("stat"))
+                    .unwrap_or_default();
+                // The state follows the parenthesised command name.
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+            });
         if all {
             return;
         }
@@ -154,7 +159,13 @@ fn wait_stopped(c: &Child) {
 fn spawn(spec: &str, who: usize, tx: &mpsc::Sender<(usize, String)>) -> (Child, ChildStdin) {
     let exe = std::env::current_exe().expect("test binary path");
     let mut child = Command::new(exe)
-        .args(["--ignored", "--exact", "child", "--nocapture", "--test-threads=1"])
+        .args([
+            "--ignored",
+            "--exact",
+            "child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("DIST_STOPPED_STORE", spec)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -178,14 +189,28 @@ fn spawn(spec: &str, who: usize, tx: &mpsc::Sender<(usize, String)>) -> (Child, 
     (child, stdin)
 }
 
-/// Runs `scenario` on every rank with the store host stopped; returns each rank's time and
-/// outcome (`ok` or `err <message>`), and the store's address.
-fn run(scenario: &str) -> (Vec<(Duration, String)>, String) {
+/// Runs `scenario` on every rank with the store host stopped; returns each rank that went with
+/// its time and outcome (`ok` or `err <message>`), and the store's address.
+fn run(scenario: &str) -> (Vec<(usize, Duration, String)>, String) {
+    run_with(scenario, &[0, 1], None)
+}
+
+/// Runs `scenario` on the ranks `goers` only (the others stay ready, and are killed at the
+/// end). With `stop_after`, the host is stopped midway: once the key (as the ranks name it)
+/// exists, i.e. once the goers are past their first store write and into the waits that
+/// follow it, which the parent sees through a store client of its own.
+fn run_with(
+    scenario: &str,
+    goers: &[usize],
+    stop_after: Option<&str>,
+) -> (Vec<(usize, Duration, String)>, String) {
     let (tx, rx) = mpsc::channel();
     let generous = Duration::from_secs(60);
     let (host, _host_in) = spawn("host", WORLD, &tx);
     let mut children = Children(vec![host]);
-    let (_, line) = rx.recv_timeout(generous).expect("the host reports its port");
+    let (_, line) = rx
+        .recv_timeout(generous)
+        .expect("the host reports its port");
     let port: u16 = line["PORT ".len()..].trim().parse().expect("port");
     let mut inputs = Vec::new();
     for rank in 0..WORLD {
@@ -197,13 +222,23 @@ fn run(scenario: &str) -> (Vec<(Duration, String)>, String) {
         let (rank, line) = rx.recv_timeout(generous).expect("every rank gets ready");
         assert_eq!(line, "READY", "rank {rank}");
     }
-    signal(&children.0[0], libc::SIGSTOP);
-    wait_stopped(&children.0[0]);
-    for input in &mut inputs {
-        writeln!(input, "go").expect("tell a rank to go");
+    if stop_after.is_none() {
+        signal(&children.0[0], libc::SIGSTOP);
+        wait_stopped(&children.0[0]);
+    }
+    for &rank in goers {
+        writeln!(inputs[rank], "go").expect("tell a rank to go");
+    }
+    if let Some(key) = stop_after {
+        let watcher = TcpStore::connect("127.0.0.1", port, generous).expect("watcher");
+        watcher
+            .wait(&[key], generous)
+            .expect("the goers write their key");
+        signal(&children.0[0], libc::SIGSTOP);
+        wait_stopped(&children.0[0]);
     }
     let mut results = vec![None; WORLD];
-    for _ in 0..WORLD {
+    for _ in goers {
         let (rank, line) = rx
             .recv_timeout(TIMEOUT + generous)
             .expect("every rank returns");
@@ -212,21 +247,29 @@ fn run(scenario: &str) -> (Vec<(Duration, String)>, String) {
         let took = Duration::from_millis(ms.parse().expect("ms"));
         results[rank] = Some((took, outcome.to_string()));
     }
-    let results = results.into_iter().map(Option::unwrap).collect();
+    let results = results
+        .into_iter()
+        .enumerate()
+        .filter_map(|(rank, r)| r.map(|(took, outcome)| (rank, took, outcome)))
+        .collect();
     (results, format!("127.0.0.1:{port}"))
 }
 
 /// Every rank failed within the timeout + 1 s with an error that names the store.
 fn assert_store_error(scenario: &str) {
     let (results, addr) = run(scenario);
-    for (rank, (took, outcome)) in results.iter().enumerate() {
+    assert_failed_naming(scenario, &results, &addr);
+}
+
+fn assert_failed_naming(scenario: &str, results: &[(usize, Duration, String)], addr: &str) {
+    for (rank, took, outcome) in results {
         eprintln!("{scenario}: rank {rank} returned after {took:?}: {outcome}");
         assert!(
             *took <= TIMEOUT + Duration::from_secs(1),
             "{scenario}: rank {rank} took {took:?}: {outcome}"
         );
         assert!(
-            outcome.starts_with("err ") && outcome.contains(&addr),
+            outcome.starts_with("err ") && outcome.contains(addr),
             "{scenario}: rank {rank} should fail naming the store {addr}: {outcome}"
         );
     }
@@ -256,11 +299,41 @@ fn monitored_barrier_fails_in_time_when_the_store_host_is_stopped() {
 #[test]
 fn teardown_returns_in_time_when_the_store_host_is_stopped() {
     let (results, _) = run("destroy");
-    for (rank, (took, outcome)) in results.iter().enumerate() {
+    for (rank, took, outcome) in &results {
         eprintln!("destroy: rank {rank} returned after {took:?}: {outcome}");
         assert!(
             *took <= TIMEOUT + Duration::from_secs(1),
             "destroy: rank {rank} took {took:?}"
         );
     }
+}
+
+/// Rank 0 alone creates a group: it publishes its call, then waits for rank 1's, and the host
+/// stops during that wait. Rank 0 fails by its own deadline, not a second timeout for the
+/// WAIT's cancellation nor one per rank asking who is missing.
+#[test]
+fn new_group_alone_fails_in_time_when_the_store_host_stops_during_its_wait() {
+    let (results, addr) = run_with("new_group", &[0], Some("world/create/0/0"));
+    assert_failed_naming("new_group alone", &results, &addr);
+}
+
+/// Rank 1 alone enters the barrier and waits for rank 0's result; the host stops during that
+/// wait. Rank 1 fails within the barrier's timeout + 1 s naming the store (before, the silent
+/// store made it wait twice the timeout and then blame rank 0).
+#[test]
+fn monitored_barrier_waiter_fails_in_time_when_the_store_host_stops_during_its_wait() {
+    let (results, addr) = run_with(
+        "monitored_barrier",
+        &[1],
+        Some("world/monitored_barrier/0/arrived/1"),
+    );
+    assert_failed_naming("monitored_barrier waiter", &results, &addr);
+}
+
+/// Rank 0 alone in init: the host stops once it has counted itself in, while it waits for
+/// rank 1.
+#[test]
+fn init_alone_fails_in_time_when_the_store_host_stops_during_its_wait() {
+    let (results, addr) = run_with("init", &[0], Some("dist/world_inits"));
+    assert_failed_naming("init alone", &results, &addr);
 }
