@@ -258,10 +258,12 @@ fn run_with(
 /// Every rank failed within the timeout + 1 s with an error that names the store.
 fn assert_store_error(scenario: &str) {
     let (results, addr) = run(scenario);
-    assert_failed_naming(scenario, &results, &addr);
+    assert_failed_naming(scenario, &results, &[&addr]);
 }
 
-fn assert_failed_naming(scenario: &str, results: &[(usize, Duration, String)], addr: &str) {
+/// Every rank that went failed within the timeout + 1 s with an error that contains one of
+/// `names` (the store's address, or a rank that never came).
+fn assert_failed_naming(scenario: &str, results: &[(usize, Duration, String)], names: &[&str]) {
     for (rank, took, outcome) in results {
         eprintln!("{scenario}: rank {rank} returned after {took:?}: {outcome}");
         assert!(
@@ -269,8 +271,8 @@ fn assert_failed_naming(scenario: &str, results: &[(usize, Duration, String)], a
             "{scenario}: rank {rank} took {took:?}: {outcome}"
         );
         assert!(
-            outcome.starts_with("err ") && outcome.contains(addr),
-            "{scenario}: rank {rank} should fail naming the store {addr}: {outcome}"
+            outcome.starts_with("err ") && names.iter().any(|n| outcome.contains(n)),
+            "{scenario}: rank {rank} should fail naming one of {names:?}: {outcome}"
         );
     }
 }
@@ -314,7 +316,7 @@ fn teardown_returns_in_time_when_the_store_host_is_stopped() {
 #[test]
 fn new_group_alone_fails_in_time_when_the_store_host_stops_during_its_wait() {
     let (results, addr) = run_with("new_group", &[0], Some("world/create/0/0"));
-    assert_failed_naming("new_group alone", &results, &addr);
+    assert_failed_naming("new_group alone", &results, &[&addr]);
 }
 
 /// Rank 1 alone enters the barrier and waits for rank 0's result; the host stops during that
@@ -327,13 +329,14 @@ fn monitored_barrier_waiter_fails_in_time_when_the_store_host_stops_during_its_w
         &[1],
         Some("world/monitored_barrier/0/arrived/1"),
     );
-    assert_failed_naming("monitored_barrier waiter", &results, &addr);
+    assert_failed_naming("monitored_barrier waiter", &results, &[&addr]);
 }
 
-/// Rank 0 alone in init: the host stops once it has counted itself in, while it waits for
-/// rank 1.
+/// Rank 0 alone in init: the host stops once it has counted itself in. Depending on how far
+/// it got, it fails on the silent store or on rank 1, which never came to connect its mesh;
+/// either way in time.
 #[test]
 fn init_alone_fails_in_time_when_the_store_host_stops_during_its_wait() {
     let (results, addr) = run_with("init", &[0], Some("dist/world_inits"));
-    assert_failed_naming("init alone", &results, &addr);
+    assert_failed_naming("init alone", &results, &[&addr, "rank(s) [1]"]);
 }
