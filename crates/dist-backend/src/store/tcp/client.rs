@@ -496,28 +496,50 @@ impl TcpStore {
     }
 
     /// Writes `bytes` before the call's reply deadline: a server that has stopped reading
-    /// fills its socket buffer, and the write would otherwise block for ever.
+    /// fills its socket buffer, and the write would otherwise block for ever. The socket's
+    /// write timeout restarts with every partial write, so it is set to what is left before
+    /// each one.
     fn write_by(&self, conn: &mut Conn, call: &Call<'_>, bytes: &[u8]) -> Result<(), StoreError> {
-        let left = match call.reply_deadline() {
-            None => None,
-            Some(d) => Some(
-                d.saturating_duration_since(Instant::now())
-                    .max(Duration::from_millis(1)),
-            ),
-        };
-        conn.stream
-            .set_write_timeout(left)
-            .map_err(|e| self.io(call, e))?;
-        conn.stream.write_all(bytes).map_err(|e| {
-            if matches!(
-                e.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-            ) {
-                self.unresponsive(call)
-            } else {
-                self.io(call, e)
+        let deadline = call.reply_deadline();
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let left = match deadline {
+                None => None,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(self.unresponsive(call));
+                    }
+                    Some(left)
+                }
+            };
+            conn.stream
+                .set_write_timeout(left)
+                .map_err(|e| self.io(call, e))?;
+            match conn.stream.write(rest) {
+                Ok(0) => {
+                    return Err(self.io(
+                        call,
+                        io::Error::new(
+                            io::ErrorKind::WriteZero,
+                            "the store connection took no bytes",
+                        ),
+                    ));
+                }
+                Ok(n) => rest = &rest[n..],
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(self.unresponsive(call));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io(call, e)),
             }
-        })
+        }
+        Ok(())
     }
 
     /// The server did not take or answer a request before the call's deadline.
