@@ -858,7 +858,21 @@ fn handshake(mut stream: TcpStream, timeout: Option<Duration>) -> io::Result<Con
     stream.write_all(&hello)?;
     stream.set_read_timeout(timeout)?;
     let mut pong = [0u8; 4];
-    stream.read_exact(&mut pong)?;
+    stream.read_exact(&mut pong).map_err(|e| {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            // The kernel of a stopped host still completes the TCP handshake.
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the server accepted the connection but did not answer its PING \
+                 (its host may be stopped or hung)",
+            )
+        } else {
+            e
+        }
+    })?;
     if u32::from_le_bytes(pong) != nonce {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
