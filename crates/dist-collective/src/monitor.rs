@@ -64,8 +64,18 @@ impl ProcessGroup {
             missing
         } else {
             // Rank 0 answers within `timeout` of arriving; allow it that long after us, plus
-            // the slack of a slow store.
-            match store.wait(&[&result], timeout * 2 + Duration::from_secs(1)) {
+            // the slack of a slow store. The first `timeout` of that is one wait of its own,
+            // so that a store that does not answer at all (its host stopped) fails the
+            // barrier after `timeout`, not after the whole allowance.
+            let first = store.wait(&[&result], timeout);
+            let waited = match first {
+                Err(e) if e.is_unreachable() => {
+                    return Err(Error::store(rank, ctx("waiting for rank 0's result"), e));
+                }
+                Err(_) => store.wait(&[&result], timeout + Duration::from_secs(1)),
+                Ok(()) => Ok(()),
+            };
+            match waited {
                 Ok(()) => {
                     let v = store
                         .get(&result)
@@ -74,6 +84,9 @@ impl ProcessGroup {
                         .split(',')
                         .filter_map(|s| s.parse().ok())
                         .collect()
+                }
+                Err(e) if e.is_unreachable() => {
+                    return Err(Error::store(rank, ctx("waiting for rank 0's result"), e));
                 }
                 // Rank 0 itself never arrived.
                 Err(_) => vec![0],

@@ -24,6 +24,14 @@ impl ProcessGroup {
         let keys: Vec<String> = (0..self.world_size()).map(key).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         if let Err(e) = store.wait(&refs, self.timeout()) {
+            if e.is_unreachable() {
+                // Asking which keys are missing would wait on the silent store again.
+                return Err(Error::store(
+                    rank,
+                    format!("{op}: group creation #{index} ({what}): waiting for the other ranks"),
+                    e,
+                ));
+            }
             let missing: Vec<usize> = (0..self.world_size())
                 .filter(|&r| !store.check(&[&key(r)]).unwrap_or(false))
                 .collect();

@@ -74,6 +74,10 @@ pub(crate) fn leave(g: &GroupInner) {
         g.ctx.timeout
     };
     if let Err(e) = store.wait(&keys, wait) {
+        if e.is_unreachable() {
+            tracing::warn!(rank, group = %g.ctx.name, error = %e, "stopping the store without knowing who left: it does not answer");
+            return;
+        }
         let missing: Vec<usize> = (0..g.ctx.world_size)
             .filter(|&r| !store.check(&[keys[r]]).unwrap_or(false))
             .collect();

@@ -22,6 +22,23 @@ pub enum StoreError {
         /// How long.
         waited: Duration,
     },
+    /// The server took a request but did not answer it before the call's deadline: its host is
+    /// stopped (SIGSTOP, a debugger), hung or overloaded. Unlike [`StoreError::Timeout`] this
+    /// says nothing about the keys, and further calls are likely to fail the same way.
+    #[error(
+        "store {op} on {addr} (keys: {keys:?}): the store server did not answer within {waited:?} \
+         (its host may be stopped or hung)"
+    )]
+    Unresponsive {
+        /// The store operation.
+        op: &'static str,
+        /// Server address.
+        addr: String,
+        /// Keys of the operation, as the server sees them.
+        keys: Vec<String>,
+        /// How long the call had been running when it gave up.
+        waited: Duration,
+    },
     /// I/O with the store failed.
     #[error("store {op} on {addr} (keys: {keys:?}): {source}")]
     Io {
@@ -133,6 +150,7 @@ impl StoreError {
     pub fn op(&self) -> Option<&'static str> {
         match self {
             StoreError::Timeout { op, .. }
+            | StoreError::Unresponsive { op, .. }
             | StoreError::Io { op, .. }
             | StoreError::Protocol { op, .. }
             | StoreError::Wire { op, .. }
@@ -145,6 +163,16 @@ impl StoreError {
     /// True for [`StoreError::Timeout`].
     pub fn is_timeout(&self) -> bool {
         matches!(self, StoreError::Timeout { .. })
+    }
+
+    /// True when the store itself failed to answer in time ([`StoreError::Unresponsive`]) or
+    /// could not be reached ([`StoreError::Connect`]): asking it anything else now (which keys
+    /// are missing, say) would only wait again.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Unresponsive { .. } | StoreError::Connect { .. }
+        )
     }
 }
 

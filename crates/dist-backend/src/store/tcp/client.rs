@@ -156,12 +156,28 @@ impl<'k> Call<'k> {
         }
     }
 
+    /// Until when a reply to a request sent now may be read: the call's deadline, or a moment
+    /// past it for a request sent at its very end (the GET after a WAIT that ended just in
+    /// time), so that a healthy server is not called unresponsive for the caller's slowness.
+    fn reply_deadline(&self) -> Option<Instant> {
+        self.deadline
+            .map(|d| d.max(crate::deadline_after(Instant::now(), REPLY_GRACE)))
+    }
+
     /// The keys as the server sees them, for timeout errors.
     fn server_keys(&self) -> Vec<String> {
         let prefix = if self.prefixed { KEY_PREFIX } else { "" };
         self.keys.iter().map(|k| format!("{prefix}{k}")).collect()
     }
 }
+
+/// How long past its deadline a call still reads the reply to a request it sent in time.
+const REPLY_GRACE: Duration = Duration::from_millis(100);
+
+/// How long a WAIT that timed out waits for the server to confirm its CANCEL_WAIT. A live
+/// server answers at once; one that does not is stopped or hung, and the call fails as
+/// [`StoreError::Unresponsive`] instead of waiting a second timeout.
+const CANCEL_GRACE: Duration = Duration::from_millis(500);
 
 /// Why reading a reply stopped.
 enum ReadError {
@@ -180,7 +196,7 @@ impl TcpStore {
     /// that an unreachable server is reported at once; the others are opened when needed.
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self, StoreError> {
         let addr = format!("{host}:{port}");
-        let conn = connect_with_retry(host, port, &addr, timeout)?;
+        let conn = connect_with_retry(host, port, &addr, optional_deadline(timeout))?;
         Ok(TcpStore {
             addr,
             host: host.to_owned(),
@@ -233,9 +249,12 @@ impl TcpStore {
     }
 
     /// Increments `init/`; on the master, polls it every 10 ms until `world_size` clients have.
+    /// Every request of the join shares one deadline, so that a server that stops answering
+    /// midway fails the join within the timeout, not one timeout per poll.
     fn wait_for_workers(&self, world_size: usize) -> Result<(), StoreError> {
         let start = Instant::now();
-        let mut joined = self.add_raw("wait_for_workers", INIT_KEY, 1)?;
+        let deadline = optional_deadline(self.timeout);
+        let mut joined = self.add_raw("wait_for_workers", INIT_KEY, 1, deadline)?;
         if self.server.is_none() {
             return Ok(());
         }
@@ -250,7 +269,7 @@ impl TcpStore {
                 });
             }
             std::thread::sleep(Duration::from_millis(10));
-            joined = self.add_raw("wait_for_workers", INIT_KEY, 0)?;
+            joined = self.add_raw("wait_for_workers", INIT_KEY, 0, deadline)?;
         }
         Ok(())
     }
@@ -294,10 +313,17 @@ impl TcpStore {
         self.lock().peak
     }
 
-    fn add_raw(&self, op: &'static str, raw_key: &str, delta: i64) -> Result<i64, StoreError> {
+    fn add_raw(
+        &self,
+        op: &'static str,
+        raw_key: &str,
+        delta: i64,
+        deadline: Option<Instant>,
+    ) -> Result<i64, StoreError> {
         let keys = [raw_key];
         let mut call = Call::new(op, &keys, self.timeout);
         call.prefixed = false;
+        call.deadline = deadline;
         let req = Request::Add {
             key: raw_key.as_bytes().to_vec(),
             delta,
@@ -317,7 +343,7 @@ impl TcpStore {
     /// Lends a connection for `use_`: an idle one, else a new one while the pool has room, else
     /// the first one given back, waiting until the call's deadline.
     fn checkout(&self, use_: Use, call: &Call<'_>) -> Result<(Slot<'_>, Conn), StoreError> {
-        self.try_checkout(use_, call.deadline)?
+        self.try_checkout(use_, call.deadline, call)?
             .ok_or_else(|| self.timed_out(call))
     }
 
@@ -334,7 +360,7 @@ impl TcpStore {
         let mut pause = Duration::from_millis(5);
         loop {
             let until = earlier(call.deadline, optional_deadline(pause));
-            if let Some(lent) = self.try_checkout(Use::Blocking, until)? {
+            if let Some(lent) = self.try_checkout(Use::Blocking, until, call)? {
                 return Ok(Some(lent));
             }
             if call.deadline.is_some_and(|d| Instant::now() >= d) {
@@ -348,11 +374,12 @@ impl TcpStore {
     }
 
     /// [`checkout`](Self::checkout) until `until` (`None`: for ever); `Ok(None)` when it passed
-    /// with no place free.
+    /// with no place free. A new connection is opened within the call's own deadline.
     fn try_checkout(
         &self,
         use_: Use,
         until: Option<Instant>,
+        call: &Call<'_>,
     ) -> Result<Option<(Slot<'_>, Conn)>, StoreError> {
         let mut pool = self.lock();
         loop {
@@ -376,7 +403,7 @@ impl TcpStore {
                 drop(pool);
                 // Connect without the lock, so that other calls go on meanwhile. On failure
                 // the slot's drop gives the place back.
-                let conn = connect_with_retry(&self.host, self.port, &self.addr, self.timeout)?;
+                let conn = connect_with_retry(&self.host, self.port, &self.addr, call.deadline)?;
                 return Ok(Some((slot, conn)));
             }
             pool = match until {
@@ -447,21 +474,13 @@ impl TcpStore {
                 (ReplyKind::Pong, Some(nonce))
             }
         };
-        conn.stream
-            .write_all(&bytes)
-            .map_err(|e| self.io(call, e))?;
-        // Each request gets the whole timeout for its reply, also after a long WAIT.
-        let reply = match self.read_reply(conn, kind, optional_deadline(self.timeout), call) {
+        self.write_by(conn, call, &bytes)?;
+        // The server answers these at once: one that has not by the call's deadline is
+        // stopped or hung, whatever the keys.
+        let reply = match self.read_reply(conn, kind, call.reply_deadline(), call) {
             Ok(r) => r,
             Err(ReadError::Store(e)) => return Err(e),
-            Err(ReadError::TimedOut) => {
-                return Err(StoreError::Timeout {
-                    op: call.op,
-                    addr: self.addr.clone(),
-                    keys: call.server_keys(),
-                    waited: self.timeout,
-                });
-            }
+            Err(ReadError::TimedOut) => return Err(self.unresponsive(call)),
         };
         match (fence, reply) {
             (None, reply) => want(reply).map_err(|got| self.unexpected(call, &got)),
@@ -473,9 +492,64 @@ impl TcpStore {
     }
 
     fn send(&self, conn: &mut Conn, call: &Call<'_>, req: &Request) -> Result<(), StoreError> {
-        conn.stream
-            .write_all(&req.to_bytes())
-            .map_err(|e| self.io(call, e))
+        self.write_by(conn, call, &req.to_bytes())
+    }
+
+    /// Writes `bytes` before the call's reply deadline: a server that has stopped reading
+    /// fills its socket buffer, and the write would otherwise block for ever. The socket's
+    /// write timeout restarts with every partial write, so it is set to what is left before
+    /// each one.
+    fn write_by(&self, conn: &mut Conn, call: &Call<'_>, bytes: &[u8]) -> Result<(), StoreError> {
+        let deadline = call.reply_deadline();
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let left = match deadline {
+                None => None,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(self.unresponsive(call));
+                    }
+                    Some(left)
+                }
+            };
+            conn.stream
+                .set_write_timeout(left)
+                .map_err(|e| self.io(call, e))?;
+            match conn.stream.write(rest) {
+                Ok(0) => {
+                    return Err(self.io(
+                        call,
+                        io::Error::new(
+                            io::ErrorKind::WriteZero,
+                            "the store connection took no bytes",
+                        ),
+                    ));
+                }
+                Ok(n) => rest = &rest[n..],
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(self.unresponsive(call));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io(call, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The server did not take or answer a request before the call's deadline.
+    fn unresponsive(&self, call: &Call<'_>) -> StoreError {
+        StoreError::Unresponsive {
+            op: call.op,
+            addr: self.addr.clone(),
+            keys: call.server_keys(),
+            waited: call.start.elapsed(),
+        }
     }
 
     fn io(&self, call: &Call<'_>, source: io::Error) -> StoreError {
@@ -629,11 +703,16 @@ impl TcpStore {
         // Timed out: cancel. The server may have answered STOP_WAITING just before, and then
         // the keys are there after all.
         self.send(conn, call, &Request::CancelWait)?;
-        let cancel_deadline = optional_deadline(self.timeout.max(Duration::from_secs(1)));
+        let cancel_deadline = optional_deadline(CANCEL_GRACE);
         let mut b = self.read_flag(conn, cancel_deadline, call)?;
         let arrived = b == Some(STOP_WAITING);
         if arrived {
             b = self.read_flag(conn, cancel_deadline, call)?;
+        }
+        if b.is_none() {
+            // No answer at all: the server is stopped or hung (the connection, out of step
+            // now, is closed by the caller's slot).
+            return Err(self.unresponsive(call));
         }
         if b != Some(WAIT_CANCELED) {
             return Err(self.protocol(
@@ -702,25 +781,31 @@ impl Jitter {
     }
 }
 
+/// Connects and handshakes, retrying with backoff until `deadline` (`None`: for ever). Every
+/// attempt, the TCP connect and the VALIDATE/PING exchange, ends by the deadline: a stopped
+/// server's kernel still completes the TCP handshake, but nobody answers the PING.
 fn connect_with_retry(
     host: &str,
     port: u16,
     addr: &str,
-    timeout: Duration,
+    deadline: Option<Instant>,
 ) -> Result<Conn, StoreError> {
     let start = Instant::now();
     let mut jitter = Jitter::new();
     let mut delay = Duration::from_millis(10);
     let mut attempts = 0u32;
+    let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
     loop {
         attempts += 1;
-        let left = timeout.saturating_sub(start.elapsed());
-        let err = match try_connect(host, port, left.max(Duration::from_millis(10))) {
+        // An attempt with no time left still gets a moment, so that a deadline that passed
+        // while queueing for the pool reports why connecting failed.
+        let budget = left().map(|l| l.max(Duration::from_millis(10)));
+        let err = match try_connect(host, port, budget) {
             Ok(c) => return Ok(c),
             Err(e) => e,
         };
         let waited = start.elapsed();
-        if waited >= timeout {
+        if left().is_some_and(|l| l.is_zero()) {
             return Err(StoreError::Connect {
                 addr: addr.to_owned(),
                 attempts,
@@ -728,24 +813,28 @@ fn connect_with_retry(
                 source: err,
             });
         }
-        let sleep = delay
-            .mul_f64(jitter.factor())
-            .min(timeout.saturating_sub(waited));
+        let sleep = delay.mul_f64(jitter.factor());
+        let sleep = left().map_or(sleep, |l| sleep.min(l));
         tracing::debug!(
             "failed to connect/validate to host {addr} - retrying (try={attempts}, \
-             timeout={timeout:?}, delay={sleep:?}): {err}"
+             waited={waited:?}, delay={sleep:?}): {err}"
         );
         std::thread::sleep(sleep);
         delay = (delay * 2).min(Duration::from_secs(1));
     }
 }
 
-/// One attempt: TCP connect, VALIDATE, PING with our pid.
-fn try_connect(host: &str, port: u16, timeout: Duration) -> io::Result<Conn> {
+/// One attempt: TCP connect, VALIDATE, PING with our pid, all within `timeout` (`None`: no
+/// limit).
+fn try_connect(host: &str, port: u16, timeout: Option<Duration>) -> io::Result<Conn> {
     let addrs: Vec<SocketAddr> = (host, port).to_socket_addrs()?.collect();
     let mut last = io::Error::new(io::ErrorKind::NotFound, "host resolved to no address");
     for a in addrs {
-        match TcpStream::connect_timeout(&a, timeout) {
+        let stream = match timeout {
+            Some(t) => TcpStream::connect_timeout(&a, t),
+            None => TcpStream::connect(a),
+        };
+        match stream {
             Ok(stream) => match handshake(stream, timeout) {
                 Ok(c) => return Ok(c),
                 Err(e) => last = e,
@@ -756,8 +845,10 @@ fn try_connect(host: &str, port: u16, timeout: Duration) -> io::Result<Conn> {
     Err(last)
 }
 
-fn handshake(mut stream: TcpStream, timeout: Duration) -> io::Result<Conn> {
+fn handshake(mut stream: TcpStream, timeout: Option<Duration>) -> io::Result<Conn> {
     stream.set_nodelay(true)?;
+    let timeout = timeout.map(|t| t.max(Duration::from_millis(1)));
+    stream.set_write_timeout(timeout)?;
     let nonce = std::process::id();
     let mut hello = Request::Validate {
         magic: VALIDATION_MAGIC,
@@ -765,9 +856,23 @@ fn handshake(mut stream: TcpStream, timeout: Duration) -> io::Result<Conn> {
     .to_bytes();
     Request::Ping { nonce }.encode(&mut hello);
     stream.write_all(&hello)?;
-    stream.set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+    stream.set_read_timeout(timeout)?;
     let mut pong = [0u8; 4];
-    stream.read_exact(&mut pong)?;
+    stream.read_exact(&mut pong).map_err(|e| {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            // The kernel of a stopped host still completes the TCP handshake.
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the server accepted the connection but did not answer its PING \
+                 (its host may be stopped or hung)",
+            )
+        } else {
+            e
+        }
+    })?;
     if u32::from_le_bytes(pong) != nonce {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,

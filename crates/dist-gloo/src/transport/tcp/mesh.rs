@@ -254,7 +254,11 @@ fn connect_to(
     rank: usize,
     deadline: Instant,
 ) -> Result<TcpStream> {
-    let raw = store.get(&format!("{prefix}/addr/{peer}"))?;
+    // Waiting first bounds the lookup by the mesh's deadline, not the store's own timeout,
+    // which may be longer (a user's store) or have begun earlier.
+    let key = format!("{prefix}/addr/{peer}");
+    store.wait(&[&key], deadline.saturating_duration_since(Instant::now()))?;
+    let raw = store.get(&key)?;
     let text = String::from_utf8_lossy(&raw).into_owned();
     let addr: SocketAddr = text.parse().map_err(|_| Error::Init {
         what: format!(
