@@ -215,6 +215,31 @@ impl NcclBackend {
         Ok(())
     }
 
+    /// The root's extra buffer of a gather or scatter (`what`: "input" or "output"): required
+    /// on the root, refused on every other rank.
+    fn root_only<T>(
+        &self,
+        op: &'static str,
+        what: &str,
+        buf: Option<T>,
+        root: usize,
+    ) -> dist_backend::Result<Option<T>> {
+        match (buf, self.rank == root) {
+            (Some(b), true) => Ok(Some(b)),
+            (None, false) => Ok(None),
+            (None, true) => Err(dist_backend::Error::invalid(
+                self.rank,
+                op,
+                format!("the root must pass an {what}"),
+            )),
+            (Some(_), false) => Err(dist_backend::Error::invalid(
+                self.rank,
+                op,
+                format!("only the root ({root}) passes an {what}"),
+            )),
+        }
+    }
+
     fn check_rank(&self, op: &'static str, what: &str, r: usize) -> dist_backend::Result<()> {
         if r >= self.world_size {
             return Err(dist_backend::Error::invalid(
@@ -638,27 +663,13 @@ impl Backend for NcclBackend {
         let i = self.dev_ref(OP, input)?;
         let n = i.len() / dtype.size();
         self.check_len(OP, "input", &i, n, dtype)?;
-        let o = match (output, self.rank == root) {
-            (Some(o), true) => {
+        let o = match self.root_only(OP, "output", output, root)? {
+            Some(o) => {
                 let o = self.dev_mut(OP, o)?;
                 self.check_len(OP, "output", &o, n * self.world_size, dtype)?;
                 Some(o)
             }
-            (None, true) => {
-                return Err(dist_backend::Error::invalid(
-                    self.rank,
-                    OP,
-                    "the root must pass an output",
-                ));
-            }
-            (Some(_), false) => {
-                return Err(dist_backend::Error::invalid(
-                    self.rank,
-                    OP,
-                    format!("only the root ({root}) passes an output"),
-                ));
-            }
-            (None, false) => None,
+            None => None,
         };
         let mut bufs = vec![i];
         bufs.extend(o);
@@ -701,27 +712,13 @@ impl Backend for NcclBackend {
         let o = self.dev_mut(OP, output)?;
         let n = o.len() / dtype.size();
         self.check_len(OP, "output", &o, n, dtype)?;
-        let i = match (input, self.rank == root) {
-            (Some(i), true) => {
+        let i = match self.root_only(OP, "input", input, root)? {
+            Some(i) => {
                 let i = self.dev_ref(OP, i)?;
                 self.check_len(OP, "input", &i, n * self.world_size, dtype)?;
                 Some(i)
             }
-            (None, true) => {
-                return Err(dist_backend::Error::invalid(
-                    self.rank,
-                    OP,
-                    "the root must pass an input",
-                ));
-            }
-            (Some(_), false) => {
-                return Err(dist_backend::Error::invalid(
-                    self.rank,
-                    OP,
-                    format!("only the root ({root}) passes an input"),
-                ));
-            }
-            (None, false) => None,
+            None => None,
         };
         let mut bufs = vec![o];
         bufs.extend(i);
