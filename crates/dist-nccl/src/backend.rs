@@ -626,22 +626,11 @@ impl Backend for NcclBackend {
         self.run(OP, opts, &[i, o], i.len(), |c, s, seq| {
             // One group of send+recv per peer, zero sizes skipped (torch's all2all).
             grouped(rank, OP, seq, || {
+                let p = Pieces::new(c, s, rank, OP, seq);
                 let (mut so, mut ro) = (0, 0);
                 for r in 0..sc.len() {
-                    if sc[r] > 0 {
-                        // SAFETY: slice `so..so + sc[r]*sz` of `i` is within it.
-                        let res = unsafe {
-                            nccl::ncclSend(at(&i, so), sc[r] * sz, BYTES, r as c_int, c, s)
-                        };
-                        check(res, rank, OP, seq, "ncclSend")?;
-                    }
-                    if rc[r] > 0 {
-                        // SAFETY: slice `ro..ro + rc[r]*sz` of `o` is within it.
-                        let res = unsafe {
-                            nccl::ncclRecv(at(&o, ro), rc[r] * sz, BYTES, r as c_int, c, s)
-                        };
-                        check(res, rank, OP, seq, "ncclRecv")?;
-                    }
+                    p.send(&i, so, sc[r] * sz, r)?;
+                    p.recv(&o, ro, rc[r] * sz, r)?;
                     so += sc[r] * sz;
                     ro += rc[r] * sz;
                 }
@@ -677,24 +666,13 @@ impl Backend for NcclBackend {
         let bytes = i.len();
         self.run(OP, opts, &bufs, bytes, |c, s, seq| {
             grouped(rank, OP, seq, || {
+                let p = Pieces::new(c, s, rank, OP, seq);
                 if let Some(o) = &o {
                     for r in 0..world {
-                        if bytes > 0 {
-                            // SAFETY: slice r of `o` (world × bytes) is within it.
-                            let res = unsafe {
-                                nccl::ncclRecv(at(o, r * bytes), bytes, BYTES, r as c_int, c, s)
-                            };
-                            check(res, rank, OP, seq, "ncclRecv")?;
-                        }
+                        p.recv(o, r * bytes, bytes, r)?;
                     }
                 }
-                if bytes > 0 {
-                    // SAFETY: `i` holds `bytes` bytes.
-                    let res =
-                        unsafe { nccl::ncclSend(at(&i, 0), bytes, BYTES, root as c_int, c, s) };
-                    check(res, rank, OP, seq, "ncclSend")?;
-                }
-                Ok(())
+                p.send(&i, 0, bytes, root)
             })
         })
     }
@@ -726,24 +704,13 @@ impl Backend for NcclBackend {
         let bytes = o.len();
         self.run(OP, opts, &bufs, bytes, |c, s, seq| {
             grouped(rank, OP, seq, || {
+                let p = Pieces::new(c, s, rank, OP, seq);
                 if let Some(i) = &i {
                     for r in 0..world {
-                        if bytes > 0 {
-                            // SAFETY: slice r of `i` (world × bytes) is within it.
-                            let res = unsafe {
-                                nccl::ncclSend(at(i, r * bytes), bytes, BYTES, r as c_int, c, s)
-                            };
-                            check(res, rank, OP, seq, "ncclSend")?;
-                        }
+                        p.send(i, r * bytes, bytes, r)?;
                     }
                 }
-                if bytes > 0 {
-                    // SAFETY: `o` holds `bytes` bytes.
-                    let res =
-                        unsafe { nccl::ncclRecv(at(&o, 0), bytes, BYTES, root as c_int, c, s) };
-                    check(res, rank, OP, seq, "ncclRecv")?;
-                }
-                Ok(())
+                p.recv(&o, 0, bytes, root)
             })
         })
     }
@@ -827,5 +794,78 @@ impl Backend for NcclBackend {
 impl Drop for NcclBackend {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// The point-to-point pieces of one grouped NCCL call (gather, scatter, all_to_all): each piece
+/// is a byte range of a device buffer sent to or received from one peer.
+struct Pieces {
+    comm: ncclComm_t,
+    stream: nccl::cudaStream_t,
+    rank: usize,
+    op: &'static str,
+    seq: u64,
+}
+
+impl Pieces {
+    fn new(
+        comm: ncclComm_t,
+        stream: nccl::cudaStream_t,
+        rank: usize,
+        op: &'static str,
+        seq: u64,
+    ) -> Self {
+        Pieces {
+            comm,
+            stream,
+            rank,
+            op,
+            seq,
+        }
+    }
+
+    /// `ncclSend` of `b[offset..offset + len]` to `peer`; nothing when `len` is 0.
+    fn send(&self, b: &DeviceBuffer, offset: usize, len: usize, peer: usize) -> Result<()> {
+        self.piece(true, b, offset, len, peer)
+    }
+
+    /// `ncclRecv` into `b[offset..offset + len]` from `peer`; nothing when `len` is 0.
+    fn recv(&self, b: &DeviceBuffer, offset: usize, len: usize, peer: usize) -> Result<()> {
+        self.piece(false, b, offset, len, peer)
+    }
+
+    fn piece(
+        &self,
+        send: bool,
+        b: &DeviceBuffer,
+        offset: usize,
+        len: usize,
+        peer: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        // The callers checked every length against the buffers before the call; this keeps
+        // the range argument below local.
+        assert!(
+            offset + len <= b.len(),
+            "{}: piece {offset}..{} outside a {}-byte buffer",
+            self.op,
+            offset + len,
+            b.len()
+        );
+        let (ptr, peer) = (at(b, offset), peer as c_int);
+        // SAFETY: `offset..offset + len` lies within `b` (asserted above), whose `len()` bytes
+        // from `ptr()` are device memory valid on the communicator's device for this call
+        // (`DeviceBuffer::from_raw`'s contract); NCCL reads (send) or writes (recv) only them.
+        let res = unsafe {
+            if send {
+                nccl::ncclSend(ptr, len, BYTES, peer, self.comm, self.stream)
+            } else {
+                nccl::ncclRecv(ptr, len, BYTES, peer, self.comm, self.stream)
+            }
+        };
+        let call = if send { "ncclSend" } else { "ncclRecv" };
+        check(res, self.rank, self.op, self.seq, call)
     }
 }
