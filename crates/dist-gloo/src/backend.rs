@@ -44,7 +44,9 @@ impl GlooOptions {
     /// Defaults, overridden by `DIST_GLOO_SMALL_BYTES` ([`GlooOptions::small_bytes`]),
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
     /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning), `DIST_GLOO_CMA`
-    /// (`0` turns single-copy transfers between local ranks off) and `DIST_GLOO_CMA_MIN_BYTES`.
+    /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
+    /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh) and
+    /// `DIST_GLOO_SHM_RING_BYTES`.
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -65,6 +67,15 @@ impl GlooOptions {
         }
         if let Some(v) = var("DIST_GLOO_CMA_MIN_BYTES") {
             o.mesh.cross_memory_min_bytes = v;
+        }
+        if let Ok(v) = std::env::var("DIST_GLOO_TRANSPORT") {
+            match v.parse() {
+                Ok(mode) => o.mesh.transport = mode,
+                Err(why) => o.mesh.transport_error = Some(why),
+            }
+        }
+        if let Some(v) = var("DIST_GLOO_SHM_RING_BYTES") {
+            o.mesh.shm_ring_bytes = v;
         }
         o
     }

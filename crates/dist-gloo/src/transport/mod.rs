@@ -7,8 +7,8 @@
 //! while segment `k + 1` is still on the wire.
 //!
 //! Algorithms know nothing of sockets: [`tcp::TcpTransport`] runs them over a full TCP mesh and
-//! [`mem::MemTransport`] over in-process channels (for tests); a shared-memory transport can be
-//! added without touching them.
+//! [`mem::MemTransport`] over in-process channels (for tests); between ranks on one host the
+//! TCP mesh carries its frames through shared-memory rings instead ([`shm`]).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -17,6 +17,7 @@ use dist_backend::{Error, OpDesc, Result};
 use dist_wire::{CloseReason, CollectiveOp, DType, FrameHeader, NO_ROOT};
 
 pub mod mem;
+pub mod shm;
 pub mod tcp;
 
 /// Frames per segment: Gloo's `kMaxSegmentSize`.

@@ -10,6 +10,7 @@ use mio::{Interest, Poll, Token};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 use super::conn::Conn;
+use crate::transport::shm::TransportMode;
 
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"DSTH");
 
@@ -32,6 +33,18 @@ pub struct MeshOptions {
     pub cross_memory: bool,
     /// Smallest message sent that way.
     pub cross_memory_min_bytes: usize,
+    /// Shared-memory rings between ranks on one host, TCP between hosts, or one of the two
+    /// for every pair (see [`crate::transport::shm`]).
+    pub transport: TransportMode,
+    /// Data bytes of each shared-memory ring (rounded up to a power of two).
+    pub shm_ring_bytes: usize,
+    /// Overrides the host id that decides which ranks share memory
+    /// ([`crate::transport::shm::host_id`]); for tests that play several hosts in one
+    /// process. Ranks with different ids never use shared memory between them.
+    pub host_id: Option<String>,
+    /// An unreadable `DIST_GLOO_TRANSPORT` seen by `GlooOptions::from_env`, reported when
+    /// the mesh is built.
+    pub(crate) transport_error: Option<String>,
 }
 
 impl Default for MeshOptions {
@@ -44,6 +57,10 @@ impl Default for MeshOptions {
             socket_buffer: None,
             cross_memory: true,
             cross_memory_min_bytes: 256 << 10,
+            transport: TransportMode::Auto,
+            shm_ring_bytes: crate::transport::shm::DEFAULT_RING_BYTES,
+            host_id: None,
+            transport_error: None,
         }
     }
 }

@@ -3,6 +3,7 @@
 mod cma;
 mod conn;
 mod engine;
+mod link;
 mod linger;
 mod mesh;
 
@@ -16,7 +17,7 @@ pub use dist_backend::net::{local_ip, local_ip_with};
 pub use mesh::MeshOptions;
 pub(crate) use mesh::group_id;
 
-use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
+use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, shm};
 use engine::Engine;
 
 /// A full TCP mesh between the ranks of one group.
@@ -38,7 +39,26 @@ impl TcpTransport {
         world_size: usize,
         opts: &MeshOptions,
     ) -> Result<Self> {
-        let (poll, conns) = mesh::build(store, prefix, rank, world_size, opts)?;
+        if let Some(why) = &opts.transport_error {
+            return Err(dist_backend::Error::invalid(rank, "connect", why.clone()));
+        }
+        let (poll, mut conns) = mesh::build(store, prefix, rank, world_size, opts)?;
+        let rings = shm::negotiate(
+            store,
+            prefix,
+            rank,
+            world_size,
+            &shm::ShmOptions {
+                mode: opts.transport,
+                host_id: opts.host_id.clone(),
+                ring_bytes: opts.shm_ring_bytes,
+            },
+        )?;
+        for (slot, rings) in conns.iter_mut().zip(rings) {
+            if let Some(rings) = rings {
+                *slot = slot.take().map(|c| c.use_rings(rings));
+            }
+        }
         let cma = cma::Cma::negotiate(
             store,
             prefix,
@@ -61,6 +81,16 @@ impl TcpTransport {
                 aborted: false,
             }),
         })
+    }
+
+    /// The peers whose frames travel through shared memory (indexed by rank; false at this
+    /// rank and for peers reached over TCP).
+    pub fn shared_memory_peers(&self) -> Vec<bool> {
+        let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        eng.conns
+            .iter()
+            .map(|c| c.as_ref().is_some_and(conn::Conn::is_shm))
+            .collect()
     }
 
     /// Changes how long a step busy-polls before sleeping.
