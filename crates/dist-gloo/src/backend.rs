@@ -163,6 +163,12 @@ impl GlooBackend {
         self.transport.messages_by_reference_per_peer()
     }
 
+    /// The peers this rank reaches through shared-memory rings rather than sockets (indexed by
+    /// rank; see [`MeshOptions::transport`]): for tests and diagnostics.
+    pub fn shared_memory_peers(&self) -> Vec<bool> {
+        self.transport.shared_memory_peers()
+    }
+
     /// `world_size` backends connected in memory, one per rank: the real algorithms with no
     /// sockets.
     pub fn in_memory(world_size: usize, opts: &GlooOptions) -> Vec<GlooBackend> {

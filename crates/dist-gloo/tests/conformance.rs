@@ -6,6 +6,7 @@ mod common;
 
 use common::{assert_close, decode, encode, on_all, reference, tcp_world, tcp_world_with, value};
 use dist_backend::{Backend, BufMut, BufRef, OpOptions};
+use dist_gloo::transport::shm::TransportMode;
 use dist_gloo::transport::tcp::cross_memory_available;
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
@@ -245,8 +246,18 @@ fn check_p2p(ranks: &[GlooBackend]) {
     });
 }
 
-fn over_tcp(n: usize) {
-    let ranks = tcp_world(n, &gloo_opts());
+/// Every check on `n` ranks whose pairs all use `mode`, with or without single-copy transfers.
+fn over(n: usize, mode: TransportMode, cross_memory: bool) {
+    let mut o = gloo_opts();
+    o.mesh.transport = mode;
+    o.mesh.cross_memory = cross_memory;
+    let ranks = tcp_world(n, &o);
+    for b in &ranks {
+        let want: Vec<bool> = (0..n)
+            .map(|p| p != b.rank() && mode == TransportMode::Shm)
+            .collect();
+        assert_eq!(b.shared_memory_peers(), want, "ws {n} {mode:?}: rank {}", b.rank());
+    }
     check_all_reduce(&ranks);
     check_movement(&ranks);
     check_p2p(&ranks);
@@ -255,9 +266,39 @@ fn over_tcp(n: usize) {
     let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
     assert_eq!(
         by_ref > 0,
-        n > 1 && cross_memory_available(),
+        n > 1 && cross_memory && cross_memory_available(),
         "ws {n}: {by_ref} messages sent by reference"
     );
+}
+
+fn over_tcp(n: usize) {
+    over(n, TransportMode::Tcp, true);
+}
+
+fn over_shm(n: usize) {
+    over(n, TransportMode::Shm, true);
+}
+
+/// Ranks playing two hosts in one process (host ids a, a, b, b, a): rings within each host,
+/// sockets between them, in one group, and every check passes across the mix.
+#[test]
+fn a_mixed_group_uses_shared_memory_within_a_host_and_tcp_between_hosts() {
+    let hosts = ["a", "a", "b", "b", "a"];
+    let ranks = tcp_world_with(hosts.len(), |r| {
+        let mut o = gloo_opts();
+        o.mesh.host_id = Some(hosts[r].to_string());
+        o
+    });
+    for b in &ranks {
+        let me = b.rank();
+        let want: Vec<bool> = (0..hosts.len())
+            .map(|p| p != me && hosts[p] == hosts[me])
+            .collect();
+        assert_eq!(b.shared_memory_peers(), want, "rank {me}");
+    }
+    check_all_reduce(&ranks);
+    check_movement(&ranks);
+    check_p2p(&ranks);
 }
 
 /// A rank that opts out of single-copy transfers neither sends nor is sent anything by
@@ -301,14 +342,13 @@ fn a_rank_without_cross_memory_mixes_with_ranks_that_have_it() {
 
 #[test]
 fn world_size_3_over_tcp_without_cross_memory() {
-    let mut o = gloo_opts();
-    o.mesh.cross_memory = false;
-    let ranks = tcp_world(3, &o);
-    check_all_reduce(&ranks);
-    check_movement(&ranks);
-    check_p2p(&ranks);
-    let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
-    assert_eq!(by_ref, 0, "every byte must have gone through the sockets");
+    over(3, TransportMode::Tcp, false);
+}
+
+/// Every byte through the rings, the large counts included.
+#[test]
+fn world_size_3_over_shm_without_cross_memory() {
+    over(3, TransportMode::Shm, false);
 }
 
 #[test]
@@ -334,6 +374,31 @@ fn world_size_4_over_tcp() {
 #[test]
 fn world_size_5_over_tcp() {
     over_tcp(5);
+}
+
+#[test]
+fn world_size_1_over_shm() {
+    over_shm(1);
+}
+
+#[test]
+fn world_size_2_over_shm() {
+    over_shm(2);
+}
+
+#[test]
+fn world_size_3_over_shm() {
+    over_shm(3);
+}
+
+#[test]
+fn world_size_4_over_shm() {
+    over_shm(4);
+}
+
+#[test]
+fn world_size_5_over_shm() {
+    over_shm(5);
 }
 
 #[test]

@@ -195,6 +195,11 @@ pub trait Transport: Send + Sync {
     fn messages_by_reference(&self) -> u64 {
         self.messages_by_reference_per_peer().iter().sum()
     }
+    /// The peers whose frames travel through shared memory rather than sockets (indexed by
+    /// rank; all false for transports that never use it).
+    fn shared_memory_peers(&self) -> Vec<bool> {
+        vec![false; self.world_size()]
+    }
     /// [`Transport::messages_by_reference`] split by the receiving peer (indexed by rank;
     /// all zero for transports that never send by reference).
     fn messages_by_reference_per_peer(&self) -> Vec<u64> {

@@ -86,39 +86,53 @@ pub(crate) struct Rings {
 }
 
 /// What a rank publishes about itself.
-enum Record {
-    /// Takes no part (`DIST_GLOO_TRANSPORT=tcp`, or it could not make its segment).
-    Off,
-    /// Its segment: ring bytes, process, descriptor, host id.
-    Shm {
-        cap: usize,
-        pid: u32,
-        fd: i32,
-        host: String,
-    },
+struct Record {
+    /// It asked for shared memory with every peer (`DIST_GLOO_TRANSPORT=shm`): a pair with it
+    /// that cannot use rings fails on both sides.
+    strict: bool,
+    /// Its segment, `None` when it takes no part (`DIST_GLOO_TRANSPORT=tcp`, or it could not
+    /// make one).
+    seg: Option<Locator>,
+}
+
+/// Where a rank's segment is: ring bytes, process, descriptor, host id.
+struct Locator {
+    cap: usize,
+    pid: u32,
+    fd: i32,
+    host: String,
 }
 
 impl Record {
     fn encode(&self) -> String {
-        match self {
-            Record::Off => "off".into(),
-            Record::Shm { cap, pid, fd, host } => format!("shm {cap} {pid} {fd} {host}"),
+        let strict = u8::from(self.strict);
+        match &self.seg {
+            None => format!("{strict} off"),
+            Some(Locator { cap, pid, fd, host }) => {
+                format!("{strict} shm {cap} {pid} {fd} {host}")
+            }
         }
     }
 
     fn decode(b: &[u8]) -> Option<Record> {
         let s = std::str::from_utf8(b).ok()?;
-        if s == "off" {
-            return Some(Record::Off);
-        }
         let mut it = s.split(' ');
-        (it.next()? == "shm").then_some(())?;
-        Some(Record::Shm {
-            cap: it.next()?.parse().ok()?,
-            pid: it.next()?.parse().ok()?,
-            fd: it.next()?.parse().ok()?,
-            host: it.next()?.to_string(),
-        })
+        let strict = match it.next()? {
+            "0" => false,
+            "1" => true,
+            _ => return None,
+        };
+        let seg = match it.next()? {
+            "off" => None,
+            "shm" => Some(Locator {
+                cap: it.next()?.parse().ok()?,
+                pid: it.next()?.parse().ok()?,
+                fd: it.next()?.parse().ok()?,
+                host: it.next()?.to_string(),
+            }),
+            _ => return None,
+        };
+        Some(Record { strict, seg })
     }
 }
 
@@ -179,42 +193,57 @@ pub(crate) fn negotiate(
             }
         }
     }
-    let me = match seg.as_ref().and_then(Segment::locator) {
-        Some((pid, fd)) => Record::Shm {
-            cap: seg.as_ref().map_or(0, Segment::cap),
-            pid,
-            fd,
-            host: host.clone(),
-        },
-        None => Record::Off,
+    let me = Record {
+        strict: shm,
+        seg: seg
+            .as_ref()
+            .and_then(|s| s.locator().map(|(pid, fd)| (s.cap(), pid, fd)))
+            .map(|(cap, pid, fd)| Locator {
+                cap,
+                pid,
+                fd,
+                host: host.clone(),
+            }),
     };
     store.set(&format!("{prefix}/shm/{rank}"), me.encode().as_bytes())?;
 
-    // Round 1: open the segment of every peer on this host.
+    // Round 1: open the segment of every peer on this host; for the others, why not.
     let mut txs: Vec<Option<TxRing>> = (0..world).map(|_| None).collect();
     let mut why_not: Vec<Option<Error>> = (0..world).map(|_| None).collect();
+    let mut strict: Vec<bool> = vec![shm; world];
     for peer in (0..world).filter(|&p| p != rank) {
         let raw = store.get(&format!("{prefix}/shm/{peer}"))?;
-        let unsupported = |what: String| Error::Unsupported {
-            rank,
-            backend: "gloo",
-            what: format!("DIST_GLOO_TRANSPORT=shm with rank {peer}: {what}"),
-        };
         let theirs = Record::decode(&raw);
-        why_not[peer] = match (&me, theirs) {
-            (Record::Off, _) => None,
+        let unsupported = |what: String| {
+            let who = match &theirs {
+                Some(t) if t.strict && !shm => format!("rank {peer} asked for"),
+                _ => "this rank asked for".to_string(),
+            };
+            Error::Unsupported {
+                rank,
+                backend: "gloo",
+                what: format!(
+                    "shared memory with rank {peer} ({who} DIST_GLOO_TRANSPORT=shm): {what}"
+                ),
+            }
+        };
+        strict[peer] |= theirs.as_ref().is_some_and(|t| t.strict);
+        why_not[peer] = match (&me.seg, theirs.as_ref().map(|t| &t.seg)) {
             (_, None) => Some(unsupported(format!(
                 "it published an unreadable record {:?}",
                 String::from_utf8_lossy(&raw)
             ))),
-            (_, Some(Record::Off)) => Some(unsupported(
+            (None, _) => Some(unsupported(
+                "this rank takes no part in shared memory (DIST_GLOO_TRANSPORT=tcp, or it could not make its segment)".into(),
+            )),
+            (_, Some(None)) => Some(unsupported(
                 "it takes no part in shared memory (DIST_GLOO_TRANSPORT=tcp, or it could not make its segment)".into(),
             )),
-            (_, Some(Record::Shm { host: h, .. })) if h != host => Some(unsupported(format!(
+            (_, Some(Some(Locator { host: h, .. }))) if *h != host => Some(unsupported(format!(
                 "it runs on another host or in other namespaces (host id {h}, this rank's {host})"
             ))),
-            (_, Some(Record::Shm { cap, pid, fd, .. })) => {
-                match segment::open_peer(pid, fd, world, cap, rank) {
+            (_, Some(Some(Locator { cap, pid, fd, .. }))) => {
+                match segment::open_peer(*pid, *fd, world, *cap, rank) {
                     Ok(tx) => {
                         txs[peer] = Some(tx);
                         None
@@ -246,12 +275,14 @@ pub(crate) fn negotiate(
                 source,
             })?;
             out[peer] = Some(Rings { rx, tx });
-        } else if shm && own_err.is_none() {
+        } else if strict[peer] && own_err.is_none() {
+            // Both sides of the pair know that one of them is strict and that not both opened
+            // the other's segment, so both fail, each naming the other.
             own_err = Some(why_not[peer].take().unwrap_or_else(|| Error::Unsupported {
                 rank,
                 backend: "gloo",
                 what: format!(
-                    "DIST_GLOO_TRANSPORT=shm with rank {peer}: it could not open this rank's shared-memory segment (see its error)"
+                    "shared memory with rank {peer} (DIST_GLOO_TRANSPORT=shm): it could not open this rank's segment (its error says why)"
                 ),
             }));
         }

@@ -83,16 +83,6 @@ impl TcpTransport {
         })
     }
 
-    /// The peers whose frames travel through shared memory (indexed by rank; false at this
-    /// rank and for peers reached over TCP).
-    pub fn shared_memory_peers(&self) -> Vec<bool> {
-        let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
-        eng.conns
-            .iter()
-            .map(|c| c.as_ref().is_some_and(conn::Conn::is_shm))
-            .collect()
-    }
-
     /// Changes how long a step busy-polls before sleeping.
     pub fn set_spin(&self, spin: Duration) {
         self.engine.lock().unwrap_or_else(|e| e.into_inner()).spin = spin;
@@ -128,6 +118,14 @@ impl Transport for TcpTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .probe(peer, tag)
+    }
+
+    fn shared_memory_peers(&self) -> Vec<bool> {
+        let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        eng.conns
+            .iter()
+            .map(|c| c.as_ref().is_some_and(conn::Conn::is_shm))
+            .collect()
     }
 
     fn messages_by_reference_per_peer(&self) -> Vec<u64> {
