@@ -45,8 +45,8 @@ impl GlooOptions {
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
     /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning), `DIST_GLOO_CMA`
     /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
-    /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh) and
-    /// `DIST_GLOO_SHM_RING_BYTES`.
+    /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
+    /// `DIST_GLOO_BUSY_SPIN_NS` and `DIST_GLOO_SHM_RING_BYTES`.
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -73,6 +73,9 @@ impl GlooOptions {
                 Ok(mode) => o.mesh.transport = mode,
                 Err(why) => o.mesh.transport_error = Some(why),
             }
+        }
+        if let Some(v) = var("DIST_GLOO_BUSY_SPIN_NS") {
+            o.mesh.busy_spin = Some(std::time::Duration::from_nanos(v as u64));
         }
         if let Some(v) = var("DIST_GLOO_SHM_RING_BYTES") {
             o.mesh.shm_ring_bytes = v;

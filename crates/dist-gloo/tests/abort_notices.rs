@@ -284,8 +284,14 @@ fn every_survivor_names_the_killed_rank(env: &[(&str, &str)]) {
         let shm = !env.contains(&("DIST_GLOO_TRANSPORT", "tcp"));
         for (rank, w) in workers.0.iter().enumerate() {
             let (memfd, named) = shared_mappings(w.id());
-            assert_eq!(memfd, shm, "rank {rank} maps a shared-memory segment: {memfd}");
-            assert!(named.is_empty(), "rank {rank} maps named shared memory: {named:?}");
+            assert_eq!(
+                memfd, shm,
+                "rank {rank} maps a shared-memory segment: {memfd}"
+            );
+            assert!(
+                named.is_empty(),
+                "rank {rank} maps named shared memory: {named:?}"
+            );
         }
         workers.0[victim].kill().expect("kill the victim");
         let _ = workers.0[victim].wait();

@@ -256,7 +256,12 @@ fn over(n: usize, mode: TransportMode, cross_memory: bool) {
         let want: Vec<bool> = (0..n)
             .map(|p| p != b.rank() && mode == TransportMode::Shm)
             .collect();
-        assert_eq!(b.shared_memory_peers(), want, "ws {n} {mode:?}: rank {}", b.rank());
+        assert_eq!(
+            b.shared_memory_peers(),
+            want,
+            "ws {n} {mode:?}: rank {}",
+            b.rank()
+        );
     }
     check_all_reduce(&ranks);
     check_movement(&ranks);

@@ -43,7 +43,10 @@ fn shm_between_hosts_is_an_error_naming_the_peer_on_every_rank() {
     let hosts = ["x", "x", "y"];
     let outs = connect_all(3, |r| opts(TransportMode::Shm, hosts[r]));
     for (r, out) in outs.iter().enumerate() {
-        let e = out.as_ref().expect_err("shm across hosts must fail").to_string();
+        let e = out
+            .as_ref()
+            .expect_err("shm across hosts must fail")
+            .to_string();
         let peer = if r == 2 { 0 } else { 2 };
         assert!(
             e.contains(&format!("rank {r}"))

@@ -21,10 +21,17 @@ pub(crate) struct ShmLink {
     rings: Rings,
     /// The connection has ended: what the ring still holds is all there is.
     eof: bool,
+    /// Reads that found the ring empty since it last had bytes.
+    idle: u32,
 }
 
 /// Bytes of doorbells read per call.
 const DOORBELLS: usize = 64;
+
+/// An empty ring is read in a tight loop while the engine spins; the connection (a system
+/// call, longer than a small message's whole trip through the ring) is looked at only on
+/// every this many empty reads, and before every sleep ([`ShmLink::arm`]).
+const IDLE_READS_PER_CHECK: u32 = 64;
 
 impl ShmLink {
     /// A link over `rings`, with `stream` the pair's connection.
@@ -33,6 +40,7 @@ impl ShmLink {
             stream,
             rings,
             eof: false,
+            idle: 0,
         }
     }
 
@@ -67,7 +75,11 @@ impl ShmLink {
     /// when its ring is full) and reports whether the rings changed meanwhile, in which case
     /// it must not sleep. See [`super::ring`] for why no wake-up is lost.
     pub(crate) fn arm(&mut self) -> io::Result<bool> {
-        let mut ready = self.rings.rx.arm()?;
+        // The doorbells that woke the last sleep are read here, so that the next doorbell
+        // makes the connection readable again; an end found here is news for the engine.
+        let was_open = !self.eof;
+        let ended = !self.read_doorbells()?;
+        let mut ready = self.rings.rx.arm()? || (was_open && ended);
         if self.rings.tx.full()? {
             ready |= self.rings.tx.arm()?;
         }
@@ -139,13 +151,18 @@ impl Read for ShmLink {
                 self.ring_doorbell();
             }
             if k > 0 {
+                self.idle = 0;
                 return Ok(k);
             }
             if self.eof {
                 return Ok(0);
             }
-            // Empty: the doorbells tell whether the peer is still there. After its EOF the
-            // ring is read once more (the peer wrote before it closed).
+            self.idle = self.idle.wrapping_add(1);
+            if !self.idle.is_multiple_of(IDLE_READS_PER_CHECK) {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            // Empty for a while: the connection tells whether the peer is still there. After
+            // its EOF the ring is read once more (the peer wrote before it closed).
             if self.read_doorbells()? && self.rings.rx.ready()? == 0 {
                 return Err(io::ErrorKind::WouldBlock.into());
             }

@@ -61,6 +61,25 @@ impl FromStr for TransportMode {
 /// rarely waits for its reader (a power of two).
 pub const DEFAULT_RING_BYTES: usize = 2 << 20;
 
+/// How long a rank waiting for a peer on this host busy-waits before it starts yielding its
+/// core (see `MeshOptions::busy_spin`): a round trip through the rings between two cores takes
+/// well under a microsecond, a yield that lets another process run costs a time slice.
+pub const DEFAULT_BUSY_SPIN: std::time::Duration = std::time::Duration::from_micros(2);
+
+/// CPUs online on this machine (not this process's affinity, which a launcher may have
+/// narrowed to one core per rank), from `/sys/devices/system/cpu/online` ("0-3,8-11").
+pub fn online_cpus() -> Option<usize> {
+    let list = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
+    let mut n = 0;
+    for part in list.trim().split(',') {
+        n += match part.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().ok()?.checked_sub(a.parse().ok()?)? + 1,
+            None => part.parse::<usize>().map(|_| 1).ok()?,
+        };
+    }
+    Some(n)
+}
+
 /// This machine and kernel namespaces, as far as sharing memory goes: the boot id (one per
 /// running kernel) and the network and pid namespaces (the pid in a segment's locator is only
 /// meaningful in the pid namespace that issued it; the network namespace is what the multi-
@@ -69,13 +88,10 @@ pub fn host_id() -> io::Result<String> {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?;
     let net = std::fs::read_link("/proc/self/ns/net")?;
     let pid = std::fs::read_link("/proc/self/ns/pid")?;
-    Ok(format!(
-        "{}/{}/{}",
-        boot.trim(),
-        net.display(),
-        pid.display()
+    Ok(
+        format!("{}/{}/{}", boot.trim(), net.display(), pid.display())
+            .replace(char::is_whitespace, ""),
     )
-    .replace(char::is_whitespace, ""))
 }
 
 /// The two rings of a pair, seen from this rank.

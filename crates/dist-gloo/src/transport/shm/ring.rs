@@ -26,7 +26,10 @@
 //! other side's store (the store-buffering litmus test with fences), so either the sleeper sees
 //! the new counter and does not sleep, or the other side sees the flag and rings the doorbell.
 
-#![allow(unsafe_code, reason = "the ring lives in memory shared with another process")]
+#![allow(
+    unsafe_code,
+    reason = "the ring lives in memory shared with another process"
+)]
 
 use std::io::{self, IoSlice};
 use std::sync::Arc;
@@ -354,7 +357,10 @@ mod tests {
         rx.read(&mut out).expect("read");
         assert!(!rx.arm().expect("arm"), "nothing arrived");
         assert!(tx.write(&[IoSlice::new(b"c")]).expect("write").wake);
-        assert!(!tx.write(&[IoSlice::new(b"d")]).expect("write").wake, "one doorbell per sleep");
+        assert!(
+            !tx.write(&[IoSlice::new(b"d")]).expect("write").wake,
+            "one doorbell per sleep"
+        );
         assert!(rx.arm().expect("arm"), "bytes are there: do not sleep");
         rx.disarm();
         // The writer's cached `head` is stale: the second write finds the space the first

@@ -35,8 +35,11 @@ pub(crate) struct Segment {
 impl Segment {
     /// A zeroed segment of `world` rings of `cap` bytes (a power of two), sealed at that size.
     pub(crate) fn create(world: usize, cap: usize) -> io::Result<Self> {
-        let fd = memfd_create(c"dist-gloo-shm", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
-            .map_err(io::Error::from)?;
+        let fd = memfd_create(
+            c"dist-gloo-shm",
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .map_err(io::Error::from)?;
         let file = File::from(fd);
         let len = world
             .checked_mul(slot_bytes(cap))

@@ -59,6 +59,8 @@ pub(super) struct Engine {
     /// How long to keep retrying before sleeping in the poller: waking a sleeping process costs
     /// more than the whole of a small message's round trip.
     pub(super) spin: Duration,
+    /// The first part of `spin`, busy-waiting without yielding the core.
+    pub(super) busy_spin: Duration,
     /// Single-copy transfers with the peers on this host, when they are possible.
     pub(super) cma: Option<Cma>,
     /// How long closing waits for each peer to close its end (the group's timeout).
@@ -276,6 +278,7 @@ impl Engine {
             done: false,
         }));
         let mut spin_until: Option<Instant> = None;
+        let mut idle_since: Option<Instant> = None;
         loop {
             let mut progress = false;
             let mut pending = false;
@@ -332,6 +335,7 @@ impl Engine {
             }
             if progress {
                 spin_until = None;
+                idle_since = None;
                 continue;
             }
             let now = Instant::now();
@@ -361,7 +365,15 @@ impl Engine {
             }
             let until = *spin_until.get_or_insert(dist_backend::deadline_after(now, self.spin));
             if now < until {
-                std::thread::yield_now();
+                // A CPU spin first: a peer on another core answers through shared memory
+                // within a microsecond, while a yield on a busy host may hand the core to
+                // another process for a whole time slice. Then yields, which let a peer that
+                // shares this core run.
+                if now.duration_since(*idle_since.get_or_insert(now)) < self.busy_spin {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
                 continue;
             }
             self.wait(ctx, recvs, rx, ctx.deadline - now)?;

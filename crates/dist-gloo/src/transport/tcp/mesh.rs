@@ -25,6 +25,11 @@ pub struct MeshOptions {
     pub segment_bytes: usize,
     /// Busy-poll time before sleeping.
     pub spin: Duration,
+    /// The first part of `spin` that does not even yield the core; `None` picks
+    /// [`crate::transport::shm::DEFAULT_BUSY_SPIN`] when this host's ranks of the group (those
+    /// reached through shared memory, and this one) are no more than its CPUs, else zero
+    /// (a rank that spins on a core its peer needs only delays the peer).
+    pub busy_spin: Option<Duration>,
     /// Kernel socket buffer sizes; `None` keeps Linux's autotuning.
     pub socket_buffer: Option<usize>,
     /// Copy large collective messages between ranks on one host straight out of the sender's
@@ -54,6 +59,7 @@ impl Default for MeshOptions {
             timeout: Duration::from_secs(300),
             segment_bytes: crate::transport::DEFAULT_SEGMENT_BYTES,
             spin: Duration::from_micros(50),
+            busy_spin: None,
             socket_buffer: None,
             cross_memory: true,
             cross_memory_min_bytes: 256 << 10,

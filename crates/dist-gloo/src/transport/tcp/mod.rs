@@ -3,8 +3,8 @@
 mod cma;
 mod conn;
 mod engine;
-mod link;
 mod linger;
+mod link;
 mod mesh;
 
 use std::sync::Mutex;
@@ -54,11 +54,20 @@ impl TcpTransport {
                 ring_bytes: opts.shm_ring_bytes,
             },
         )?;
+        let mut local_ranks = 1;
         for (slot, rings) in conns.iter_mut().zip(rings) {
             if let Some(rings) = rings {
                 *slot = slot.take().map(|c| c.use_rings(rings));
+                local_ranks += 1;
             }
         }
+        let busy_spin = opts.busy_spin.unwrap_or_else(|| {
+            if local_ranks > 1 && shm::online_cpus().is_some_and(|n| local_ranks <= n) {
+                shm::DEFAULT_BUSY_SPIN
+            } else {
+                Duration::ZERO
+            }
+        });
         let cma = cma::Cma::negotiate(
             store,
             prefix,
@@ -76,6 +85,7 @@ impl TcpTransport {
                 events: mio::Events::with_capacity(64),
                 conns,
                 spin: opts.spin,
+                busy_spin,
                 cma,
                 linger: opts.timeout,
                 aborted: false,
