@@ -61,11 +61,6 @@ impl FromStr for TransportMode {
 /// rarely waits for its reader (a power of two).
 pub const DEFAULT_RING_BYTES: usize = 2 << 20;
 
-/// How long a rank waiting for a peer on this host busy-waits before it starts yielding its
-/// core (see `MeshOptions::busy_spin`): a round trip through the rings between two cores takes
-/// well under a microsecond, a yield that lets another process run costs a time slice.
-pub const DEFAULT_BUSY_SPIN: std::time::Duration = std::time::Duration::from_micros(2);
-
 /// CPUs online on this machine (not this process's affinity, which a launcher may have
 /// narrowed to one core per rank), from `/sys/devices/system/cpu/online` ("0-3,8-11").
 pub fn online_cpus() -> Option<usize> {

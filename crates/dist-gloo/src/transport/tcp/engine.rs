@@ -365,10 +365,10 @@ impl Engine {
             }
             let until = *spin_until.get_or_insert(dist_backend::deadline_after(now, self.spin));
             if now < until {
-                // A CPU spin first: a peer on another core answers through shared memory
-                // within a microsecond, while a yield on a busy host may hand the core to
-                // another process for a whole time slice. Then yields, which let a peer that
-                // shares this core run.
+                // A CPU spin first (see `MeshOptions::busy_spin`): a peer on another core
+                // answers through shared memory within a microsecond, while a yield on a busy
+                // host may hand the core to another process for a whole time slice. Then
+                // yields, which let a peer that shares this core run.
                 if now.duration_since(*idle_since.get_or_insert(now)) < self.busy_spin {
                     std::hint::spin_loop();
                 } else {

@@ -63,7 +63,7 @@ impl TcpTransport {
         }
         let busy_spin = opts.busy_spin.unwrap_or_else(|| {
             if local_ranks > 1 && shm::online_cpus().is_some_and(|n| local_ranks <= n) {
-                shm::DEFAULT_BUSY_SPIN
+                opts.spin
             } else {
                 Duration::ZERO
             }
