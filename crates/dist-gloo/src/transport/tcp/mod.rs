@@ -160,3 +160,29 @@ impl Transport for TcpTransport {
             .close(self.rank);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use dist_backend::Error;
+    use dist_backend::store::HashStore;
+
+    use super::*;
+
+    /// `GlooOptions::from_env` keeps an unreadable `DIST_GLOO_TRANSPORT` for the mesh to refuse,
+    /// naming the rank and the value, before it touches the store.
+    #[test]
+    fn an_unreadable_transport_choice_fails_the_mesh_naming_it() {
+        let store = HashStore::new(Duration::from_secs(1));
+        let opts = MeshOptions {
+            transport_error: "udp".parse::<shm::TransportMode>().err(),
+            ..MeshOptions::default()
+        };
+        let e = TcpTransport::connect(&store, "t", 1, 2, &opts).expect_err("refused");
+        assert!(
+            matches!(&e, Error::InvalidArgument { rank: 1, reason, .. } if reason.contains("DIST_GLOO_TRANSPORT=\"udp\"")),
+            "{e}"
+        );
+    }
+}
