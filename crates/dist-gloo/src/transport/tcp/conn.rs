@@ -105,8 +105,12 @@ impl Conn {
             self.end -= self.start;
             self.start = 0;
         }
+        // A socket is read for all it has (one system call for many small frames); a ring
+        // only for what is needed, so that a payload that follows is copied straight into its
+        // destination by `read_payload` rather than through the staging buffer.
+        let room = if self.is_shm() { n } else { STAGING };
         while self.end < n {
-            match self.link.read(&mut self.staging[self.end..]) {
+            match self.link.read(&mut self.staging[self.end..room]) {
                 Ok(0) => return Ok(Io::Ready(false)),
                 Ok(k) => self.end += k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Io::WouldBlock),
@@ -177,7 +181,8 @@ impl Conn {
             return Ok(Io::Ready(0));
         }
         if self.staged() == 0 {
-            if dst.len() >= STAGING / 2 {
+            // A ring is read straight into `dst` at any size (see `fill`).
+            if dst.len() >= STAGING / 2 || self.is_shm() {
                 return loop {
                     match self.link.read(dst) {
                         Ok(k) => break Ok(Io::Ready(k)),
