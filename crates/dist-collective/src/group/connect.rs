@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dist_backend::store::PrefixStore;
 use dist_backend::{Backend, Store};
@@ -137,10 +137,15 @@ fn agree_connected(
             e,
         )
     };
-    store.set(&key(rank), b"1").map_err(store_err)?;
+    // One deadline for the whole agreement, so that a store that stops answering after the
+    // write does not give the wait a second timeout.
+    let deadline = dist_backend::deadline_after(Instant::now(), timeout);
+    store
+        .set_by(&key(rank), b"1", deadline)
+        .map_err(store_err)?;
     let keys: Vec<String> = (0..world_size).map(key).collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    store.wait(&keys, timeout).map_err(store_err)
+    store.wait_by(&keys, deadline).map_err(store_err)
 }
 
 impl ProcessGroup {

@@ -44,8 +44,10 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
     // Each init over one store gets its own namespace, so a job may destroy and re-create its
     // world: every rank of one generation increments the counter before any rank can start
     // the next (the mesh of the first needs them all).
+    // Bounded by the init's timeout, not the store's own (an explicit store may have another).
+    let deadline = dist_backend::deadline_after(std::time::Instant::now(), opts.timeout);
     let n = store
-        .add("dist/world_inits", 1)
+        .add_by("dist/world_inits", 1, deadline)
         .map_err(|e| Error::store(rank, "init_process_group: counting inits", e))?;
     let generation = (n.max(1) as u64 - 1) / world_size as u64;
     let prefix = if generation == 0 {
