@@ -5,13 +5,14 @@
 //! holder lets go.
 //!
 //! The test binary re-runs itself as the holder: it takes the lock on the store file (as a
-//! `FileStore` writer does for the length of one call), prints `LOCKED` and waits for a line
-//! on stdin before it exits; the parent stops it once it has printed `LOCKED`.
+//! `FileStore` writer does for the length of one call) and stops itself with SIGSTOP; the
+//! parent learns of the stop from `waitpid(WUNTRACED)`. Once resumed, the holder waits for a
+//! line on stdin and exits.
 
 use std::fs::OpenOptions;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -43,10 +44,10 @@ fn child() {
         "shared" => file.lock_shared().expect("shared lock"),
         other => panic!("unknown mode {other}"),
     }
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "LOCKED");
-    let _ = out.flush();
-    drop(out);
+    // Stopped with the lock held, until the parent resumes it.
+    // SAFETY: raise(3) sends a signal to this process; it touches no memory.
+    let rc = unsafe { libc::raise(libc::SIGSTOP) };
+    assert_eq!(rc, 0, "raise(SIGSTOP)");
     let mut line = String::new();
     let _ = std::io::stdin().read_line(&mut line);
     // Exiting closes the file, which releases the lock.
@@ -56,85 +57,48 @@ fn child() {
 struct Holder {
     child: Child,
     stdin: Option<ChildStdin>,
-    /// Kept open: the holder's harness prints its result after ours, and a closed pipe would
-    /// fail it.
-    _stdout: BufReader<ChildStdout>,
 }
 
 impl Holder {
-    /// Starts a holder of `mode` (`exclusive`, `shared`) on `path`, returns once it holds the
-    /// lock and every one of its threads is stopped.
+    /// Starts a holder of `mode` (`exclusive`, `shared`) on `path`; returns once it has taken
+    /// the lock and stopped itself.
     fn stopped(mode: &str, path: &Path) -> Holder {
         let exe = std::env::current_exe().expect("test binary path");
         let mut child = Command::new(exe)
-            .args([
-                "--ignored",
-                "--exact",
-                "child",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+            .args(["--ignored", "--exact", "child", "--test-threads=1"])
             .env(
                 "DIST_FILE_LOCK_HOLDER",
                 format!("{mode},{}", path.display()),
             )
             .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
+            .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn the holder");
         let stdin = child.stdin.take();
-        let mut out = BufReader::new(child.stdout.take().expect("piped stdout"));
-        let mut line = String::new();
-        // The harness may print "test child ... " on the same line before ours.
-        while !line.contains("LOCKED") {
-            line.clear();
-            let n = out.read_line(&mut line).expect("read the holder's stdout");
-            assert!(n > 0, "the holder exited before it took the lock");
-        }
-        let h = Holder {
-            child,
-            stdin,
-            _stdout: out,
-        };
-        h.signal(libc::SIGSTOP);
-        h.wait_stopped();
-        h
+        let pid = libc::pid_t::try_from(child.id()).expect("pid fits pid_t");
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our own child, writing only to `status`, a local we own. With
+        // WUNTRACED it reports the child's stop without reaping it, so `Child` still owns it.
+        let rc = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) };
+        assert_eq!(rc, pid, "waitpid on the holder");
+        assert!(
+            libc::WIFSTOPPED(status),
+            "the holder ended before it stopped with the lock (status {status:#x})"
+        );
+        Holder { child, stdin }
     }
 
-    fn signal(&self, sig: libc::c_int) {
+    fn resume(&self) {
         let pid = libc::pid_t::try_from(self.child.id()).expect("pid fits pid_t");
-        // SAFETY: kill(2) on our own child's pid; it touches no memory of ours.
-        let rc = unsafe { libc::kill(pid, sig) };
-        assert!(rc == 0 || sig == libc::SIGCONT, "kill({pid}, {sig}) failed");
-    }
-
-    /// Returns once every thread of the holder is stopped (kill(2) only queues SIGSTOP).
-    fn wait_stopped(&self) {
-        let tasks = format!("/proc/{}/task", self.child.id());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let all = std::fs::read_dir(&tasks)
-                .expect("list the holder's threads")
-                .all(|t| {
-                    let stat =
-                        std::fs::read_to_string(t.expect("thread entry").path().join("stat"))
-                            .unwrap_or_default();
-                    // The state follows the parenthesised command name.
-                    stat.rsplit_once(") ")
-                        .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
-                });
-            if all {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the holder did not stop");
-            thread::yield_now();
-        }
+        // SAFETY: kill(2) on our own child's pid; it touches no memory of ours. A child that
+        // has exited already makes it fail harmlessly.
+        let _ = unsafe { libc::kill(pid, libc::SIGCONT) };
     }
 
     /// Resumes the holder and lets it exit, which releases the lock; returns once it has.
     fn release(mut self) {
-        self.signal(libc::SIGCONT);
+        self.resume();
         if let Some(mut stdin) = self.stdin.take() {
             let _ = writeln!(stdin, "go");
         }
@@ -145,7 +109,7 @@ impl Holder {
 
 impl Drop for Holder {
     fn drop(&mut self) {
-        self.signal(libc::SIGCONT);
+        self.resume();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -155,20 +155,12 @@ impl FileStore {
         keys: &[&str],
         deadline: Instant,
     ) -> Result<MutexGuard<'_, State>, StoreError> {
-        let start = Instant::now();
-        let mut backoff = Backoff::new(deadline);
-        loop {
-            match self.state.try_lock() {
-                Ok(g) => return Ok(g),
-                // A thread that panicked holding it left nothing half-done that matters.
-                Err(TryLockError::Poisoned(e)) => return Ok(e.into_inner()),
-                Err(TryLockError::WouldBlock) => {
-                    if !backoff.pause() {
-                        return Err(self.lock_held(op, keys, start));
-                    }
-                }
-            }
-        }
+        self.retry(op, keys, deadline, || match self.state.try_lock() {
+            Ok(g) => Ok(Some(g)),
+            // A thread that panicked holding it left nothing half-done that matters.
+            Err(TryLockError::Poisoned(e)) => Ok(Some(e.into_inner())),
+            Err(TryLockError::WouldBlock) => Ok(None),
+        })
     }
 
     /// Takes the file's `flock` without blocking, retrying until `deadline`: a holder that is
@@ -181,21 +173,36 @@ impl FileStore {
         keys: &[&str],
         deadline: Instant,
     ) -> Result<Flock<'f>, StoreError> {
-        let start = Instant::now();
-        let mut backoff = Backoff::new(deadline);
-        loop {
+        self.retry(op, keys, deadline, || {
             let tried = match kind {
                 LockKind::Shared => file.try_lock_shared(),
                 LockKind::Exclusive => file.try_lock(),
             };
             match tried {
-                Ok(()) => return Ok(Flock(file)),
-                Err(std::fs::TryLockError::Error(e)) => return Err(self.io(op, keys, e)),
-                Err(std::fs::TryLockError::WouldBlock) => {
-                    if !backoff.pause() {
-                        return Err(self.lock_held(op, keys, start));
-                    }
-                }
+                Ok(()) => Ok(Some(Flock(file))),
+                Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+                Err(std::fs::TryLockError::Error(e)) => Err(self.io(op, keys, e)),
+            }
+        })
+    }
+
+    /// Runs `attempt` until it takes what it tries to (`Some`), pausing between tries, or
+    /// fails with [`StoreError::LockHeld`] once `deadline` has passed.
+    fn retry<T>(
+        &self,
+        op: &'static str,
+        keys: &[&str],
+        deadline: Instant,
+        mut attempt: impl FnMut() -> Result<Option<T>, StoreError>,
+    ) -> Result<T, StoreError> {
+        let start = Instant::now();
+        let mut backoff = Backoff::new(deadline);
+        loop {
+            if let Some(taken) = attempt()? {
+                return Ok(taken);
+            }
+            if !backoff.pause() {
+                return Err(self.lock_held(op, keys, start));
             }
         }
     }
