@@ -126,6 +126,12 @@ fn prepared(dir: &Path) -> PathBuf {
 }
 
 type Call = fn(&FileStore) -> Result<(), StoreError>;
+type CallBy = fn(&FileStore, Instant) -> Result<(), StoreError>;
+/// A call as a thread runs it, with its operation's name.
+type Named = (
+    &'static str,
+    Box<dyn Fn(&FileStore) -> Result<(), StoreError> + Send>,
+);
 
 /// Every store call, plain (bounded by the store's timeout).
 const PLAIN: [(&str, Call); 15] = [
@@ -153,7 +159,7 @@ fn by(
     move |s| f(s, Instant::now() + T)
 }
 
-const BY: [(&str, fn(&FileStore, Instant) -> Result<(), StoreError>); 6] = [
+const BY: [(&str, CallBy); 6] = [
     ("set", |s, d| s.set_by("k", b"w", d)),
     ("get", |s, d| s.get_by("k", d).map(drop)),
     ("add", |s, d| s.add_by("n", 1, d).map(drop)),
@@ -167,10 +173,7 @@ const BY: [(&str, fn(&FileStore, Instant) -> Result<(), StoreError>); 6] = [
 fn run_all(
     path: &Path,
     timeout: Duration,
-    calls: Vec<(
-        &'static str,
-        Box<dyn Fn(&FileStore) -> Result<(), StoreError> + Send>,
-    )>,
+    calls: Vec<Named>,
 ) -> Vec<(&'static str, Duration, Result<(), StoreError>)> {
     let path = Arc::new(path.to_path_buf());
     let threads: Vec<_> = calls
@@ -211,7 +214,7 @@ fn every_call_ends_by_its_deadline_while_a_stopped_process_holds_the_lock() {
 
     let plain = PLAIN
         .iter()
-        .map(|&(op, f)| (op, Box::new(f) as Box<dyn Fn(&FileStore) -> _ + Send>))
+        .map(|&(op, f)| -> Named { (op, Box::new(f)) })
         .collect();
     for r in run_all(&path, T, plain) {
         assert_lock_held(&path, &r);
@@ -219,7 +222,7 @@ fn every_call_ends_by_its_deadline_while_a_stopped_process_holds_the_lock() {
     // The `_by` forms on a store whose timeout is a minute: the caller's deadline ends them.
     let by_calls = BY
         .iter()
-        .map(|&(op, f)| (op, Box::new(by(f)) as Box<dyn Fn(&FileStore) -> _ + Send>))
+        .map(|&(op, f)| -> Named { (op, Box::new(by(f))) })
         .collect();
     for r in run_all(&path, LONG, by_calls) {
         assert_lock_held(&path, &r);
@@ -246,7 +249,7 @@ fn a_stopped_reader_blocks_writers_but_not_readers() {
     assert!(reader.check(&["k", "n"]).unwrap());
     assert_eq!(reader.queue_len("q").unwrap(), 1);
 
-    let writes: Vec<(&'static str, Box<dyn Fn(&FileStore) -> _ + Send>)> = vec![
+    let writes: Vec<Named> = vec![
         ("set", Box::new(|s: &FileStore| s.set("k", b"w"))),
         ("add", Box::new(|s: &FileStore| s.add("n", 1).map(drop))),
         (

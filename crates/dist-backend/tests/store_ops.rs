@@ -198,7 +198,8 @@ fn by_deadline_forms_do_what_the_plain_ones_do(s: &dyn Store) {
 /// The store's timeout is 10 s; each call's own deadline, `SHORT` from now, ends it.
 fn by_deadline_waits_end_by_the_callers_deadline(s: &dyn Store) {
     assert_eq!(s.timeout(), TIMEOUT);
-    let calls: [(&str, &dyn Fn(Instant) -> Result<(), StoreError>); 4] = [
+    type Call<'a> = &'a dyn Fn(Instant) -> Result<(), StoreError>;
+    let calls: [(&str, Call<'_>); 4] = [
         ("get", &|d| s.get_by("missing", d).map(drop)),
         ("wait", &|d| s.wait_by(&["missing"], d)),
         ("multi_get", &|d| {

@@ -198,7 +198,8 @@ fn connecting_to_a_frozen_server_fails_in_time() {
 #[test]
 fn by_deadline_calls_keep_the_callers_deadline_when_the_server_freezes() {
     const LONG: Duration = Duration::from_secs(60);
-    let calls: [(&str, fn(&TcpStore, Instant) -> Result<(), StoreError>); 6] = [
+    type CallBy = fn(&TcpStore, Instant) -> Result<(), StoreError>;
+    let calls: [(&str, CallBy); 6] = [
         ("set_by", |s, d| s.set_by("k", b"v", d)),
         ("add_by", |s, d| s.add_by("n", 1, d).map(drop)),
         ("get_by", |s, d| s.get_by("k", d).map(drop)),

@@ -5,7 +5,7 @@
 //!   `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` with the master on the first host
 //!   of `SLURM_JOB_NODELIST`; else Open MPI's `OMPI_COMM_WORLD_RANK`/`_SIZE`/`_LOCAL_RANK`/
 //!   `_LOCAL_SIZE`; else PMI's `PMI_RANK`/`PMI_SIZE` (with MPICH's `MPI_LOCALRANKID`/
-//!   `MPI_LOCALNRANKS` when set). Rank 0 hosts the [`TcpStore`] server on
+//!   `MPI_LOCALNRANKS` when set). Rank 0 hosts the [`TcpStore`](crate::store::TcpStore) server on
 //!   `MASTER_ADDR:MASTER_PORT`, as torch does; the others connect. When the launcher runs the
 //!   store itself (torchrun and `distrun` set `TORCHELASTIC_USE_AGENT_STORE=True`), rank 0
 //!   connects as a client too, and every key lives under `/worker/attempt_<n>` with `n` from
@@ -13,7 +13,7 @@
 //!   the attempt before it.
 //! * `tcp://host:port`: the same TCP store, with rank and world size given explicitly (as
 //!   arguments or `?rank=..&world_size=..`).
-//! * `file:///path`: a [`FileStore`] at that path.
+//! * `file:///path`: a [`FileStore`](crate::store::FileStore) at that path.
 //!
 //! The environment is read through a lookup function, so tests (and embedders) pass a map
 //! instead of mutating the process environment.

@@ -145,7 +145,7 @@ impl Drop for GroupInner {
 /// Every collective must be called by every rank of the group in the same order. Blocking forms
 /// borrow their buffers and run on the caller's thread once the group's earlier operations are
 /// done; `*_async` forms take ownership of their buffers and run on the group's worker thread
-/// (see [`Work`]). Point-to-point operations run on a separate engine with its own connections
+/// (see [`Work`](crate::Work)). Point-to-point operations run on a separate engine with its own connections
 /// and do not wait for collectives.
 #[derive(Clone)]
 pub struct ProcessGroup {

@@ -31,7 +31,7 @@ impl std::fmt::Debug for InitMethod {
     }
 }
 
-/// Options of [`init_process_group`] (torch's keyword arguments), built with chained setters.
+/// Options of [`init_process_group`](crate::init_process_group) (torch's keyword arguments), built with chained setters.
 ///
 /// ```
 /// use std::time::Duration;
@@ -84,7 +84,7 @@ impl InitOptions {
     }
 
     /// The directory a group's first failure dumps its flight recorder into (one JSON file
-    /// per group and rank, see [`ProcessGroup::dump_flight_recorder`]), instead of
+    /// per group and rank, see [`ProcessGroup::dump_flight_recorder`](crate::ProcessGroup::dump_flight_recorder)), instead of
     /// `DIST_FLIGHT_RECORDER_DIR`'s. Without either, the dump goes into a `warn` event.
     pub fn flight_recorder_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.flight_dir = Some(dir.into());

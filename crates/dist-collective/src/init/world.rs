@@ -8,7 +8,7 @@ use crate::group::{GroupConfig, ProcessGroup};
 use crate::{Error, Result};
 
 /// Creates a process group over all ranks of the job **without** making it the default one
-/// (what [`crate::testing::run_world`] uses; most programs call [`init_process_group`]).
+/// (what [`crate::testing::run_world`] uses; most programs call [`init_process_group`](crate::init_process_group)).
 pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
     // A bad or uncompiled backend fails here, before any rendezvous.
     crate::backend_spec::BackendSpec::parse(&opts.backend)?
