@@ -1,7 +1,7 @@
 //! The typed collectives of [`ProcessGroup`]: blocking forms on the caller's thread, `*_async`
 //! forms on the group's worker.
 
-use dist_backend::{BufMut, BufRef};
+use dist_backend::{Backend, BufMut, BufRef, OpOptions};
 use dist_wire::{Element, ReduceOp};
 
 use super::ProcessGroup;
@@ -20,63 +20,73 @@ pub(super) fn bytes_mut<T: Element>(s: &mut [T]) -> BufMut<'_> {
 }
 
 impl ProcessGroup {
+    /// Runs the in-place collective `op` (one buffer, the same length on every rank) on
+    /// this thread in the group's order; `run` calls the backend on the buffer's bytes.
+    fn in_place<T: Element>(
+        &self,
+        op: &'static str,
+        root: Option<usize>,
+        buf: &mut [T],
+        run: impl FnOnce(&dyn Backend, BufMut<'_>, &OpOptions) -> dist_backend::Result<()>,
+    ) -> Result<()> {
+        let fp = fingerprint(op, Some(T::DTYPE), buf.len(), root);
+        self.coll(info::<T>(op, vec![buf.len()], root), Some(fp), |b, o| {
+            Ok(run(b, bytes_mut(buf), o)?)
+        })
+    }
+
+    /// [`in_place`](Self::in_place) on the worker, owning the buffer, which `wait` gives back.
+    fn in_place_async<T: Element>(
+        &self,
+        op: &'static str,
+        root: Option<usize>,
+        mut buf: Vec<T>,
+        run: impl FnOnce(&dyn Backend, BufMut<'_>, &OpOptions) -> dist_backend::Result<()>
+        + Send
+        + 'static,
+    ) -> Result<Work<Vec<T>>> {
+        let fp = fingerprint(op, Some(T::DTYPE), buf.len(), root);
+        self.coll_async(
+            info::<T>(op, vec![buf.len()], root),
+            Some(fp),
+            move |b, o| {
+                run(b, bytes_mut(&mut buf), o)?;
+                Ok(buf)
+            },
+        )
+    }
+
     /// Reduces `buf` across the group in place; every rank ends with the same values.
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.check_reduce::<T>("all_reduce", op)?;
-        let fp = fingerprint("all_reduce", Some(T::DTYPE), buf.len(), None);
-        self.coll(
-            info::<T>("all_reduce", vec![buf.len()], None),
-            Some(fp),
-            |b, o| Ok(b.all_reduce(bytes_mut(buf), T::DTYPE, op, o)?),
-        )
+        self.in_place("all_reduce", None, buf, |b, buf, o| {
+            b.all_reduce(buf, T::DTYPE, op, o)
+        })
     }
 
     /// [`all_reduce`](ProcessGroup::all_reduce) on the worker; `wait` gives back the reduced
     /// buffer.
-    pub fn all_reduce_async<T: Element>(
-        &self,
-        mut buf: Vec<T>,
-        op: ReduceOp,
-    ) -> Result<Work<Vec<T>>> {
+    pub fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Work<Vec<T>>> {
         self.check_reduce::<T>("all_reduce", op)?;
-        let fp = fingerprint("all_reduce", Some(T::DTYPE), buf.len(), None);
-        self.coll_async(
-            info::<T>("all_reduce", vec![buf.len()], None),
-            Some(fp),
-            move |b, o| {
-                b.all_reduce(bytes_mut(&mut buf), T::DTYPE, op, o)?;
-                Ok(buf)
-            },
-        )
+        self.in_place_async("all_reduce", None, buf, move |b, buf, o| {
+            b.all_reduce(buf, T::DTYPE, op, o)
+        })
     }
 
     /// Copies `root`'s `buf` into every other rank's `buf` (same length on every rank).
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_root("broadcast", root)?;
-        let fp = fingerprint("broadcast", Some(T::DTYPE), buf.len(), Some(root));
-        self.coll(
-            info::<T>("broadcast", vec![buf.len()], Some(root)),
-            Some(fp),
-            |b, o| Ok(b.broadcast(bytes_mut(buf), T::DTYPE, root, o)?),
-        )
+        self.in_place("broadcast", Some(root), buf, |b, buf, o| {
+            b.broadcast(buf, T::DTYPE, root, o)
+        })
     }
 
     /// [`broadcast`](ProcessGroup::broadcast) on the worker; `wait` gives back the buffer.
-    pub fn broadcast_async<T: Element>(
-        &self,
-        mut buf: Vec<T>,
-        root: usize,
-    ) -> Result<Work<Vec<T>>> {
+    pub fn broadcast_async<T: Element>(&self, buf: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
         self.check_root("broadcast", root)?;
-        let fp = fingerprint("broadcast", Some(T::DTYPE), buf.len(), Some(root));
-        self.coll_async(
-            info::<T>("broadcast", vec![buf.len()], Some(root)),
-            Some(fp),
-            move |b, o| {
-                b.broadcast(bytes_mut(&mut buf), T::DTYPE, root, o)?;
-                Ok(buf)
-            },
-        )
+        self.in_place_async("broadcast", Some(root), buf, move |b, buf, o| {
+            b.broadcast(buf, T::DTYPE, root, o)
+        })
     }
 
     /// Reduces `buf` across the group into `root`'s `buf`; other ranks' buffers are left in an
@@ -84,35 +94,24 @@ impl ProcessGroup {
     pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         self.check_root("reduce", root)?;
         self.check_reduce::<T>("reduce", op)?;
-        let fp = fingerprint("reduce", Some(T::DTYPE), buf.len(), Some(root));
-        self.coll(
-            info::<T>("reduce", vec![buf.len()], Some(root)),
-            Some(fp),
-            |b, o| Ok(b.reduce(bytes_mut(buf), T::DTYPE, op, root, o)?),
-        )
+        self.in_place("reduce", Some(root), buf, |b, buf, o| {
+            b.reduce(buf, T::DTYPE, op, root, o)
+        })
     }
 
     /// [`reduce`](ProcessGroup::reduce) on the worker; `wait` gives back the buffer.
     pub fn reduce_async<T: Element>(
         &self,
-        mut buf: Vec<T>,
+        buf: Vec<T>,
         op: ReduceOp,
         root: usize,
     ) -> Result<Work<Vec<T>>> {
         self.check_root("reduce", root)?;
         self.check_reduce::<T>("reduce", op)?;
-        let fp = fingerprint("reduce", Some(T::DTYPE), buf.len(), Some(root));
-        self.coll_async(
-            info::<T>("reduce", vec![buf.len()], Some(root)),
-            Some(fp),
-            move |b, o| {
-                b.reduce(bytes_mut(&mut buf), T::DTYPE, op, root, o)?;
-                Ok(buf)
-            },
-        )
+        self.in_place_async("reduce", Some(root), buf, move |b, buf, o| {
+            b.reduce(buf, T::DTYPE, op, root, o)
+        })
     }
-
-    // ---- all_gather ---------------------------------------------------------------------------
 
     /// Gathers every rank's `input` (equal lengths) into `output`, rank by rank (torch's
     /// `all_gather_into_tensor`). `output.len()` must be `input.len() * world_size`.
