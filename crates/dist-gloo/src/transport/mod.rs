@@ -107,14 +107,20 @@ impl StepCtx {
     }
 
     /// The error for peers that had not delivered by the deadline.
-    pub fn timeout(&self, mut missing_peers: Vec<usize>) -> Error {
+    pub fn timeout(&self, missing_peers: Vec<usize>) -> Error {
+        self.timeout_at(Instant::now(), missing_peers)
+    }
+
+    /// [`StepCtx::timeout`] as seen at `now` (the protocol core is given the time, it never
+    /// reads a clock).
+    pub fn timeout_at(&self, now: Instant, mut missing_peers: Vec<usize>) -> Error {
         missing_peers.sort_unstable();
         missing_peers.dedup();
         Error::Timeout {
             rank: self.rank,
             op: self.op,
             seq: self.seq,
-            waited: self.started.elapsed(),
+            waited: now.saturating_duration_since(self.started),
             missing_peers,
         }
     }
@@ -285,6 +291,16 @@ pub(crate) fn judge(
 /// The error for a step that met `peer`'s `Close` frame giving `reason` (or whose connection to
 /// `peer` was already closed for it).
 pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> Error {
+    closed_error_at(ctx, Instant::now(), peer, reason)
+}
+
+/// [`closed_error`] as seen at `now`.
+pub(crate) fn closed_error_at(
+    ctx: &StepCtx,
+    now: Instant,
+    peer: usize,
+    reason: &CloseReason,
+) -> Error {
     match *reason {
         CloseReason::Lost { culprit } if culprit as usize != ctx.rank => ctx.peer_lost(
             culprit as usize,
@@ -300,7 +316,7 @@ pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> 
             rank: ctx.rank,
             op: ctx.op,
             seq: ctx.seq,
-            waited: ctx.started.elapsed(),
+            waited: now.saturating_duration_since(ctx.started),
             missing_peers: vec![culprit as usize],
         },
         CloseReason::Stalled { .. } => ctx.peer_lost(
