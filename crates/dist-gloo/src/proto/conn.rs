@@ -48,6 +48,8 @@ pub(super) struct Conn {
     pub(super) end: usize,
     /// A stashed frame still being read: its header, its payload buffer and how much is in.
     pub(super) partial: Option<(FrameHeader, Vec<u8>, usize)>,
+    /// Payload bytes of a frame a failed step was reading, to be dropped.
+    pub(super) skip: usize,
     pub(super) stash: VecDeque<(FrameHeader, Vec<u8>)>,
     pub(super) state: PeerState,
     /// A `Close` frame was read or the input ended: nothing more is parsed.
@@ -71,6 +73,7 @@ impl Conn {
             start: 0,
             end: 0,
             partial: None,
+            skip: 0,
             stash: VecDeque::new(),
             state: PeerState::Open,
             input_done: false,

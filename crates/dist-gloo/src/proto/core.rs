@@ -247,14 +247,9 @@ impl Core {
         if step.finished {
             return Status::Done;
         }
-        for peer in sends.iter().zip(&step.tx).filter(|(_, t)| !t.done).map(|(s, _)| s.peer) {
-            if let Err(e) = self.usable(&ctx, peer, now) {
-                step.fail(e);
-                return Status::Failed;
-            }
-        }
-        for peer in recvs.iter().zip(&step.rx).filter(|(_, r)| !r.done).map(|(r, _)| r.peer) {
-            if let Err(e) = self.usable(&ctx, peer, now) {
+        let missing = step.missing(sends, recvs);
+        for &peer in &missing {
+            if let Err(e) = self.usable(&ctx, peer, now, &missing) {
                 step.fail(e);
                 return Status::Failed;
             }
@@ -263,10 +258,9 @@ impl Core {
         // either (a peer that merely left may have finished and exited: not a failure).
         for peer in 0..self.conns.len() {
             if let Some(c) = self.conns[peer].as_mut()
-                && c.unreported_abort
+                && std::mem::take(&mut c.unreported_abort)
             {
-                c.unreported_abort = false;
-                let e = lost_or_left(&ctx, now, peer, &c.state);
+                let e = self.peer_error(&ctx, now, peer, &missing);
                 step.fail(e);
                 return Status::Failed;
             }
@@ -374,17 +368,52 @@ impl Core {
         }
     }
 
-    /// `Ok` when `peer` can still take part in the step.
-    fn usable(&self, ctx: &StepCtx, peer: usize, now: Instant) -> Result<()> {
+    /// TEMP debug.
+    pub fn debug_summary(&self, step: &Step) -> String {
+        let mut out = format!("rx {:?} tx {:?}\n", step.rx, step.tx.iter().map(|t| (t.frame, t.hdr_done, t.payload_done, t.done)).collect::<Vec<_>>());
+        for (p, c) in self.conns.iter().enumerate() {
+            if let Some(c) = c {
+                out += &format!("  peer {p}: staged {} start {} partial {:?} stash {} mid {} ctl {} state {:?} skip {} target {:?}\n", c.staged(), c.start, c.partial.as_ref().map(|(h, v, f)| (h.tag, v.len(), *f)), c.stash.len(), c.mid_frame, c.ctl_pending().len(), c.state, c.skip, c.target);
+            }
+        }
+        out
+    }
+
+    /// `Ok` when `peer` can still take part in the step, which waits for `missing`.
+    fn usable(&self, ctx: &StepCtx, peer: usize, now: Instant, missing: &[usize]) -> Result<()> {
         match self.conns.get(peer) {
             Some(Some(c)) if c.state == PeerState::Open => Ok(()),
-            Some(Some(c)) => Err(lost_or_left(ctx, now, peer, &c.state)),
+            Some(Some(_)) => Err(self.peer_error(ctx, now, peer, missing)),
             _ => Err(Error::invalid(
                 ctx.rank,
                 ctx.op.name(),
                 format!("no connection to rank {peer}"),
             )),
         }
+    }
+
+    /// The error for a step waiting for `missing` that cannot go on with `peer`, whose side
+    /// is not open. A peer that timed out waiting for `culprit` passes its blame on only to
+    /// ranks that wait for it: a rank waiting for others names those instead, since its own
+    /// waits lead further down the chain towards the stalled rank than those of a peer it
+    /// does not wait for.
+    fn peer_error(&self, ctx: &StepCtx, now: Instant, peer: usize, missing: &[usize]) -> Error {
+        let Some(Some(c)) = self.conns.get(peer) else {
+            return ctx.peer_lost(peer, "its connection is gone");
+        };
+        if let PeerState::Aborted(CloseReason::Stalled { culprit }) = c.state
+            && culprit as usize != ctx.rank
+            && !missing.contains(&peer)
+        {
+            let gave_up = |p: usize| {
+                matches!(self.conns.get(p), Some(Some(c)) if matches!(c.state, PeerState::Aborted(CloseReason::Stalled { .. })))
+            };
+            let own: Vec<usize> = missing.iter().copied().filter(|&p| !gave_up(p)).collect();
+            if !own.is_empty() {
+                return ctx.timeout_at(now, own);
+            }
+        }
+        lost_or_left(ctx, now, peer, &c.state)
     }
 
     /// Whether `e` was learnt from another rank's abort notice rather than seen by this rank.
@@ -510,10 +539,23 @@ fn process(
     peer: usize,
     on_frame: &mut OnFrame<'_>,
 ) {
+    if step.live().is_none() {
+        // A failed step leaves a frame it was reading half read: the rest of its payload is
+        // skipped, so that the stream stays readable for the notices after it.
+        for rx in step.rx.iter_mut().filter(|r| r.peer == peer) {
+            if let Some((flen, done)) = rx.cur.take() {
+                conn.skip += flen - done;
+            }
+        }
+    }
     loop {
-        if conn.input_done {
-            conn.start = conn.end;
-            return;
+        if conn.skip > 0 {
+            let k = conn.skip.min(conn.staged());
+            conn.start += k;
+            conn.skip -= k;
+            if conn.skip > 0 {
+                return;
+            }
         }
         if let Some((_, v, filled)) = &mut conn.partial {
             let k = conn.end.saturating_sub(conn.start).min(v.len() - *filled);
@@ -581,6 +623,11 @@ fn process(
                 }
                 continue;
             }
+        }
+        // Nothing follows a `Close` (or the end of the input) but what was stashed before it.
+        if conn.input_done {
+            conn.start = conn.end;
+            return;
         }
         if conn.staged() < HEADER_LEN {
             return;
