@@ -254,6 +254,10 @@ impl Core {
                 return Status::Failed;
             }
         }
+        // A step whose every message moved is done, whatever arrived after.
+        if missing.is_empty() {
+            return Status::Done;
+        }
         // A peer this step does not use that aborted the group: the step cannot complete
         // either (a peer that merely left may have finished and exited: not a failure).
         for peer in 0..self.conns.len() {
@@ -264,9 +268,6 @@ impl Core {
                 step.fail(e);
                 return Status::Failed;
             }
-        }
-        if step.tx.iter().all(|t| t.done) && step.rx.iter().all(|r| r.done) {
-            return Status::Done;
         }
         if now >= ctx.deadline {
             step.fail(ctx.timeout_at(now, step.missing(sends, recvs)));
@@ -366,17 +367,6 @@ impl Core {
         if let Some(slot) = self.conns.get_mut(peer) {
             *slot = None;
         }
-    }
-
-    /// TEMP debug.
-    pub fn debug_summary(&self, step: &Step) -> String {
-        let mut out = format!("rx {:?} tx {:?}\n", step.rx, step.tx.iter().map(|t| (t.frame, t.hdr_done, t.payload_done, t.done)).collect::<Vec<_>>());
-        for (p, c) in self.conns.iter().enumerate() {
-            if let Some(c) = c {
-                out += &format!("  peer {p}: staged {} start {} partial {:?} stash {} mid {} ctl {} state {:?} skip {} target {:?}\n", c.staged(), c.start, c.partial.as_ref().map(|(h, v, f)| (h.tag, v.len(), *f)), c.stash.len(), c.mid_frame, c.ctl_pending().len(), c.state, c.skip, c.target);
-            }
-        }
-        out
     }
 
     /// `Ok` when `peer` can still take part in the step, which waits for `missing`.

@@ -232,11 +232,6 @@ impl RankSim {
         }
         let at = base + now;
         match self.core.poll(step, &outs, &mut ins, &mut on_frame, at) {
-            Status::Pending { deadline } if std::env::var("DIST_SIM_TRACE").is_ok() && now > Duration::from_secs(9) => {
-                eprintln!("rank {rank} op {} step {}: {}", self.op_i, self.step_i, self.core.debug_summary(step));
-                self.deadline = Some(deadline - base);
-                moved
-            }
             Status::Pending { deadline } => {
                 self.deadline = Some(deadline - base);
                 moved
@@ -307,9 +302,6 @@ impl RankSim {
     fn begin_close(&mut self, net: &mut Net, now: Duration) {
         for p in (0..self.owed.len()).filter(|&p| p != self.rank) {
             self.owed[p] = self.core.owes_close(p);
-            if std::env::var("DIST_SIM_TRACE").is_ok() {
-                eprintln!("[{now:?}] rank {} closes to {p}: owed {} (peer state {:?})", self.rank, self.owed[p], self.core.peer_state(p));
-            }
             if !self.owed[p] {
                 net.fin(self.rank, p);
             }
