@@ -230,7 +230,11 @@ fn check_sans_io(root: &std::path::Path) -> Result<Vec<String>, String> {
         for file in files {
             let text = std::fs::read_to_string(&file)
                 .map_err(|e| format!("reading {}: {e}", file.display()))?;
-            let shown = file.strip_prefix(root).unwrap_or(&file).display().to_string();
+            let shown = file
+                .strip_prefix(root)
+                .unwrap_or(&file)
+                .display()
+                .to_string();
             violations.extend(scan_sans_io(&shown, &text));
         }
     }
@@ -262,7 +266,9 @@ fn scan_sans_io(name: &str, text: &str) -> Vec<String> {
 fn collect_rs(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) -> Result<(), String> {
     let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
     for entry in entries {
-        let path = entry.map_err(|e| format!("reading {}: {e}", dir.display()))?.path();
+        let path = entry
+            .map_err(|e| format!("reading {}: {e}", dir.display()))?
+            .path();
         if path.is_dir() {
             collect_rs(&path, out)?;
         } else if path.extension().is_some_and(|x| x == "rs") {

@@ -367,10 +367,7 @@ fn probe_sees_a_tagged_message_before_its_recv_and_a_departed_peer() {
             .unwrap();
         let t0 = Instant::now();
         while !b.probe(0, 7).unwrap() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "never seen"
-            );
+            assert!(t0.elapsed() < Duration::from_secs(10), "never seen");
             std::thread::yield_now();
         }
         assert!(!b.probe(0, 8).unwrap(), "another tag has not arrived");
@@ -413,11 +410,13 @@ fn a_count_mismatch_names_both_counts_on_both_sides() {
             .to_string()
         });
         assert_eq!(
-            errs[0], "rank 0 all_reduce #0 (i32 × 10, MAX) met rank 1 all_reduce #0 (i32 × 11, MAX)",
+            errs[0],
+            "rank 0 all_reduce #0 (i32 × 10, MAX) met rank 1 all_reduce #0 (i32 × 11, MAX)",
             "{driver}"
         );
         assert_eq!(
-            errs[1], "rank 1 all_reduce #0 (i32 × 11, MAX) met rank 0 all_reduce #0 (i32 × 10, MAX)",
+            errs[1],
+            "rank 1 all_reduce #0 (i32 × 11, MAX) met rank 0 all_reduce #0 (i32 × 10, MAX)",
             "{driver}"
         );
     }
@@ -454,7 +453,10 @@ fn a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank() {
         let mut named = false;
         for (r, o) in out.into_iter().enumerate().take(2) {
             let (e, took) = o.expect("ranks 0 and 1 fail");
-            assert!(took < timeout + Duration::from_secs(1), "{driver} rank {r} took {took:?}");
+            assert!(
+                took < timeout + Duration::from_secs(1),
+                "{driver} rank {r} took {took:?}"
+            );
             match &e {
                 Error::Timeout {
                     rank,
@@ -491,16 +493,18 @@ fn a_crashed_rank_is_peer_lost_naming_it_on_every_survivor() {
             .map(|t| GlooBackend::over(t, 0, &gloo_opts()))
             .collect();
         let errs = std::thread::scope(|s| {
-            let h = s.spawn(|| on_all(&ranks, |b| {
-                let mut v = vec![1u8; 1 << 20];
-                b.all_reduce(
-                    BufMut::Host(&mut v),
-                    DType::U8,
-                    ReduceOp::Sum,
-                    &quick(Duration::from_secs(30)),
-                )
-                .unwrap_err()
-            }));
+            let h = s.spawn(|| {
+                on_all(&ranks, |b| {
+                    let mut v = vec![1u8; 1 << 20];
+                    b.all_reduce(
+                        BufMut::Host(&mut v),
+                        DType::U8,
+                        ReduceOp::Sum,
+                        &quick(Duration::from_secs(30)),
+                    )
+                    .unwrap_err()
+                })
+            });
             dead.abort();
             drop(dead);
             h.join().expect("survivors")
@@ -547,7 +551,9 @@ fn a_rank_that_leaves_is_seen_by_every_peer_and_fails_only_what_needs_it() {
         for (r, e) in out.into_iter().enumerate().take(2) {
             let e = e.expect("ranks 0 and 1 ran the barrier");
             match &e {
-                Error::PeerLost { rank, peer, reason, .. } => {
+                Error::PeerLost {
+                    rank, peer, reason, ..
+                } => {
                     assert_eq!((*rank, *peer), (r, 2), "{driver}: {e}");
                     assert!(reason.contains("left the group"), "{driver}: {e}");
                 }
@@ -571,7 +577,12 @@ fn a_large_send_nobody_receives_times_out_naming_the_receiver() {
             }
             let big = vec![7u8; 64 << 20];
             let e = b
-                .send(BufRef::Host(&big), DType::U8, 1, &quick(Duration::from_secs(1)))
+                .send(
+                    BufRef::Host(&big),
+                    DType::U8,
+                    1,
+                    &quick(Duration::from_secs(1)),
+                )
                 .unwrap_err();
             done.wait();
             Some(e)

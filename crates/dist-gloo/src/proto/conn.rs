@@ -90,15 +90,14 @@ impl Conn {
         self.end - self.start
     }
 
-    /// The free end of the staging buffer, compacted first so that it is never empty while
-    /// the staged bytes are fewer than [`STAGING`].
-    pub(super) fn stage_room(&mut self) -> &mut [u8] {
+    /// Moves the staged bytes to the front, so that the free end of the staging buffer is
+    /// never empty while the staged bytes are fewer than [`STAGING`].
+    pub(super) fn compact(&mut self) {
         if self.start > 0 {
             self.stage.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
         }
-        &mut self.stage[self.end..]
     }
 
     /// Notes the reason of the peer's `Close` frame, unless something was learnt before.

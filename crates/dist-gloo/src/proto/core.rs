@@ -95,7 +95,10 @@ impl Core {
         if tx.hdr_done == 0 && tx.payload_done == 0 {
             tx.hdr = ctx.header(s.count, s.tag, r.start, r.len()).encode();
         }
-        [&tx.hdr[tx.hdr_done..], &s.data[r.start + tx.payload_done..r.end]]
+        [
+            &tx.hdr[tx.hdr_done..],
+            &s.data[r.start + tx.payload_done..r.end],
+        ]
     }
 
     /// `n` bytes of what [`Core::transmit`] returned for `peer` were written.
@@ -119,7 +122,10 @@ impl Core {
         let h = n.min(HEADER_LEN - tx.hdr_done);
         tx.hdr_done += h;
         tx.payload_done += n - h;
-        debug_assert!(tx.payload_done <= flen, "more written than transmit offered");
+        debug_assert!(
+            tx.payload_done <= flen,
+            "more written than transmit offered"
+        );
         if tx.hdr_done == HEADER_LEN && tx.payload_done >= flen {
             tx.frame += 1;
             tx.hdr_done = 0;
@@ -143,26 +149,34 @@ impl Core {
         let Some(Some(conn)) = self.conns.get_mut(peer) else {
             return &mut [];
         };
-        if conn.input_done {
-            conn.target = Target::Discard;
-            return &mut conn.stage[..];
+        let direct = step.current_recv(recvs, peer).and_then(|i| {
+            step.rx[i]
+                .cur
+                .map(|(flen, done)| (i, step.rx[i].got, flen, done))
+        });
+        conn.target = if conn.input_done {
+            Target::Discard
+        } else if conn.staged() > 0 {
+            Target::Stage
+        } else if conn.partial.is_some() {
+            Target::Partial
+        } else if let Some((i, ..)) = direct {
+            Target::Direct(i)
+        } else {
+            Target::Stage
+        };
+        if conn.target == Target::Stage {
+            conn.compact();
         }
-        if conn.staged() == 0 {
-            if conn.partial.is_some() {
-                conn.target = Target::Partial;
-                let (_, v, filled) = conn.partial.as_mut().expect("checked above");
-                return &mut v[*filled..];
+        let end = conn.end;
+        match (conn.target, &mut conn.partial, direct) {
+            (Target::Discard, ..) => &mut conn.stage[..],
+            (Target::Partial, Some((_, v, filled)), _) => &mut v[*filled..],
+            (Target::Direct(i), _, Some((_, at, flen, done))) => {
+                &mut recvs[i].buf[at + done..at + flen]
             }
-            if let Some(i) = step.current_recv(recvs, peer)
-                && let Some((flen, done)) = step.rx[i].cur
-            {
-                conn.target = Target::Direct(i);
-                let at = step.rx[i].got;
-                return &mut recvs[i].buf[at + done..at + flen];
-            }
+            _ => &mut conn.stage[end..],
         }
-        conn.target = Target::Stage;
-        conn.stage_room()
     }
 
     /// `n` bytes were read from `peer` into [`Core::read_buf`]: parses them, delivering whole
@@ -395,9 +409,7 @@ impl Core {
             && culprit as usize != ctx.rank
             && !missing.contains(&peer)
         {
-            let gave_up = |p: usize| {
-                matches!(self.conns.get(p), Some(Some(c)) if matches!(c.state, PeerState::Aborted(CloseReason::Stalled { .. })))
-            };
+            let gave_up = |p: usize| matches!(self.conns.get(p), Some(Some(c)) if matches!(c.state, PeerState::Aborted(CloseReason::Stalled { .. })));
             let own: Vec<usize> = missing.iter().copied().filter(|&p| !gave_up(p)).collect();
             if !own.is_empty() {
                 return ctx.timeout_at(now, own);
@@ -447,9 +459,7 @@ impl Core {
         let me = CloseReason::Stalled {
             culprit: ctx.rank as u32,
         };
-        let gave_up = |p: usize| {
-            matches!(self.conns.get(p), Some(Some(c)) if c.state == PeerState::Aborted(me))
-        };
+        let gave_up = |p: usize| matches!(self.conns.get(p), Some(Some(c)) if c.state == PeerState::Aborted(me));
         let applies = match e {
             Error::PeerLost { peer, .. } => gave_up(*peer),
             Error::Timeout { .. } => (0..self.conns.len()).any(gave_up),
@@ -643,7 +653,8 @@ fn process(
             if conn.staged() < len {
                 return;
             }
-            let reason = CloseReason::decode(&h, &conn.stage[conn.start + HEADER_LEN..conn.start + len]);
+            let reason =
+                CloseReason::decode(&h, &conn.stage[conn.start + HEADER_LEN..conn.start + len]);
             conn.start += len;
             match reason {
                 Ok(r) => conn.closed(r),
@@ -655,7 +666,15 @@ fn process(
         let verdict = cur.map(|i| {
             let ctx = step.ctx.expect("a live step has a context");
             let inc = &recvs[i];
-            judge(&ctx, &h, peer, inc.count, inc.tag, step.rx[i].got, inc.buf.len())
+            judge(
+                &ctx,
+                &h,
+                peer,
+                inc.count,
+                inc.tag,
+                step.rx[i].got,
+                inc.buf.len(),
+            )
         });
         match verdict {
             Some(Ok(Verdict::Expected)) => {

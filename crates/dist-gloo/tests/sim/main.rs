@@ -41,7 +41,10 @@ enum Fault {
 /// The bytes rank `src` sends to `dst` as message `i` of step `s` of operation `o`.
 fn payload(seed: u64, o: usize, s: usize, src: usize, dst: usize, i: usize, len: usize) -> Vec<u8> {
     let mut r = Rng::new(
-        seed ^ ((o as u64) << 48) ^ ((s as u64) << 32) ^ ((src as u64) << 16) ^ ((dst as u64) << 8)
+        seed ^ ((o as u64) << 48)
+            ^ ((s as u64) << 32)
+            ^ ((src as u64) << 16)
+            ^ ((dst as u64) << 8)
             ^ i as u64,
     );
     (0..len).map(|_| r.next() as u8).collect()
@@ -241,7 +244,10 @@ fn check(ranks: &[RankSim], fault: Fault, n: usize, seg: usize) -> Result<String
         .iter()
         .map(|r| format!("\n    rank {}: {}", r.rank, r.fate))
         .collect();
-    let ctx = format!("{n} ranks, {seg}-byte frames, {fault:?}; fates:{}\n ", fates.concat());
+    let ctx = format!(
+        "{n} ranks, {seg}-byte frames, {fault:?}; fates:{}\n ",
+        fates.concat()
+    );
     for r in ranks {
         if let Some(v) = &r.violation {
             return Err(format!("{ctx}: {v}"));
@@ -261,7 +267,12 @@ fn check(ranks: &[RankSim], fault: Fault, n: usize, seg: usize) -> Result<String
             } => (error, *at, *deadline),
         };
         failures += 1;
-        let bad = |why: &str| Err(format!("{ctx}: rank {} failed at {at:?}: {why}: {error}", r.rank));
+        let bad = |why: &str| {
+            Err(format!(
+                "{ctx}: rank {} failed at {at:?}: {why}: {error}",
+                r.rank
+            ))
+        };
         if at > deadline {
             return bad("after its deadline");
         }
@@ -283,7 +294,8 @@ fn check(ranks: &[RankSim], fault: Fault, n: usize, seg: usize) -> Result<String
                 Error::Timeout { missing_peers, .. } if !missing_peers.is_empty() => {
                     named_staller |= missing_peers.contains(&k);
                 }
-                Error::PeerLost { reason, .. } if reason.contains("timed out waiting for this rank") => {}
+                Error::PeerLost { reason, .. }
+                    if reason.contains("timed out waiting for this rank") => {}
                 _ => return bad(&format!("expected a timeout blaming a chain to rank {k}")),
             },
         }
@@ -295,7 +307,9 @@ fn check(ranks: &[RankSim], fault: Fault, n: usize, seg: usize) -> Result<String
         && failures > 0
         && !named_staller
     {
-        return Err(format!("{ctx}: no rank's timeout names the stalled rank {k}"));
+        return Err(format!(
+            "{ctx}: no rank's timeout names the stalled rank {k}"
+        ));
     }
     if let Fault::Mismatch(k, _) = fault
         && failures == 0
@@ -340,7 +354,9 @@ fn every_seed_completes_or_fails_with_the_right_culprit() {
     let mut failed = Vec::new();
     for &seed in &seeds {
         if let Err(e) = run_caught(seed) {
-            eprintln!("seed {seed}: {e}\n  reproduce: DIST_SIM_SEED={seed} cargo test -p dist-gloo --test sim");
+            eprintln!(
+                "seed {seed}: {e}\n  reproduce: DIST_SIM_SEED={seed} cargo test -p dist-gloo --test sim"
+            );
             failed.push(seed);
         }
     }
@@ -364,5 +380,8 @@ fn a_seed_reproduces() {
         let a = a.unwrap_or_else(|e| panic!("seed {seed}: {e}"));
         faults += usize::from(a.contains("failed at"));
     }
-    assert!(faults > 20, "only {faults} of 200 seeds ended in a failure: the faults do not bite");
+    assert!(
+        faults > 20,
+        "only {faults} of 200 seeds ended in a failure: the faults do not bite"
+    );
 }

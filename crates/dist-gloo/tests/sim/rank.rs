@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use dist_backend::Error;
 use dist_gloo::proto::{Core, Status, Step};
-use dist_gloo::transport::{Incoming, Outgoing, StepCtx};
+use dist_gloo::transport::{Incoming, OnFrame, Outgoing, StepCtx};
 use dist_wire::{CollectiveOp, DType, NO_ROOT};
 
 use crate::net::{Got, Net, Rng};
@@ -133,13 +133,21 @@ impl RankSim {
     pub(crate) fn wake_at(&self) -> Option<Duration> {
         match self.fate {
             Fate::Running => self.deadline,
-            Fate::Done(_) | Fate::Failed { .. } if self.owed.iter().any(|&o| o) => self.linger_until,
+            Fate::Done(_) | Fate::Failed { .. } if self.owed.iter().any(|&o| o) => {
+                self.linger_until
+            }
             _ => None,
         }
     }
 
     /// Moves whatever can move at `now`. Returns whether anything did.
-    pub(crate) fn pump(&mut self, net: &mut Net, rng: &mut Rng, base: Instant, now: Duration) -> bool {
+    pub(crate) fn pump(
+        &mut self,
+        net: &mut Net,
+        rng: &mut Rng,
+        base: Instant,
+        now: Duration,
+    ) -> bool {
         self.pumps += 1;
         if matches!(self.fate, Fate::Running) {
             if self.kill_at.is_some_and(|(at, _)| self.pumps >= at) {
@@ -201,7 +209,10 @@ impl RankSim {
                 return Err(Error::invalid(
                     rank,
                     "sim",
-                    format!("receive {i}: frame {r:?} delivered after {} bytes", delivered[i]),
+                    format!(
+                        "receive {i}: frame {r:?} delivered after {} bytes",
+                        delivered[i]
+                    ),
                 ));
             }
             delivered[i] = r.end;
@@ -221,14 +232,34 @@ impl RankSim {
                         moved = true;
                     }
                     Err(why) => {
-                        read_from(&mut self.core, net, rng, step, &mut ins, &mut on_frame, &mut self.eof, rank, p);
+                        read_from(
+                            &mut self.core,
+                            net,
+                            rng,
+                            step,
+                            &mut ins,
+                            &mut on_frame,
+                            &mut self.eof,
+                            rank,
+                            p,
+                        );
                         self.core.broken(p, why);
                         moved = true;
                         break;
                     }
                 }
             }
-            moved |= read_from(&mut self.core, net, rng, step, &mut ins, &mut on_frame, &mut self.eof, rank, p);
+            moved |= read_from(
+                &mut self.core,
+                net,
+                rng,
+                step,
+                &mut ins,
+                &mut on_frame,
+                &mut self.eof,
+                rank,
+                p,
+            );
         }
         let at = base + now;
         match self.core.poll(step, &outs, &mut ins, &mut on_frame, at) {
@@ -260,7 +291,17 @@ impl RankSim {
             }
             Status::Failed => {
                 for p in (0..self.eof.len()).filter(|&p| p != rank) {
-                    read_from(&mut self.core, net, rng, step, &mut ins, &mut on_frame, &mut self.eof, rank, p);
+                    read_from(
+                        &mut self.core,
+                        net,
+                        rng,
+                        step,
+                        &mut ins,
+                        &mut on_frame,
+                        &mut self.eof,
+                        rank,
+                        p,
+                    );
                 }
                 let error = match self.core.finish(step, &outs, at) {
                     Err(e) => e,
@@ -379,14 +420,17 @@ fn peers_in_random_order(rng: &mut Rng, n: usize, me: usize) -> Vec<usize> {
 }
 
 /// Feeds the core what has arrived from `p`. Returns whether anything moved.
-#[allow(clippy::too_many_arguments, reason = "the pieces of one rank, borrowed apart")]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the pieces of one rank, borrowed apart"
+)]
 fn read_from(
     core: &mut Core,
     net: &mut Net,
     rng: &mut Rng,
     step: &mut Step,
     ins: &mut [Incoming<'_>],
-    on_frame: &mut dyn FnMut(usize, Range<usize>, &[u8]) -> dist_backend::Result<()>,
+    on_frame: &mut OnFrame<'_>,
     eof: &mut [bool],
     me: usize,
     p: usize,

@@ -68,7 +68,9 @@ impl MemTransport {
                     inner: Mutex::new(Inner {
                         core,
                         out: pipes[rank].clone(),
-                        inp: (0..world_size).map(|src| pipes[src][rank].clone()).collect(),
+                        inp: (0..world_size)
+                            .map(|src| pipes[src][rank].clone())
+                            .collect(),
                         eof: vec![false; world_size],
                     }),
                 }
@@ -160,7 +162,7 @@ impl Inner {
             self.core.close();
         }
         let mut idle = Step::idle();
-        for peer in 0..self.out.len() {
+        for (peer, bell) in bells.iter().enumerate() {
             if let Some(out) = self.out[peer].take() {
                 let mut last = Vec::new();
                 if goodbye && self.core.owes_close(peer) {
@@ -180,7 +182,7 @@ impl Inner {
                 inp.close_reader();
             }
             self.core.disconnect(peer);
-            bells[peer].ring();
+            bell.ring();
         }
     }
 }

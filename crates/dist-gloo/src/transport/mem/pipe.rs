@@ -117,7 +117,11 @@ impl Pipe {
     pub(super) fn read(&self, dst: &mut [u8]) -> Read {
         let mut g = lock(&self.inner);
         if g.bytes.is_empty() {
-            return if g.writer_gone { Read::Eof } else { Read::Empty };
+            return if g.writer_gone {
+                Read::Eof
+            } else {
+                Read::Empty
+            };
         }
         let k = dst.len().min(g.bytes.len());
         let (a, b) = g.bytes.as_slices();
