@@ -38,3 +38,6 @@ mod step;
 pub use conn::PeerState;
 pub use core::Core;
 pub use step::{Status, Step};
+
+#[cfg(test)]
+mod tests;
