@@ -8,7 +8,7 @@ use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN};
 use super::conn::{Conn, MAX_STASHED_FRAME, PeerState, Target};
 use super::step::{Status, Step};
 use crate::transport::{
-    Incoming, OnFrame, Outgoing, StepCtx, Verdict, abort_reason, closed_error_at, judge,
+    Incoming, OnFrame, Outgoing, StepCtx, Verdict, abort_reason, closed_error_at, judge, stalled_on,
 };
 
 /// One rank's protocol state with each of its peers: no sockets, threads or clocks.
@@ -444,10 +444,7 @@ impl Core {
         })
     }
 
-    /// After a peer's notice that it timed out waiting for this rank (or this rank's own
-    /// timeout once such a notice came): a timeout naming the ranks this step is itself still
-    /// waiting for, the peers that gave up on it aside. Reported and passed on, it moves the
-    /// blame down the chain of waits towards the stalled rank instead of back up it.
+    /// See [`crate::transport::stalled_on`].
     fn stalled_on(
         &self,
         ctx: &StepCtx,
@@ -460,29 +457,14 @@ impl Core {
             culprit: ctx.rank as u32,
         };
         let gave_up = |p: usize| matches!(self.conns.get(p), Some(Some(c)) if c.state == PeerState::Aborted(me));
-        let applies = match e {
-            Error::PeerLost { peer, .. } => gave_up(*peer),
-            Error::Timeout { .. } => (0..self.conns.len()).any(gave_up),
-            _ => false,
-        };
-        if !applies {
-            return None;
-        }
-        let missing: Vec<usize> = step
-            .rx
-            .iter()
-            .filter(|r| !r.done)
-            .map(|r| r.peer)
-            .chain(
-                sends
-                    .iter()
-                    .zip(&step.tx)
-                    .filter(|(_, t)| !t.done)
-                    .map(|(s, _)| s.peer),
-            )
-            .filter(|&p| !gave_up(p))
-            .collect();
-        (!missing.is_empty()).then(|| ctx.timeout_at(now, missing))
+        let pending = step.rx.iter().filter(|r| !r.done).map(|r| r.peer).chain(
+            sends
+                .iter()
+                .zip(&step.tx)
+                .filter(|(_, t)| !t.done)
+                .map(|(s, _)| s.peer),
+        );
+        stalled_on(ctx, now, e, self.conns.len(), gave_up, pending)
     }
 
     /// Queues, to every open peer but a lost one, the notice that this rank aborts the group

@@ -338,6 +338,31 @@ pub(crate) fn closed_error_at(
     }
 }
 
+/// After a peer's notice that it timed out waiting for this rank (or this rank's own timeout
+/// once such a notice came): a timeout naming the ranks this step is itself still waiting for
+/// (`pending`), the peers that gave up on it aside. Reported and passed on, it moves the blame
+/// down the chain of waits towards the stalled rank instead of back up it. `gave_up(p)`: peer
+/// `p` (of `peers`) aborted the group saying it timed out waiting for this rank.
+pub(crate) fn stalled_on(
+    ctx: &StepCtx,
+    now: Instant,
+    e: &Error,
+    peers: usize,
+    gave_up: impl Fn(usize) -> bool,
+    pending: impl Iterator<Item = usize>,
+) -> Option<Error> {
+    let applies = match e {
+        Error::PeerLost { peer, .. } => gave_up(*peer),
+        Error::Timeout { .. } => (0..peers).any(&gave_up),
+        _ => false,
+    };
+    if !applies {
+        return None;
+    }
+    let missing: Vec<usize> = pending.filter(|&p| !gave_up(p)).collect();
+    (!missing.is_empty()).then(|| ctx.timeout_at(now, missing))
+}
+
 /// What this rank tells its peers when a step fails with `e`: whom to blame and why. `None`
 /// for failures that say nothing about another rank (a caller's mistake is local).
 pub(crate) fn abort_reason(e: &Error) -> Option<CloseReason> {
