@@ -33,6 +33,7 @@
 
 mod conn;
 mod core;
+mod parse;
 mod step;
 
 pub use conn::PeerState;
