@@ -7,8 +7,9 @@
 //! while segment `k + 1` is still on the wire.
 //!
 //! Algorithms know nothing of sockets: [`tcp::TcpTransport`] runs them over a full TCP mesh and
-//! [`mem::MemTransport`] over in-process channels (for tests); a shared-memory transport can be
-//! added without touching them.
+//! [`mem::MemTransport`] over bounded in-memory byte pipes (for tests), the latter by driving
+//! the sans-IO peer protocol in [`crate::proto`]; a shared-memory transport can be added
+//! without touching them.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
