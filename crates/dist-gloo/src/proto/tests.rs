@@ -5,26 +5,13 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use dist_backend::Error;
-use dist_wire::{CloseReason, CollectiveOp, DType, NO_ROOT};
+use dist_wire::{CloseReason, CollectiveOp, DType};
 
 use super::{Core, PeerState, Status, Step};
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx};
 
 fn ctx(rank: usize, op: CollectiveOp, seq: u64, t0: Instant) -> StepCtx {
-    StepCtx {
-        rank,
-        group: 1,
-        op,
-        seq,
-        dtype: DType::U8,
-        reduce: 0,
-        root: NO_ROOT,
-        splits: 0,
-        reduce_arg: 0,
-        args_in_payload: false,
-        started: t0,
-        deadline: t0 + Duration::from_secs(10),
-    }
+    StepCtx::started_at(rank, 1, op, seq, DType::U8, t0, Duration::from_secs(10))
 }
 
 /// Moves at most `chunk` bytes at a time of what `a` transmits to `peer` into `b` (whose

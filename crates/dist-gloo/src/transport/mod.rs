@@ -65,7 +65,20 @@ impl StepCtx {
         dtype: DType,
         timeout: Duration,
     ) -> Self {
-        let started = Instant::now();
+        Self::started_at(rank, group, op, seq, dtype, Instant::now(), timeout)
+    }
+
+    /// Context for an operation that started at `started` (a driver in virtual time passes
+    /// its own clock's reading).
+    pub fn started_at(
+        rank: usize,
+        group: u32,
+        op: CollectiveOp,
+        seq: u64,
+        dtype: DType,
+        started: Instant,
+        timeout: Duration,
+    ) -> Self {
         StepCtx {
             rank,
             group,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use dist_backend::Error;
 use dist_gloo::proto::{Core, Status, Step};
 use dist_gloo::transport::{Incoming, OnFrame, Outgoing, StepCtx};
-use dist_wire::{CollectiveOp, DType, NO_ROOT};
+use dist_wire::{CollectiveOp, DType};
 
 use crate::net::{Got, Net, Rng};
 
@@ -323,21 +323,15 @@ impl RankSim {
 
     fn ctx(&self, base: Instant) -> StepCtx {
         let op = &self.plan[self.op_i];
-        let started = base + self.op_started;
-        StepCtx {
-            rank: self.rank,
-            group: 7,
-            op: op.op,
-            seq: op.seq,
-            dtype: DType::U8,
-            reduce: 0,
-            root: NO_ROOT,
-            splits: 0,
-            reduce_arg: 0,
-            args_in_payload: false,
-            started,
-            deadline: started + TIMEOUT,
-        }
+        StepCtx::started_at(
+            self.rank,
+            7,
+            op.op,
+            op.seq,
+            DType::U8,
+            base + self.op_started,
+            TIMEOUT,
+        )
     }
 
     fn begin_close(&mut self, net: &mut Net, now: Duration) {
