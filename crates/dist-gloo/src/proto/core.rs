@@ -296,7 +296,7 @@ impl Core {
     /// Ends the step: `Ok` when it completed. When it failed because of another rank (a peer
     /// lost, two ranks that disagree), queues a notice to every other peer saying whom to
     /// blame and why, so that they report that rank and cause rather than this one, whose
-    /// connections close when it exits. Transmit what it queues.
+    /// connections close when it exits. Transmit what it queues. Call it once per step.
     pub fn finish(&mut self, step: &mut Step, sends: &[Outgoing<'_>], now: Instant) -> Result<()> {
         let was_finished = step.finished;
         step.finished = true;
