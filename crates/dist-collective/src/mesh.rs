@@ -74,7 +74,12 @@ impl DeviceMesh {
                 }
             }
             let pg = group
-                .split_by(Some(color as u32), coord[d] as i64, deadline)?
+                .split_by(
+                    "DeviceMesh::new",
+                    Some(color as u32),
+                    coord[d] as i64,
+                    deadline,
+                )?
                 .ok_or_else(|| {
                     Error::invalid(rank, "DeviceMesh::new", "split returned no group")
                 })?;

@@ -171,14 +171,15 @@ impl ProcessGroup {
     /// same color form a sub-group, ordered by `key` and then by rank here; a rank passing
     /// `None` joins none and gets `None`. Every rank of this group must call it.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<ProcessGroup>> {
-        self.split_by(color, key, self.creation_deadline())
+        self.split_by("split", color, key, self.creation_deadline())
     }
 
-    /// [`split`](ProcessGroup::split) ending by `deadline`: that of a larger creation making
-    /// several splits (a [`DeviceMesh`](crate::DeviceMesh)'s), which the group's timeout
-    /// bounds as a whole rather than per split.
+    /// [`split`](ProcessGroup::split) for the creation `op`, ending by `deadline`: that of a
+    /// larger creation making several splits (a [`DeviceMesh`](crate::DeviceMesh)'s), which
+    /// the group's timeout bounds as a whole rather than per split, and which its errors name.
     pub(crate) fn split_by(
         &self,
+        op: &'static str,
         color: Option<u32>,
         key: i64,
         deadline: Instant,
@@ -187,7 +188,7 @@ impl ProcessGroup {
             Some(c) => format!("{c} {key}"),
             None => "-".to_owned(),
         };
-        let (index, payloads) = self.agree("split", "split", &payload, deadline)?;
+        let (index, payloads) = self.agree(op, "split", &payload, deadline)?;
         let Some(color) = color else { return Ok(None) };
         let mut members: Vec<(i64, usize)> = Vec::new();
         for (r, p) in payloads.iter().enumerate() {
