@@ -170,7 +170,7 @@ impl Comm {
                 code: e.to_string(),
             }
         };
-        let deadline = dist_backend::deadline_after(std::time::Instant::now(), timeout);
+        let deadline = dist_backend::deadline_after(Instant::now(), timeout);
         let key = id_key(prefix);
         let id = if rank == 0 {
             let mut id = ncclUniqueId { internal: [0; 128] };
