@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use dist_backend::store::PrefixStore;
 use dist_backend::{Backend, Store};
@@ -122,12 +122,14 @@ fn connect_engine(
 
 /// Ends the creation of a group with an agreement that every rank has finished it: no rank
 /// returns (and so may leave, or exit) while another is still connecting, so none of them
-/// meets a half-built mesh or a store whose host has gone.
+/// meets a half-built mesh or a store whose host has gone. It ends by `deadline`, the
+/// creation's (init's or the sub-group call's), so a store that stops answering after the
+/// write does not give the wait a second timeout, nor the creation a fresh one.
 fn agree_connected(
     store: &dyn Store,
     rank: usize,
     world_size: usize,
-    timeout: Duration,
+    deadline: Instant,
 ) -> Result<()> {
     let key = |r: usize| format!("connected/{r}");
     let store_err = |e| {
@@ -137,9 +139,6 @@ fn agree_connected(
             e,
         )
     };
-    // One deadline for the whole agreement, so that a store that stops answering after the
-    // write does not give the wait a second timeout.
-    let deadline = dist_backend::deadline_after(Instant::now(), timeout);
     store
         .set_by(&key(rank), b"1", deadline)
         .map_err(store_err)?;
@@ -149,20 +148,22 @@ fn agree_connected(
 }
 
 impl ProcessGroup {
-    /// Connects a new group: `rank` of `world_size`, under `prefix` in the job's store.
+    /// Connects a new group: `rank` of `world_size`, under `prefix` in the job's store. Its
+    /// store calls end by `deadline`, that of the call creating it (init, `new_group`, ...).
     pub(crate) fn connect(
         cfg: GroupConfig,
         prefix: String,
         rank: usize,
         global_ranks: Vec<usize>,
         world: bool,
+        deadline: Instant,
     ) -> Result<ProcessGroup> {
         let world_size = global_ranks.len();
         let coll = connect_backend(&cfg, &format!("{prefix}/coll"), rank, world_size)?;
         let p2p_backend = connect_backend(&cfg, &format!("{prefix}/p2p"), rank, world_size)?;
         let store: Arc<dyn Store> =
             Arc::new(PrefixStore::new(prefix.clone(), cfg.root_store.clone()));
-        agree_connected(&*store, rank, world_size, cfg.timeout)?;
+        agree_connected(&*store, rank, world_size, deadline)?;
         let short = prefix.rsplit('/').next().unwrap_or("g").to_owned();
         let no_thread = |what: &str| {
             let context = format!("process group {prefix}: starting its {what} thread");

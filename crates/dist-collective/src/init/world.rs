@@ -44,7 +44,8 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
     // Each init over one store gets its own namespace, so a job may destroy and re-create its
     // world: every rank of one generation increments the counter before any rank can start
     // the next (the mesh of the first needs them all).
-    // Bounded by the init's timeout, not the store's own (an explicit store may have another).
+    // Bounded by the init's timeout, not the store's own (an explicit store may have another);
+    // the group's connected agreement below keeps the same deadline.
     let deadline = dist_backend::deadline_after(std::time::Instant::now(), opts.timeout);
     let n = store
         .add_by("dist/world_inits", 1, deadline)
@@ -66,5 +67,5 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
                 .map(PathBuf::from)
         }),
     };
-    ProcessGroup::connect(cfg, prefix, rank, (0..world_size).collect(), true)
+    ProcessGroup::connect(cfg, prefix, rank, (0..world_size).collect(), true, deadline)
 }
