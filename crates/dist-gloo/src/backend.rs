@@ -26,6 +26,14 @@ pub struct GlooOptions {
     /// picks [`FUSED_AGREEMENT_MAX_RANKS`]. Every rank must use the same value: a
     /// disagreement fails with an error naming the algorithm step.
     pub fused_agreement_max_ranks: Option<usize>,
+    /// Whether the root of a rooted op returns as soon as its data is out, leaving the other
+    /// ranks' agreement frames to be verified at the start of its next operation on the
+    /// group (or when the group is closed): a disagreement is then reported on the root one
+    /// operation later, still naming both sides, and the root no longer waits for every
+    /// rank to have entered the operation. `false` makes it read every frame before it
+    /// returns. `None` is `true` (`DIST_GLOO_EAGER_ROOT=1` sets `false`). Purely local:
+    /// ranks may differ.
+    pub lazy_root_verification: Option<bool>,
 }
 
 /// The default of [`GlooOptions::fused_agreement_max_ranks`].
@@ -42,6 +50,7 @@ impl GlooOptions {
     }
 
     /// Defaults, overridden by `DIST_GLOO_SMALL_BYTES` ([`GlooOptions::small_bytes`]),
+    /// `DIST_GLOO_EAGER_ROOT` ([`GlooOptions::lazy_root_verification`]),
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
     /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning), `DIST_GLOO_CMA`
     /// (`0` turns single-copy transfers between local ranks off) and `DIST_GLOO_CMA_MIN_BYTES`.
@@ -51,6 +60,7 @@ impl GlooOptions {
         }
         let mut o = GlooOptions {
             small_bytes: var("DIST_GLOO_SMALL_BYTES"),
+            lazy_root_verification: var("DIST_GLOO_EAGER_ROOT").map(|v| v == 0),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {
@@ -78,6 +88,10 @@ pub struct GlooBackend {
     transport: Box<dyn Transport>,
     small_bytes: usize,
     fused_agreement_max_ranks: usize,
+    lazy_root: bool,
+    /// The agreement frames the root of the last rooted op left unread (see
+    /// [`GlooOptions::lazy_root_verification`]), verified before anything else.
+    deferred: Mutex<Option<agree::Deferred>>,
     seq: AtomicU64,
     /// The first error; once set, the group refuses further operations.
     poisoned: Mutex<Option<String>>,
@@ -134,6 +148,8 @@ impl GlooBackend {
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
                 .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
+            lazy_root: opts.lazy_root_verification.unwrap_or(true),
+            deferred: Mutex::new(None),
             seq: AtomicU64::new(0),
             poisoned: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
@@ -303,21 +319,44 @@ impl GlooBackend {
         ctx.reduce_arg = reduce.map_or(0, |r| r.param_fingerprint());
         let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let res = if !name.rooted() || self.world_size == 1 {
-            f(&o, &mut scratch)
-        } else if self.world_size <= self.fused_agreement_max_ranks {
-            *o.agree.borrow_mut() = Some(agree::Pending::new(self.world_size, self.rank));
-            f(&o, &mut scratch).and_then(|r| o.finish_agreement().map(|()| r))
-        } else {
-            agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
-        };
+        let res = self.verify_deferred(ctx.deadline).and_then(|()| {
+            if !name.rooted() || self.world_size == 1 {
+                f(&o, &mut scratch)
+            } else if self.world_size <= self.fused_agreement_max_ranks {
+                let lazy = self.lazy_root && root == Some(self.rank);
+                *o.agree.borrow_mut() = Some(agree::Pending::new(self.world_size, self.rank, lazy));
+                let r = f(&o, &mut scratch)?;
+                *self.deferred.lock().unwrap_or_else(|e| e.into_inner()) = o.finish_agreement()?;
+                Ok(r)
+            } else {
+                agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
+            }
+        });
         if let Err(e) = &res {
-            tracing::warn!(rank = self.rank, error = %e, "operation failed; the group is aborted");
-            self.transport.abort();
-            let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
-            p.get_or_insert_with(|| e.to_string());
+            self.fail(e);
         }
         res
+    }
+
+    /// Reads the agreement frames the last rooted op's root left unread, by `deadline`.
+    fn verify_deferred(&self, deadline: std::time::Instant) -> Result<()> {
+        match self
+            .deferred
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            Some(d) => agree::verify_deferred(&*self.transport, &d, deadline),
+            None => Ok(()),
+        }
+    }
+
+    /// Aborts the group after `e`: its connections are in an unknown state.
+    fn fail(&self, e: &Error) {
+        tracing::warn!(rank = self.rank, error = %e, "operation failed; the group is aborted");
+        self.transport.abort();
+        let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        p.get_or_insert_with(|| e.to_string());
     }
 
     fn prepare(&self, o: &Op<'_>, rop: ReduceOp, data: &mut [u8]) -> Result<()> {
@@ -692,6 +731,28 @@ impl Backend for GlooBackend {
     }
 
     fn close(&self) {
+        // A root's last op may still owe its verification: a disagreement must not go
+        // unreported because the group was destroyed right after it.
+        let owed = self
+            .deferred
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(agree::Deferred::timeout);
+        let clean = self
+            .poisoned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none();
+        if let (Some(timeout), true) = (owed, clean)
+            && let Err(e) = self.verify_deferred(dist_backend::deadline_after(
+                std::time::Instant::now(),
+                timeout,
+            ))
+        {
+            tracing::error!(rank = self.rank, error = %e, "the group's last rooted operation failed its agreement at close");
+            self.fail(&e);
+        }
         let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
         if p.is_none() {
             *p = Some("the group was destroyed".into());

@@ -30,7 +30,9 @@ fn broadcast_roots(n: usize, count: usize, root_of: impl Fn(usize) -> usize + Sy
     broadcast_roots_with(&GlooOptions::default(), n, count, root_of)
 }
 
-/// [`broadcast_roots`] with the given backend options.
+/// [`broadcast_roots`] with the given backend options. A rank that thinks it is the root may
+/// return Ok (it does not wait for the others, see `GlooOptions::lazy_root_verification`);
+/// its next operation, a barrier here, must then fail with the broadcast's mismatch.
 fn broadcast_roots_with(
     gopts: &GlooOptions,
     n: usize,
@@ -41,14 +43,63 @@ fn broadcast_roots_with(
     on_all(&ranks, |b| {
         let mut v = vec![b.rank() as f32; count];
         let root = root_of(b.rank());
-        b.broadcast(
+        let r = b.broadcast(
             BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
             DType::F32,
             root,
             &opts(),
-        )
-        .expect_err("ranks that disagree on the root must not succeed")
+        );
+        match r {
+            Err(e) => e,
+            Ok(()) => {
+                assert_eq!(root, b.rank(), "only a root may return before it knows");
+                b.barrier(&opts())
+                    .expect_err("a root that disagrees must fail at its next operation")
+            }
+        }
     })
+}
+
+/// The root's report one operation later also comes when that operation is the group's
+/// destruction: it is logged, and the peers are told (no rank hangs, none is told the root
+/// left cleanly), so a disagreement is never silent.
+#[test]
+fn a_lazy_root_that_disagrees_and_then_closes_aborts_the_group() {
+    for n in 2..=4 {
+        let ranks = tcp_world(n, &GlooOptions::default());
+        let errs = on_all(&ranks, |b| {
+            let mut v = vec![0f32; 10];
+            // Rank 0 is the root in its own view, everyone else thinks rank 1 is.
+            let root = usize::from(b.rank() != 0);
+            let r = b.broadcast(
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                DType::F32,
+                root,
+                &opts(),
+            );
+            if b.rank() == 0 {
+                assert!(r.is_ok(), "the lazy root returns at once: {r:?}");
+                Backend::close(b);
+                b.barrier(&opts()).expect_err("the group is destroyed")
+            } else {
+                match r {
+                    Err(e) => e,
+                    Ok(()) => b
+                        .barrier(&opts())
+                        .expect_err("a root that disagrees must fail at its next operation"),
+                }
+            }
+        });
+        for (r, e) in errs.iter().enumerate().skip(1) {
+            let (ours, theirs) = sides(e);
+            assert_ne!(ours.root, theirs.root, "n={n}: rank {r}: {e}");
+        }
+        let msg = errs[0].to_string();
+        assert!(
+            msg.contains("mismatch") || msg.contains(" met rank "),
+            "n={n}: rank 0 closed after a mismatch; its group must say so: {msg}"
+        );
+    }
 }
 
 #[test]
@@ -83,7 +134,8 @@ fn ranks_that_agree_by_different_schemes_all_fail() {
             0,
             &OpOptions::with_timeout(Duration::from_secs(5)),
         )
-        .expect_err("ranks running different agreements must not succeed")
+        .and_then(|()| b.barrier(&OpOptions::with_timeout(Duration::from_secs(5))))
+        .expect_err("ranks running different agreements must not succeed (a lazy root at its next operation)")
     });
     assert!(
         errs.iter()
@@ -216,7 +268,15 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
                     )
                 }
             };
-            r.expect_err("ranks that disagree on the root must not succeed")
+            match r {
+                Err(e) => e,
+                // A lazy root (of scatter) reports at its next operation.
+                Ok(()) => {
+                    assert!(is_root, "{op}: only a root may return before it knows");
+                    b.barrier(&opts())
+                        .expect_err("a root that disagrees must fail at its next operation")
+                }
+            }
         });
         for (r, e) in errs.iter().enumerate() {
             let (ours, theirs) = sides(e);

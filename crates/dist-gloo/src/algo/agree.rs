@@ -55,20 +55,101 @@ pub(crate) struct Pending {
     sent: bool,
     /// Per peer rank: its frame is still to be read.
     unread: Vec<bool>,
+    /// This rank is the root and leaves the frames it need not wait for to its next
+    /// operation ([`Deferred`]) instead of reading them before it returns.
+    lazy_root: bool,
 }
 
 impl Pending {
-    /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`.
-    pub(crate) fn new(n: usize, rank: usize) -> Self {
+    /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`; `lazy_root` as
+    /// in [`Pending::lazy_root`].
+    pub(crate) fn new(n: usize, rank: usize, lazy_root: bool) -> Self {
         Pending {
             sent: false,
             unread: (0..n).map(|p| p != rank).collect(),
+            lazy_root,
         }
     }
 
     /// Whether every frame has been sent and read.
     pub(crate) fn done(&self) -> bool {
         self.sent && !self.unread.contains(&true)
+    }
+
+    /// Whether what is left may wait for the next operation: a lazy root's frames have
+    /// gone out, and it reads the others' there ([`Pending::deferred`]).
+    pub(crate) fn may_defer(&self) -> bool {
+        self.sent && self.lazy_root
+    }
+
+    /// The frames a lazy root left unread, to be verified by [`verify_deferred`] before
+    /// this rank's next operation on the group; `None` when there are none.
+    pub(crate) fn deferred(&self, o: &Op<'_>) -> Option<Deferred> {
+        let unread: Vec<usize> = (0..self.unread.len()).filter(|&p| self.unread[p]).collect();
+        (self.lazy_root && !unread.is_empty()).then(|| Deferred {
+            ctx: o.ctx,
+            count: o.count,
+            unread,
+        })
+    }
+}
+
+/// Sends at least this long make even a lazy root read its receiver's agreement frame in
+/// the step that sends: such a send may wait for its receiver (by reference, or once the
+/// socket buffers are full), and a receiver that disagrees (say, a second would-be root)
+/// never takes it, so the frame is what turns that wait into a mismatch. Below it the send
+/// fits in the kernel's buffers and returns at once. 16 KiB is loopback's initial send
+/// buffer, well below its initial receive buffer (128 KiB), so two would-be roots that send
+/// each other this much never block.
+pub(crate) const LAZY_ROOT_MAX_SEND: usize = 16 << 10;
+
+/// A root's agreement frames left unread when its operation returned: the operation's own
+/// context (every frame is judged against it) and the peers whose frames are still owed.
+#[derive(Debug)]
+pub(crate) struct Deferred {
+    ctx: crate::transport::StepCtx,
+    count: u64,
+    unread: Vec<usize>,
+}
+
+impl Deferred {
+    /// The timeout the operation was given, which its late verification gets again.
+    pub(crate) fn timeout(&self) -> std::time::Duration {
+        self.ctx
+            .deadline
+            .saturating_duration_since(self.ctx.started)
+    }
+}
+
+/// Reads the frames a lazy root left unread, judged against the operation they belong to,
+/// by `deadline` (the operation now starting). They are the first thing each peer sent in
+/// that operation, so they come before anything of the next one on each connection. A
+/// peer that disagreed fails this read with [`Error::Mismatch`] naming both sides (the
+/// earlier operation's arguments, so both roots); the step's failure sends the abort notices.
+pub(crate) fn verify_deferred(
+    t: &dyn crate::transport::Transport,
+    d: &Deferred,
+    deadline: std::time::Instant,
+) -> Result<()> {
+    let mut ctx = d.ctx;
+    ctx.deadline = deadline;
+    let o = Op::new(t, ctx, d.count);
+    let mut unread = vec![false; o.n()];
+    for &p in &d.unread {
+        unread[p] = true;
+    }
+    let mut recvs: Vec<Incoming<'_>> = d
+        .unread
+        .iter()
+        .map(|&p| o.recv(p, &mut [], FUSED_TAG))
+        .collect();
+    let res = o.t.exchange(&o.ctx, &[], &mut recvs, &mut |i, _, _| {
+        unread[d.unread[i]] = false;
+        Ok(())
+    });
+    match res {
+        Err(e @ Error::MismatchReported { .. }) => Err(first_hand(&o, &unread).unwrap_or(e)),
+        res => res,
     }
 }
 
@@ -100,10 +181,15 @@ pub(crate) fn fused_step(
         count: s.count,
         tag: s.tag,
     }));
+    // A lazy root waits only where its data waits anyway: for peers it receives from, and
+    // for receivers of sends that may block (see `LAZY_ROOT_MAX_SEND`).
+    let waits_on_send = |s: &Outgoing<'_>| !pending.lazy_root || s.data.len() >= LAZY_ROOT_MAX_SEND;
     let agree_from: Vec<usize> = (0..n)
         .filter(|&p| {
             pending.unread[p]
-                && (last || recvs.iter().any(|x| x.peer == p) || sends.iter().any(|s| s.peer == p))
+                && ((last && !pending.lazy_root)
+                    || recvs.iter().any(|x| x.peer == p)
+                    || sends.iter().any(|s| s.peer == p && waits_on_send(s)))
         })
         .collect();
     let k = agree_from.len();
