@@ -1,5 +1,6 @@
 //! `GlooBackend`: validation, sequence numbers and algorithm choice over a transport.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -88,10 +89,12 @@ pub struct GlooBackend {
     transport: Box<dyn Transport>,
     small_bytes: usize,
     fused_agreement_max_ranks: usize,
-    lazy_root: bool,
-    /// The agreement frames the root of the last rooted op left unread (see
-    /// [`GlooOptions::lazy_root_verification`]), verified before anything else.
-    deferred: Mutex<Option<agree::Deferred>>,
+    /// `Some(max)` when this rank's rooted ops verify lazily: sends below `max` bytes do
+    /// not wait for their receiver's agreement frame (see [`agree::unblocking_send_max`]).
+    lazy_root: Option<usize>,
+    /// The agreement frames the roots of earlier rooted ops left unread (see
+    /// [`GlooOptions::lazy_root_verification`]), oldest first: read before anything else.
+    deferred: Mutex<VecDeque<agree::Deferred>>,
     seq: AtomicU64,
     /// The first error; once set, the group refuses further operations.
     poisoned: Mutex<Option<String>>,
@@ -148,8 +151,15 @@ impl GlooBackend {
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
                 .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
-            lazy_root: opts.lazy_root_verification.unwrap_or(true),
-            deferred: Mutex::new(None),
+            lazy_root: opts.lazy_root_verification.unwrap_or(true).then(|| {
+                agree::unblocking_send_max(
+                    opts.mesh
+                        .cross_memory
+                        .then_some(opts.mesh.cross_memory_min_bytes),
+                    opts.mesh.socket_buffer,
+                )
+            }),
+            deferred: Mutex::new(VecDeque::new()),
             seq: AtomicU64::new(0),
             poisoned: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
@@ -319,14 +329,30 @@ impl GlooBackend {
         ctx.reduce_arg = reduce.map_or(0, |r| r.param_fingerprint());
         let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let res = self.verify_deferred(ctx.deadline).and_then(|()| {
+        let lazy = self.lazy_root.filter(|_| {
+            root == Some(self.rank) && self.world_size <= self.fused_agreement_max_ranks
+        });
+        // A lazy root that only sends, each send below the size that could wait for its
+        // receiver, reads nothing this operation: older deferred frames may stay queued.
+        let sends_only = lazy.is_some_and(|max| {
+            matches!(name, CollectiveOp::Broadcast | CollectiveOp::Scatter)
+                && count * dtype.size() < max
+        });
+        let keep = if sends_only {
+            agree::MAX_DEFERRED - 1
+        } else {
+            0
+        };
+        let res = self.verify_deferred(keep, ctx.deadline).and_then(|()| {
             if !name.rooted() || self.world_size == 1 {
                 f(&o, &mut scratch)
             } else if self.world_size <= self.fused_agreement_max_ranks {
-                let lazy = self.lazy_root && root == Some(self.rank);
                 *o.agree.borrow_mut() = Some(agree::Pending::new(self.world_size, self.rank, lazy));
                 let r = f(&o, &mut scratch)?;
-                *self.deferred.lock().unwrap_or_else(|e| e.into_inner()) = o.finish_agreement()?;
+                if let Some(d) = o.finish_agreement()? {
+                    let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+                    q.push_back(d);
+                }
                 Ok(r)
             } else {
                 agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
@@ -338,17 +364,15 @@ impl GlooBackend {
         res
     }
 
-    /// Reads the agreement frames the last rooted op's root left unread, by `deadline`.
-    fn verify_deferred(&self, deadline: std::time::Instant) -> Result<()> {
-        match self
-            .deferred
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            Some(d) => agree::verify_deferred(&*self.transport, &d, deadline),
-            None => Ok(()),
+    /// Reads, oldest first, the agreement frames earlier rooted ops' roots left unread, by
+    /// `deadline`, until at most `keep` of those ops are left.
+    fn verify_deferred(&self, keep: usize, deadline: std::time::Instant) -> Result<()> {
+        let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        while q.len() > keep {
+            let d = q.pop_front().expect("the queue is longer than keep");
+            agree::verify_deferred(&*self.transport, &d, deadline)?;
         }
+        Ok(())
     }
 
     /// Aborts the group after `e`: its connections are in an unknown state.
@@ -737,20 +761,21 @@ impl Backend for GlooBackend {
             .deferred
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(agree::Deferred::timeout);
+            .iter()
+            .map(agree::Deferred::timeout)
+            .max();
         let clean = self
             .poisoned
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .is_none();
         if let (Some(timeout), true) = (owed, clean)
-            && let Err(e) = self.verify_deferred(dist_backend::deadline_after(
-                std::time::Instant::now(),
-                timeout,
-            ))
+            && let Err(e) = self.verify_deferred(
+                0,
+                dist_backend::deadline_after(std::time::Instant::now(), timeout),
+            )
         {
-            tracing::error!(rank = self.rank, error = %e, "the group's last rooted operation failed its agreement at close");
+            tracing::error!(rank = self.rank, error = %e, "a rooted operation failed its agreement, found at close");
             self.fail(&e);
         }
         let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());

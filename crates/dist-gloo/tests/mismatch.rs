@@ -210,6 +210,41 @@ fn every_rank_names_both_roots(gopts: &GlooOptions) {
     }
 }
 
+/// Two would-be roots that only send to each other: below the size a send may wait for its
+/// receiver each returns and finds the mismatch at its next operation; from it on each reads
+/// the other's agreement frame while it sends. At every size around that switch, by
+/// reference and over TCP only, both fail with a mismatch naming both roots, never a timeout.
+#[test]
+fn two_would_be_roots_fail_with_a_mismatch_at_every_size_around_the_switch() {
+    for cma in [true, false] {
+        let mut gopts = GlooOptions::default();
+        gopts.mesh.cross_memory = cma;
+        for bytes in [
+            4,
+            16 << 10,
+            (48 << 10) - 4,
+            48 << 10,
+            64 << 10,
+            255 << 10,
+            1 << 20,
+        ] {
+            let errs = broadcast_roots_with(&gopts, 2, bytes / 4, |r| r);
+            for (r, e) in errs.iter().enumerate() {
+                assert!(
+                    !matches!(e, Error::Timeout { .. }),
+                    "cma={cma}, {bytes} B: rank {r} timed out: {e}"
+                );
+                let (ours, theirs) = sides(e);
+                assert_eq!(
+                    (ours.root, theirs.root),
+                    (Some(r), Some(1 - r)),
+                    "cma={cma}, {bytes} B: {e}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_large_broadcast_with_different_roots_is_a_mismatch_at_once_not_a_timeout() {
     let t0 = Instant::now();
@@ -301,7 +336,13 @@ fn two_disagree_with_two(
         } else {
             matching(b)
         };
-        r.expect_err("a rank of a mismatched collective must not succeed")
+        match r {
+            Err(e) => e,
+            // The root of a rooted op hears of it at its next operation.
+            Ok(()) => b
+                .barrier(&opts())
+                .expect_err("a rank of a mismatched collective must not succeed"),
+        }
     });
     for (r, e) in errs.iter().enumerate() {
         let msg = e.to_string();

@@ -55,15 +55,17 @@ pub(crate) struct Pending {
     sent: bool,
     /// Per peer rank: its frame is still to be read.
     unread: Vec<bool>,
-    /// This rank is the root and leaves the frames it need not wait for to its next
-    /// operation ([`Deferred`]) instead of reading them before it returns.
-    lazy_root: bool,
+    /// `Some(max)`: this rank is the root and leaves the frames it need not wait for to a
+    /// later operation ([`Deferred`]) instead of reading them before it returns; it still
+    /// reads the frame of the receiver of any send of at least `max` bytes (see
+    /// [`unblocking_send_max`]).
+    lazy_root: Option<usize>,
 }
 
 impl Pending {
     /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`; `lazy_root` as
     /// in [`Pending::lazy_root`].
-    pub(crate) fn new(n: usize, rank: usize, lazy_root: bool) -> Self {
+    pub(crate) fn new(n: usize, rank: usize, lazy_root: Option<usize>) -> Self {
         Pending {
             sent: false,
             unread: (0..n).map(|p| p != rank).collect(),
@@ -76,17 +78,17 @@ impl Pending {
         self.sent && !self.unread.contains(&true)
     }
 
-    /// Whether what is left may wait for the next operation: a lazy root's frames have
-    /// gone out, and it reads the others' there ([`Pending::deferred`]).
+    /// Whether what is left may wait for a later operation: a lazy root's frames have
+    /// gone out, and it reads the others' then ([`Pending::deferred`]).
     pub(crate) fn may_defer(&self) -> bool {
-        self.sent && self.lazy_root
+        self.sent && self.lazy_root.is_some()
     }
 
     /// The frames a lazy root left unread, to be verified by [`verify_deferred`] before
-    /// this rank's next operation on the group; `None` when there are none.
+    /// this rank receives anything else; `None` when there are none.
     pub(crate) fn deferred(&self, o: &Op<'_>) -> Option<Deferred> {
         let unread: Vec<usize> = (0..self.unread.len()).filter(|&p| self.unread[p]).collect();
-        (self.lazy_root && !unread.is_empty()).then(|| Deferred {
+        (self.lazy_root.is_some() && !unread.is_empty()).then(|| Deferred {
             ctx: o.ctx,
             count: o.count,
             unread,
@@ -94,14 +96,29 @@ impl Pending {
     }
 }
 
-/// Sends at least this long make even a lazy root read its receiver's agreement frame in
-/// the step that sends: such a send may wait for its receiver (by reference, or once the
-/// socket buffers are full), and a receiver that disagrees (say, a second would-be root)
-/// never takes it, so the frame is what turns that wait into a mismatch. Below it the send
-/// fits in the kernel's buffers and returns at once. 16 KiB is loopback's initial send
-/// buffer, well below its initial receive buffer (128 KiB), so two would-be roots that send
-/// each other this much never block.
-pub(crate) const LAZY_ROOT_MAX_SEND: usize = 16 << 10;
+/// The most rooted ops a lazy root may run ahead of its verification: past this many
+/// deferred agreements, the oldest is read before the next operation starts. It bounds how
+/// late a root hears of a disagreement when it only sends (back-to-back small broadcasts from
+/// one root), and the header-only frames waiting in its sockets; any operation in which the
+/// root may receive reads them all first.
+pub(crate) const MAX_DEFERRED: usize = 8;
+
+/// The largest send that cannot block on a receiver that never reads: sends from this size
+/// up make even a lazy root read their receiver's agreement frame in the step that sends.
+/// Such a send may wait for its receiver (by reference from `cross_memory_min` bytes, or once
+/// the socket buffers are full), and a receiver that disagrees (say, a second would-be root
+/// that only sends too) never takes it: its frame is what turns that wait into a mismatch
+/// instead of a timeout. Those sends wait for their receiver anyway, so reading its frame
+/// costs nothing there. Below, a send fits in the kernel's buffers: half of Linux's initial
+/// 128 KiB receive buffer is the window a peer that does not read still offers (16 KiB of
+/// it left for headers and the sender's own buffer), or a quarter of `socket_buffer` if set.
+pub(crate) fn unblocking_send_max(
+    cross_memory_min: Option<usize>,
+    socket_buffer: Option<usize>,
+) -> usize {
+    let socket = socket_buffer.map_or(48 << 10, |b| b / 4);
+    cross_memory_min.map_or(socket, |c| c.min(socket))
+}
 
 /// A root's agreement frames left unread when its operation returned: the operation's own
 /// context (every frame is judged against it) and the peers whose frames are still owed.
@@ -182,12 +199,12 @@ pub(crate) fn fused_step(
         tag: s.tag,
     }));
     // A lazy root waits only where its data waits anyway: for peers it receives from, and
-    // for receivers of sends that may block (see `LAZY_ROOT_MAX_SEND`).
-    let waits_on_send = |s: &Outgoing<'_>| !pending.lazy_root || s.data.len() >= LAZY_ROOT_MAX_SEND;
+    // for receivers of sends that may block (see `unblocking_send_max`).
+    let waits_on_send = |s: &Outgoing<'_>| pending.lazy_root.is_none_or(|max| s.data.len() >= max);
     let agree_from: Vec<usize> = (0..n)
         .filter(|&p| {
             pending.unread[p]
-                && ((last && !pending.lazy_root)
+                && ((last && pending.lazy_root.is_none())
                     || recvs.iter().any(|x| x.peer == p)
                     || sends.iter().any(|s| s.peer == p && waits_on_send(s)))
         })
