@@ -16,10 +16,27 @@
 //! and a receiver compares them with its own (as it does for data frames), so any two ranks
 //! that disagree each see the other's header and fail first-hand while the data moves: a
 //! receiver may already have written into its buffer when it fails, whose content is then
-//! unspecified (as in torch). Every rank still reads every other rank's frame before it
-//! returns, so none returns before every rank has entered the operation, which is what "every
-//! rank fails" costs; but no data waits for a round trip, and a rank forwarding data waits
-//! only for the peers it exchanges data with.
+//! unspecified (as in torch). Every rank but the root still reads every other rank's frame
+//! before it returns, so none returns before every rank has entered the operation, which is
+//! what "every rank fails" costs; but no data waits for a round trip, and a rank forwarding
+//! data waits only for the peers it exchanges data with.
+//!
+//! The root need not wait for that (`GlooOptions::lazy_root_verification`, the default): it
+//! returns once its data is out and leaves the frames it did not need to a later operation
+//! ([`Deferred`], [`verify_deferred`]), judged there against the operation they belong to,
+//! before it receives anything else: at its next operation, unless that one only sends small
+//! buffers too (then after at most [`MAX_DEFERRED`] of them), or at close. A disagreement
+//! is then reported on the root that much later, still naming both sides, and on every other
+//! rank as before: receivers read every frame before they return, so two receivers that
+//! disagree (or a receiver and a second would-be root) find it at once. Where the root's
+//! send may wait for its receiver (see [`unblocking_send_max`]) it reads that receiver's
+//! frame in the step, so two would-be roots fail at once rather than time out.
+//!
+//! What the root cannot shed is the receivers' frames to it: one small write per receiver
+//! and operation, which on a loaded 2-core host costs about as much as the whole
+//! pre-agreement small broadcast (see docs/BENCHMARKS.md). No receiver can skip it: with two
+//! ranks that each think the other is the root, both only receive, and only that frame tells
+//! either of them; a receiver cannot tell that case from agreement before it has sent it.
 //!
 //! Above that, n − 1 frames per rank cost more than a few serial rounds, and
 //! [`rooted_args`] runs a dissemination exchange before the data: in round k each rank sends
