@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dist_backend::{Backend, BufMut, BufRef, Capabilities, Error, OpOptions, Result, Store};
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
-use crate::algo::{Op, agree, allreduce, bcast, blocks_of, ring, rooted};
+use crate::algo::{Op, agree, allreduce, bcast, blocks_of, choice, ring, rooted};
 use crate::transport::mem::MemTransport;
 use crate::transport::tcp::{MeshOptions, TcpTransport};
 use crate::transport::{StepCtx, Transport};
@@ -129,7 +129,17 @@ impl GlooBackend {
                 format!("rank {rank} is not below world size {world_size}"),
             ));
         }
+        let mine = choice::settings(
+            opts.small_bytes
+                .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
+            opts.mesh.segment_bytes,
+            opts.fused_agreement_max_ranks
+                .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
+        );
+        choice::publish(store, prefix, rank, &mine)?;
         let t = TcpTransport::connect(store, prefix, rank, world_size, &opts.mesh)?;
+        // Every rank published before building its side of the mesh, so all are there now.
+        choice::check(store, prefix, rank, world_size, &mine)?;
         Ok(Self::over(
             Box::new(t),
             crate::transport::tcp::group_id(prefix),

@@ -117,31 +117,59 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
     });
 }
 
-/// Ranks configured with different agreement schemes all fail, one at least naming the step.
-/// (A rank that finds the ranks run different algorithms sends no abort notice, as for any
-/// other step disagreement, so a rank that waits on it fails by its timeout, kept short.)
+/// Ranks whose settings would make them choose different algorithms for the same call (a
+/// different `DIST_GLOO_SMALL_BYTES`, segment size or agreement scheme on one rank) are
+/// refused when the group is built, on every rank, naming the setting and a rank that
+/// differs: no rank gets as far as a collective that would hang or lose a peer.
 #[test]
-fn ranks_that_agree_by_different_schemes_all_fail() {
-    let ranks = common::tcp_world_with(3, |r| GlooOptions {
-        fused_agreement_max_ranks: Some(if r == 1 { 1 } else { 16 }),
-        ..GlooOptions::default()
-    });
-    let errs = on_all(&ranks, |b| {
-        let mut v = vec![0f32; 10];
-        b.broadcast(
-            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-            DType::F32,
-            0,
-            &OpOptions::with_timeout(Duration::from_secs(5)),
-        )
-        .and_then(|()| b.barrier(&OpOptions::with_timeout(Duration::from_secs(5))))
-        .expect_err("ranks running different agreements must not succeed (a lazy root at its next operation)")
-    });
-    assert!(
-        errs.iter()
-            .any(|e| e.to_string().contains("different algorithms")),
-        "{errs:?}"
-    );
+fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
+    type Tweak = fn(&mut GlooOptions);
+    let cases: [(&str, Tweak); 3] = [
+        ("small_bytes=0", |o| o.small_bytes = Some(0)),
+        ("segment_bytes=65536", |o| o.mesh.segment_bytes = 64 << 10),
+        ("fused_agreement_max_ranks=1", |o| {
+            o.fused_agreement_max_ranks = Some(1);
+        }),
+    ];
+    for n in 2..=4 {
+        for (setting, tweak) in cases {
+            let odd = n - 1;
+            let store =
+                std::sync::Arc::new(dist_backend::store::HashStore::new(Duration::from_secs(30)));
+            let prefix = format!("choice-{n}-{setting}");
+            let errs: Vec<String> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..n)
+                    .map(|r| {
+                        let (store, prefix) = (store.clone(), prefix.clone());
+                        s.spawn(move || {
+                            let mut o = GlooOptions::default();
+                            if r == odd {
+                                tweak(&mut o);
+                            }
+                            dist_gloo::GlooBackend::connect(&*store, &prefix, r, n, &o)
+                                .expect_err("ranks that choose algorithms differently")
+                                .to_string()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (r, e) in errs.iter().enumerate() {
+                assert!(
+                    e.contains("algorithm settings mismatch") && e.contains(&format!("rank {r}")),
+                    "n={n}, {setting}: rank {r}: {e}"
+                );
+                if r == odd {
+                    assert!(e.contains("rank 0 has"), "n={n}: rank {r}: {e}");
+                } else {
+                    assert!(
+                        e.contains(&format!("rank {odd} has {setting}")),
+                        "n={n}: rank {r}: {e}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// A large broadcast on 4 ranks (the pipelined chain, by reference where possible) whose

@@ -15,6 +15,7 @@ use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
 pub(crate) mod agree;
 pub(crate) mod allreduce;
 pub(crate) mod bcast;
+pub(crate) mod choice;
 pub(crate) mod ring;
 pub(crate) mod rooted;
 
