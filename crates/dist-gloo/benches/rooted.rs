@@ -163,5 +163,52 @@ fn agreement(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, agreement);
+/// Large broadcasts over sockets only (`cross_memory` off, the cross-host path): the pipelined
+/// chain beside scatter + ring all-gather, same invocation, 3 and 4 ranks.
+fn tcp_broadcast(c: &mut Criterion) {
+    for n in [3, 4] {
+        let mut base = GlooOptions::from_env();
+        base.mesh.cross_memory = false;
+        let worlds = [
+            (
+                "chain",
+                World::new(
+                    n,
+                    &GlooOptions {
+                        broadcast_scatter_bytes: Some(usize::MAX),
+                        ..base.clone()
+                    },
+                    "chain",
+                ),
+            ),
+            (
+                "scatter_all_gather",
+                World::new(
+                    n,
+                    &GlooOptions {
+                        broadcast_scatter_bytes: Some(0),
+                        ..base.clone()
+                    },
+                    "scatter",
+                ),
+            ),
+        ];
+        let mut g = c.benchmark_group(format!("broadcast_tcp_ws{n}"));
+        g.sample_size(10)
+            .warm_up_time(Duration::from_millis(300))
+            .measurement_time(Duration::from_secs(3));
+        for size in [1 << 20, 4 << 20, 16 << 20, 64 << 20] {
+            g.throughput(Throughput::Bytes(size as u64));
+            let mut buf = vec![0u8; size];
+            for (name, w) in &worlds {
+                g.bench_with_input(BenchmarkId::new(*name, size), &size, |b, _| {
+                    b.iter_custom(|iters| w.batch(Kind::Broadcast, &mut buf, iters));
+                });
+            }
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, agreement, tcp_broadcast);
 criterion_main!(benches);

@@ -35,6 +35,11 @@ pub struct GlooOptions {
     /// returns. `None` is `true` (`DIST_GLOO_EAGER_ROOT=1` sets `false`). Purely local:
     /// ranks may differ.
     pub lazy_root_verification: Option<bool>,
+    /// Broadcasts of at least this many bytes on more than two ranks scatter the buffer and
+    /// ring all-gather it (van de Geijn) instead of running the pipelined chain. `None`
+    /// picks [`GlooOptions::auto_broadcast_scatter_bytes`]; `DIST_GLOO_BCAST_SCATTER_BYTES`
+    /// sets it. Every rank must use the same value (checked when the group is built).
+    pub broadcast_scatter_bytes: Option<usize>,
 }
 
 /// The default of [`GlooOptions::fused_agreement_max_ranks`].
@@ -50,6 +55,12 @@ impl GlooOptions {
         if world_size <= 2 { 16 << 10 } else { 256 << 10 }
     }
 
+    /// The default of [`GlooOptions::broadcast_scatter_bytes`]: never (`usize::MAX`) until a
+    /// measurement says otherwise.
+    pub fn auto_broadcast_scatter_bytes(_world_size: usize) -> usize {
+        usize::MAX
+    }
+
     /// Defaults, overridden by `DIST_GLOO_SMALL_BYTES` ([`GlooOptions::small_bytes`]),
     /// `DIST_GLOO_EAGER_ROOT` ([`GlooOptions::lazy_root_verification`]),
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
@@ -62,6 +73,7 @@ impl GlooOptions {
         let mut o = GlooOptions {
             small_bytes: var("DIST_GLOO_SMALL_BYTES"),
             lazy_root_verification: var("DIST_GLOO_EAGER_ROOT").map(|v| v == 0),
+            broadcast_scatter_bytes: var("DIST_GLOO_BCAST_SCATTER_BYTES"),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {
@@ -88,6 +100,7 @@ pub struct GlooBackend {
     group: u32,
     transport: Box<dyn Transport>,
     small_bytes: usize,
+    broadcast_scatter_bytes: usize,
     fused_agreement_max_ranks: usize,
     /// `Some(max)` when this rank's rooted ops verify lazily: sends below `max` bytes do
     /// not wait for their receiver's agreement frame (see [`agree::unblocking_send_max`]).
@@ -129,13 +142,24 @@ impl GlooBackend {
                 format!("rank {rank} is not below world size {world_size}"),
             ));
         }
-        let mine = choice::settings(
-            opts.small_bytes
-                .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
-            opts.mesh.segment_bytes,
-            opts.fused_agreement_max_ranks
-                .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
-        );
+        let mine = choice::settings(&[
+            (
+                "small_bytes",
+                opts.small_bytes
+                    .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
+            ),
+            ("segment_bytes", opts.mesh.segment_bytes),
+            (
+                "fused_agreement_max_ranks",
+                opts.fused_agreement_max_ranks
+                    .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
+            ),
+            (
+                "broadcast_scatter_bytes",
+                opts.broadcast_scatter_bytes
+                    .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
+            ),
+        ]);
         choice::publish(store, prefix, rank, &mine)?;
         let t = TcpTransport::connect(store, prefix, rank, world_size, &opts.mesh)?;
         // Every rank published before building its side of the mesh, so all are there now.
@@ -158,6 +182,9 @@ impl GlooBackend {
             small_bytes: opts
                 .small_bytes
                 .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
+            broadcast_scatter_bytes: opts
+                .broadcast_scatter_bytes
+                .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
                 .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
@@ -479,6 +506,8 @@ impl Backend for GlooBackend {
                     || (self.world_size > 2 && chunks < self.world_size)
                 {
                     bcast::tree(o, data, root)
+                } else if self.world_size > 2 && data.len() >= self.broadcast_scatter_bytes {
+                    bcast::scatter_all_gather(o, data, root)
                 } else {
                     bcast::chain(o, data, root, seg)
                 }

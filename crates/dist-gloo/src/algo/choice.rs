@@ -1,8 +1,9 @@
 //! Agreement on what chooses the algorithms, once per group, when its mesh is built.
 //!
 //! Why: each rank picks an operation's algorithm from the buffer size and its own settings
-//! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`). Ranks whose settings differ
-//! would run different algorithms for the same call; the frames' step tags catch that, but
+//! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`).
+//! Ranks whose settings differ would run different algorithms for the same call; the frames'
+//! step tags catch that, but
 //! only on the ranks that meet a foreign frame, as an error the others never hear of (they
 //! wait for their timeout or see a rank vanish). Every rank compares every rank's settings
 //! through the store instead, so every rank refuses the group at once, naming the setting and
@@ -10,11 +11,14 @@
 
 use dist_backend::{Error, Result, Store};
 
-/// The settings that choose algorithms, as `name=value` pairs in a fixed order.
-pub(crate) fn settings(small_bytes: usize, segment_bytes: usize, fused_max: usize) -> String {
-    format!(
-        "small_bytes={small_bytes} segment_bytes={segment_bytes} fused_agreement_max_ranks={fused_max}"
-    )
+/// The settings that choose algorithms, as space-separated `name=value` pairs (in the order
+/// given, which every rank must use alike).
+pub(crate) fn settings(pairs: &[(&str, usize)]) -> String {
+    pairs
+        .iter()
+        .map(|(name, v)| format!("{name}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn key(prefix: &str, rank: usize) -> String {
@@ -77,8 +81,8 @@ mod tests {
     #[test]
     fn the_first_setting_that_differs_is_named_with_the_rank() {
         let store = HashStore::new(Duration::from_secs(5));
-        let a = settings(16 << 10, 1 << 20, 16);
-        let b = settings(0, 1 << 20, 16);
+        let a = settings(&[("small_bytes", 16 << 10), ("segment_bytes", 1 << 20)]);
+        let b = settings(&[("small_bytes", 0), ("segment_bytes", 1 << 20)]);
         publish(&store, "g", 0, &a).unwrap();
         publish(&store, "g", 1, &b).unwrap();
         publish(&store, "g", 2, &a).unwrap();

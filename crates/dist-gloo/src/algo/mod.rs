@@ -32,6 +32,7 @@ pub(crate) mod tags {
     pub(crate) const BARRIER: u32 = 9 << 16;
     pub(crate) const GATHER: u32 = 10 << 16;
     pub(crate) const AGREE: u32 = 11 << 16;
+    pub(crate) const SCATTER: u32 = 12 << 16;
 }
 
 /// Everything an algorithm needs about the operation it runs.
