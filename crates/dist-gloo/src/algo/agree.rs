@@ -105,7 +105,7 @@ impl Pending {
     /// this rank receives anything else; `None` when there are none.
     pub(crate) fn deferred(&self, o: &Op<'_>) -> Option<Deferred> {
         let unread: Vec<usize> = (0..self.unread.len()).filter(|&p| self.unread[p]).collect();
-        (self.lazy_root.is_some() && !unread.is_empty()).then(|| Deferred {
+        (self.lazy_root.is_some() && !unread.is_empty()).then_some(Deferred {
             ctx: o.ctx,
             count: o.count,
             unread,
