@@ -146,7 +146,7 @@ fn runs_of_small_rooted_ops_interleave_with_every_op_on_1_to_5_ranks() {
 }
 
 /// A root that keeps broadcasting small buffers after its receivers disagreed hears of it
-/// within `MAX_DEFERRED` (8) operations, as a mismatch naming both roots.
+/// within `MAX_DEFERRED` (8) operations, as a mismatch naming both roots (op 3's).
 #[test]
 fn a_disagreement_inside_a_run_of_broadcasts_reaches_the_root_within_the_bound() {
     for n in 2..=4 {
@@ -172,8 +172,11 @@ fn a_disagreement_inside_a_run_of_broadcasts_reaches_the_root_within_the_bound()
             );
         });
         for (r, (k, e)) in errs.iter().enumerate() {
+            // A rank still finishing op 2 (reading the others' frames) may already meet the
+            // abort notice of a rank that found the mismatch in op 3; no rank gets more than
+            // 8 ops past it.
             assert!(
-                (3..=3 + 8).contains(k),
+                (2..=3 + 8).contains(k),
                 "n={n}: rank {r} failed at {k}: {e}"
             );
             let (ours, theirs) = match e {
