@@ -1,4 +1,5 @@
-//! `cargo xtask check-layers`: the internal dependency DAG, checked against `cargo metadata`.
+//! `cargo xtask check-layers`: the internal dependency DAG, checked against `cargo metadata`,
+//! and the sans-IO modules, checked for I/O, threads and clocks.
 //!
 //! Every `dist-*` workspace crate must be listed in [`LAYERS`] with the internal crates it may
 //! depend on. Only normal dependencies count: dev- and build-dependencies may reach anywhere
@@ -84,10 +85,34 @@ const LAYERS: &[Layer] = &[
     },
 ];
 
-/// Runs `cargo metadata` on the workspace and checks it.
+/// Source directories that must stay sans-IO: a state machine that is given bytes and the
+/// time, so that every driver (TCP, in-memory, shared memory, the simulation) runs the same
+/// rules and tests can run it in virtual time.
+const SANS_IO: &[&str] = &["crates/dist-gloo/src/proto"];
+
+/// What a sans-IO file may not name: sockets, pollers, threads, files, processes, clocks and
+/// blocking primitives.
+const FORBIDDEN_IN_SANS_IO: &[&str] = &[
+    "mio::",
+    "std::net",
+    "std::thread",
+    "std::io::",
+    "std::fs",
+    "std::process",
+    "std::sync",
+    "Instant::now",
+    "SystemTime",
+    "tokio",
+    "socket2",
+    "nix::",
+    "libc::",
+];
+
+/// Runs `cargo metadata` on the workspace and checks it, then scans the sans-IO modules.
 pub(crate) fn run() -> Result<(), String> {
     let metadata = workspace_metadata()?;
-    let violations = check(&metadata)?;
+    let mut violations = check(&metadata)?;
+    violations.extend(check_sans_io(&util::project_root())?);
     if violations.is_empty() {
         println!("check-layers: ok");
         return Ok(());
@@ -194,6 +219,68 @@ fn check(metadata: &Value) -> Result<Vec<String>, String> {
     Ok(violations)
 }
 
+/// One message per forbidden name found in a `.rs` file under a [`SANS_IO`] directory of the
+/// workspace at `root`, naming file, line and name.
+fn check_sans_io(root: &std::path::Path) -> Result<Vec<String>, String> {
+    let mut violations = Vec::new();
+    for dir in SANS_IO {
+        let mut files = Vec::new();
+        collect_rs(&root.join(dir), &mut files)?;
+        files.sort();
+        for file in files {
+            let text = std::fs::read_to_string(&file)
+                .map_err(|e| format!("reading {}: {e}", file.display()))?;
+            let shown = file
+                .strip_prefix(root)
+                .unwrap_or(&file)
+                .display()
+                .to_string();
+            violations.extend(scan_sans_io(&shown, &text));
+        }
+    }
+    Ok(violations)
+}
+
+/// The forbidden names in `text` (the file `name`), skipping comment lines.
+fn scan_sans_io(name: &str, text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let code = line.trim_start();
+        if code.starts_with("//") {
+            continue;
+        }
+        for bad in FORBIDDEN_IN_SANS_IO {
+            if code.contains(bad) {
+                out.push(format!(
+                    "{name}:{}: `{bad}` in a sans-IO module (it is given bytes and the time; the \
+                     drivers do the I/O)",
+                    i + 1
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Every `.rs` file under `dir` but test modules (`tests.rs`).
+fn collect_rs(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) -> Result<(), String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+    for entry in entries {
+        let path = entry
+            .map_err(|e| format!("reading {}: {e}", dir.display()))?
+            .path();
+        if path.is_dir() {
+            collect_rs(&path, out)?;
+        } else if path.extension().is_some_and(|x| x == "rs")
+            // Unit tests drive the module; they may take a clock origin.
+            && path.file_name().is_some_and(|f| f != "tests.rs")
+        {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
 /// "dist-collective may depend on dist-backend, dist-wire, and on dist-gloo, dist-nccl only as
 /// optional dependencies".
 fn describe(layer: &Layer) -> String {
@@ -245,6 +332,23 @@ mod tests {
     fn the_real_workspace_respects_the_layers() {
         let metadata = workspace_metadata().unwrap();
         assert_eq!(check(&metadata).unwrap(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn the_sans_io_modules_are_sans_io() {
+        assert_eq!(
+            check_sans_io(&util::project_root()).unwrap(),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn io_in_a_sans_io_module_is_named_with_its_line() {
+        let text = "use std::time::Instant;\n// std::thread in a comment is fine\nfn f() { std::thread::yield_now(); let _ = Instant::now(); }\n";
+        let v = scan_sans_io("proto/x.rs", text);
+        assert_eq!(v.len(), 2, "{v:#?}");
+        assert!(v[0].starts_with("proto/x.rs:3: `std::thread`"), "{}", v[0]);
+        assert!(v[1].starts_with("proto/x.rs:3: `Instant::now`"), "{}", v[1]);
     }
 
     #[test]

@@ -24,7 +24,8 @@ USAGE:
 COMMANDS:
     ci              What CI runs, cheapest first, stopping at the first failure:
                     fmt, clippy, check-layers, test, doc, cargo-deny (if installed)
-    check-layers    Fail if a dist-* crate depends on a crate above it in the layer DAG
+    check-layers    Fail if a dist-* crate depends on a crate above it in the layer DAG, or a
+                    sans-IO module (dist-gloo proto/) names I/O, threads or clocks
     bench           nccl-tests-style collective benchmarks (`cargo xtask bench --help`)
     test            Multi-rank programs as real processes through distrun (`--world-size N`)
     soak            The main job many times, then injected faults (kill, stall, mismatch,

@@ -37,6 +37,8 @@ fn run_all(family: Factory<'_>) {
     queues(&*make(TIMEOUT));
     blocking_pop_times_out(&*make(SHORT));
     add_on_text_fails_and_store_survives(&*make(TIMEOUT));
+    by_deadline_forms_do_what_the_plain_ones_do(&*make(TIMEOUT));
+    by_deadline_waits_end_by_the_callers_deadline(&*make(TIMEOUT));
     get_waits_for_another_thread(family(TIMEOUT));
     blocking_pop_gets_item_from_another_thread(family(TIMEOUT));
     concurrent_adds(family(TIMEOUT));
@@ -166,6 +168,61 @@ fn blocking_pop_times_out(s: &dyn Store) {
     assert!(e.is_timeout(), "{e}");
     s.queue_push("emptyq", b"x").unwrap();
     assert_eq!(s.queue_pop("emptyq", true).unwrap().unwrap(), b"x");
+}
+
+fn by_deadline_forms_do_what_the_plain_ones_do(s: &dyn Store) {
+    let d = || Instant::now() + TIMEOUT;
+    s.set_by("a", b"1", d()).unwrap();
+    assert_eq!(s.get_by("a", d()).unwrap(), b"1");
+    assert_eq!(s.add_by("n", 5, d()).unwrap(), 5);
+    assert_eq!(s.add_by("n", -2, d()).unwrap(), 3);
+    assert_eq!(s.compare_set_by("a", b"1", b"2", d()).unwrap(), b"2");
+    s.wait_by(&["a", "n"], d()).unwrap();
+    assert!(s.check_by(&["a", "n"], d()).unwrap());
+    assert!(!s.check_by(&["a", "zz"], d()).unwrap());
+    s.append_by("a", b"3", d()).unwrap();
+    s.multi_set_by(&[("x", b"7"), ("y", b"8")], d()).unwrap();
+    assert_eq!(
+        s.multi_get_by(&["a", "x", "y"], d()).unwrap(),
+        vec![b"23".to_vec(), b"7".to_vec(), b"8".to_vec()]
+    );
+    assert_eq!(s.num_keys_by(d()).unwrap(), s.num_keys().unwrap());
+    assert!(s.delete_key_by("x", d()).unwrap());
+    assert!(!s.delete_key_by("x", d()).unwrap());
+    s.queue_push_by("q", b"i", d()).unwrap();
+    assert_eq!(s.queue_len_by("q", d()).unwrap(), 1);
+    assert_eq!(s.queue_pop_by("q", true, d()).unwrap().unwrap(), b"i");
+    assert_eq!(s.queue_pop_by("q", false, d()).unwrap(), None);
+}
+
+/// The store's timeout is 10 s; each call's own deadline, `SHORT` from now, ends it.
+fn by_deadline_waits_end_by_the_callers_deadline(s: &dyn Store) {
+    assert_eq!(s.timeout(), TIMEOUT);
+    type Call<'a> = &'a dyn Fn(Instant) -> Result<(), StoreError>;
+    let calls: [(&str, Call<'_>); 4] = [
+        ("get", &|d| s.get_by("missing", d).map(drop)),
+        ("wait", &|d| s.wait_by(&["missing"], d)),
+        ("multi_get", &|d| {
+            s.multi_get_by(&["missing", "other"], d).map(drop)
+        }),
+        ("queue_pop", &|d| {
+            s.queue_pop_by("missingq", true, d).map(drop)
+        }),
+    ];
+    for (op, call) in calls {
+        let t = Instant::now();
+        let e = call(t + SHORT).unwrap_err();
+        let el = t.elapsed();
+        assert!(e.is_timeout(), "{op}: {e}");
+        assert_eq!(e.op(), Some(op), "{e}");
+        assert!(e.to_string().contains("missing"), "{op}: {e}");
+        assert!(el >= SHORT, "{op} returned after {el:?}");
+        // Not the store's 10 s, with seconds of slack.
+        assert!(el < Duration::from_secs(5), "{op} returned after {el:?}");
+    }
+    // A deadline already past still answers what needs no waiting.
+    s.set("here", b"1").unwrap();
+    assert_eq!(s.get_by("here", Instant::now()).unwrap(), b"1");
 }
 
 fn add_on_text_fails_and_store_survives(s: &dyn Store) {

@@ -191,3 +191,51 @@ fn connecting_to_a_frozen_server_fails_in_time() {
     assert!(took <= T + SLACK, "{took:?}: {e}");
     assert!(e.is_unreachable(), "{e}");
 }
+
+/// The `_by` forms keep the caller's deadline, not the store's timeout: with a store timeout
+/// of a minute, each call against the frozen server fails by its own deadline (`T` from now)
+/// + 1 s.
+#[test]
+fn by_deadline_calls_keep_the_callers_deadline_when_the_server_freezes() {
+    const LONG: Duration = Duration::from_secs(60);
+    type CallBy = fn(&TcpStore, Instant) -> Result<(), StoreError>;
+    let calls: [(&str, CallBy); 6] = [
+        ("set_by", |s, d| s.set_by("k", b"v", d)),
+        ("add_by", |s, d| s.add_by("n", 1, d).map(drop)),
+        ("get_by", |s, d| s.get_by("k", d).map(drop)),
+        ("wait_by", |s, d| s.wait_by(&["k"], d)),
+        ("multi_set_by", |s, d| s.multi_set_by(&[("a", b"1")], d)),
+        ("queue_pop_by", |s, d| {
+            s.queue_pop_by("q", true, d).map(drop)
+        }),
+    ];
+    for (what, call) in calls {
+        let proxy = Proxy::start();
+        let store = TcpStore::connect("127.0.0.1", proxy.port, LONG).unwrap();
+        proxy.freeze();
+        let start = Instant::now();
+        let e = call(&store, start + T).expect_err(what);
+        let took = start.elapsed();
+        eprintln!("{what}: failed after {took:?}: {e}");
+        assert!(took <= T + SLACK, "{what} took {took:?}: {e}");
+        assert!(e.is_unreachable(), "{what}: {e}");
+        assert!(
+            e.to_string().contains(&format!("127.0.0.1:{}", proxy.port)),
+            "{what}: {e}"
+        );
+    }
+}
+
+/// A deadline on a live server bounds the wait for a missing key, whatever the store timeout.
+#[test]
+fn by_deadline_waits_end_by_the_callers_deadline() {
+    let server = TcpStoreServer::start(0).unwrap();
+    let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(60)).unwrap();
+    let start = Instant::now();
+    let e = store.get_by("missing", start + T).unwrap_err();
+    let took = start.elapsed();
+    assert!(e.is_timeout(), "{e}");
+    assert!(took >= T && took <= T + SLACK, "{took:?}: {e}");
+    store.set_by("present", b"x", Instant::now() + T).unwrap();
+    assert_eq!(store.get_by("present", Instant::now() + T).unwrap(), b"x");
+}

@@ -19,6 +19,75 @@ impl Dispatch {
     }
 }
 
+/// Calls `$then!` with every [`Backend`] operation that takes buffers: its name, its
+/// parameters, and the expression (over them) that is true when the device backend serves it.
+/// The one list of these operations, shared by [`Dispatch`] and its tests.
+macro_rules! buffer_ops {
+    ($then:ident) => {
+        $then! {
+            all_reduce(buf: BufMut<'_>, dtype: DType, op: ReduceOp, opts: &OpOptions)
+                by dev_mut(&buf);
+            broadcast(buf: BufMut<'_>, dtype: DType, root: usize, opts: &OpOptions)
+                by dev_mut(&buf);
+            reduce(buf: BufMut<'_>, dtype: DType, op: ReduceOp, root: usize, opts: &OpOptions)
+                by dev_mut(&buf);
+            all_gather(
+                input: BufRef<'_>,
+                output: BufMut<'_>,
+                dtype: DType,
+                counts: &[usize],
+                opts: &OpOptions
+            ) by dev_ref(&input) || dev_mut(&output);
+            reduce_scatter(
+                input: BufRef<'_>,
+                output: BufMut<'_>,
+                dtype: DType,
+                op: ReduceOp,
+                counts: &[usize],
+                opts: &OpOptions
+            ) by dev_ref(&input) || dev_mut(&output);
+            all_to_all(
+                input: BufRef<'_>,
+                output: BufMut<'_>,
+                dtype: DType,
+                send_counts: &[usize],
+                recv_counts: &[usize],
+                opts: &OpOptions
+            ) by dev_ref(&input) || dev_mut(&output);
+            // Every rank must pick the same backend, and only the root has the rooted buffer:
+            // the buffer every rank passes decides.
+            gather(
+                input: BufRef<'_>,
+                output: Option<BufMut<'_>>,
+                dtype: DType,
+                root: usize,
+                opts: &OpOptions
+            ) by dev_ref(&input);
+            scatter(
+                input: Option<BufRef<'_>>,
+                output: BufMut<'_>,
+                dtype: DType,
+                root: usize,
+                opts: &OpOptions
+            ) by dev_mut(&output);
+            send(buf: BufRef<'_>, dtype: DType, dst: usize, opts: &OpOptions) by dev_ref(&buf);
+            recv(buf: BufMut<'_>, dtype: DType, src: usize, opts: &OpOptions) by dev_mut(&buf);
+        }
+    };
+}
+
+/// The [`Backend`] methods of [`Dispatch`] for `buffer_ops`: each hands its arguments to the
+/// backend its buffers pick.
+macro_rules! forward {
+    ($($op:ident($($arg:ident: $ty:ty),* $(,)?) by $device:expr;)*) => {
+        $(
+            fn $op(&self, $($arg: $ty),*) -> dist_backend::Result<()> {
+                self.pick($device).$op($($arg),*)
+            }
+        )*
+    };
+}
+
 fn dev_ref(b: &BufRef<'_>) -> bool {
     matches!(b, BufRef::Device(_))
 }
@@ -47,126 +116,10 @@ impl Backend for Dispatch {
         c
     }
 
-    fn all_reduce(
-        &self,
-        buf: BufMut<'_>,
-        dtype: DType,
-        op: ReduceOp,
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        self.pick(dev_mut(&buf)).all_reduce(buf, dtype, op, opts)
-    }
-
-    fn broadcast(
-        &self,
-        buf: BufMut<'_>,
-        dtype: DType,
-        root: usize,
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        self.pick(dev_mut(&buf)).broadcast(buf, dtype, root, opts)
-    }
-
-    fn reduce(
-        &self,
-        buf: BufMut<'_>,
-        dtype: DType,
-        op: ReduceOp,
-        root: usize,
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        self.pick(dev_mut(&buf)).reduce(buf, dtype, op, root, opts)
-    }
-
-    fn all_gather(
-        &self,
-        input: BufRef<'_>,
-        output: BufMut<'_>,
-        dtype: DType,
-        counts: &[usize],
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        let d = dev_ref(&input) || dev_mut(&output);
-        self.pick(d).all_gather(input, output, dtype, counts, opts)
-    }
-
-    fn reduce_scatter(
-        &self,
-        input: BufRef<'_>,
-        output: BufMut<'_>,
-        dtype: DType,
-        op: ReduceOp,
-        counts: &[usize],
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        let d = dev_ref(&input) || dev_mut(&output);
-        self.pick(d)
-            .reduce_scatter(input, output, dtype, op, counts, opts)
-    }
-
-    fn all_to_all(
-        &self,
-        input: BufRef<'_>,
-        output: BufMut<'_>,
-        dtype: DType,
-        send_counts: &[usize],
-        recv_counts: &[usize],
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        let d = dev_ref(&input) || dev_mut(&output);
-        self.pick(d)
-            .all_to_all(input, output, dtype, send_counts, recv_counts, opts)
-    }
-
-    fn gather(
-        &self,
-        input: BufRef<'_>,
-        output: Option<BufMut<'_>>,
-        dtype: DType,
-        root: usize,
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        // Every rank must pick the same backend, and only the root has an output: the input
-        // decides.
-        self.pick(dev_ref(&input))
-            .gather(input, output, dtype, root, opts)
-    }
-
-    fn scatter(
-        &self,
-        input: Option<BufRef<'_>>,
-        output: BufMut<'_>,
-        dtype: DType,
-        root: usize,
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        // As in gather: the output, which every rank has, decides.
-        self.pick(dev_mut(&output))
-            .scatter(input, output, dtype, root, opts)
-    }
+    buffer_ops!(forward);
 
     fn barrier(&self, opts: &OpOptions) -> dist_backend::Result<()> {
         self.host.barrier(opts)
-    }
-
-    fn send(
-        &self,
-        buf: BufRef<'_>,
-        dtype: DType,
-        dst: usize,
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        self.pick(dev_ref(&buf)).send(buf, dtype, dst, opts)
-    }
-
-    fn recv(
-        &self,
-        buf: BufMut<'_>,
-        dtype: DType,
-        src: usize,
-        opts: &OpOptions,
-    ) -> dist_backend::Result<()> {
-        self.pick(dev_mut(&buf)).recv(buf, dtype, src, opts)
     }
 
     fn probe(&self, src: usize, tag: u32) -> dist_backend::Result<bool> {
@@ -186,6 +139,17 @@ mod tests {
     use dist_backend::DeviceBuffer;
 
     use super::*;
+
+    /// The [`Backend`] methods of [`Rec`] for `buffer_ops`: each records its name.
+    macro_rules! record {
+        ($($op:ident($($arg:ident: $ty:ty),* $(,)?) by $device:expr;)*) => {
+            $(
+                fn $op(&self, $(_: $ty),*) -> dist_backend::Result<()> {
+                    self.hit(stringify!($op))
+                }
+            )*
+        };
+    }
 
     /// A backend that records which calls reach it.
     struct Rec(&'static str, Arc<Mutex<Vec<String>>>);
@@ -213,106 +177,9 @@ mod tests {
             c.host_buffers = self.0 == "host";
             c
         }
-        fn all_reduce(
-            &self,
-            _: BufMut<'_>,
-            _: DType,
-            _: ReduceOp,
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("all_reduce")
-        }
-        fn broadcast(
-            &self,
-            _: BufMut<'_>,
-            _: DType,
-            _: usize,
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("broadcast")
-        }
-        fn reduce(
-            &self,
-            _: BufMut<'_>,
-            _: DType,
-            _: ReduceOp,
-            _: usize,
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("reduce")
-        }
-        fn all_gather(
-            &self,
-            _: BufRef<'_>,
-            _: BufMut<'_>,
-            _: DType,
-            _: &[usize],
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("all_gather")
-        }
-        fn reduce_scatter(
-            &self,
-            _: BufRef<'_>,
-            _: BufMut<'_>,
-            _: DType,
-            _: ReduceOp,
-            _: &[usize],
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("reduce_scatter")
-        }
-        fn all_to_all(
-            &self,
-            _: BufRef<'_>,
-            _: BufMut<'_>,
-            _: DType,
-            _: &[usize],
-            _: &[usize],
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("all_to_all")
-        }
-        fn gather(
-            &self,
-            _: BufRef<'_>,
-            _: Option<BufMut<'_>>,
-            _: DType,
-            _: usize,
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("gather")
-        }
-        fn scatter(
-            &self,
-            _: Option<BufRef<'_>>,
-            _: BufMut<'_>,
-            _: DType,
-            _: usize,
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("scatter")
-        }
+        buffer_ops!(record);
         fn barrier(&self, _: &OpOptions) -> dist_backend::Result<()> {
             self.hit("barrier")
-        }
-        fn send(
-            &self,
-            _: BufRef<'_>,
-            _: DType,
-            _: usize,
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("send")
-        }
-        fn recv(
-            &self,
-            _: BufMut<'_>,
-            _: DType,
-            _: usize,
-            _: &OpOptions,
-        ) -> dist_backend::Result<()> {
-            self.hit("recv")
         }
         fn close(&self) {
             let _ = self.hit("close");

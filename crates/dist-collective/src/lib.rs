@@ -96,6 +96,7 @@ mod exec;
 mod group;
 mod init;
 mod mesh;
+mod missing;
 mod monitor;
 mod object;
 mod p2p;

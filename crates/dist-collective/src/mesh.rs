@@ -62,6 +62,8 @@ impl DeviceMesh {
             coord[d] = rest % shape[d];
             rest /= shape[d];
         }
+        // One creation: the group's timeout bounds all the dimensions' splits together.
+        let deadline = group.creation_deadline();
         let mut groups = Vec::with_capacity(shape.len());
         for d in 0..shape.len() {
             // Ranks that agree on every other coordinate share the dimension-d group.
@@ -72,7 +74,12 @@ impl DeviceMesh {
                 }
             }
             let pg = group
-                .split(Some(color as u32), coord[d] as i64)?
+                .split_by(
+                    "DeviceMesh::new",
+                    Some(color as u32),
+                    coord[d] as i64,
+                    deadline,
+                )?
                 .ok_or_else(|| {
                     Error::invalid(rank, "DeviceMesh::new", "split returned no group")
                 })?;

@@ -7,6 +7,9 @@ use crate::debug::OpInfo;
 use crate::group::ProcessGroup;
 use crate::{Error, Result};
 
+/// What a barrier allows past its timeout for rank 0's result to be published and read.
+const RESULT_SLACK: Duration = Duration::from_secs(1);
+
 impl ProcessGroup {
     /// A barrier that, instead of hanging, fails after `timeout` naming the ranks that did not
     /// arrive (torch's `monitored_barrier`): rank 0 collects every rank's arrival through the
@@ -32,17 +35,22 @@ impl ProcessGroup {
         let arrived = |r: usize| format!("monitored_barrier/{seq}/arrived/{r}");
         let result = format!("monitored_barrier/{seq}/result");
         let ctx = |what: &str| format!("monitored_barrier #{seq}: {what}");
+        let start = Instant::now();
+        // The barrier's own deadline: rank 0 stops collecting arrivals there.
+        let deadline = dist_backend::deadline_after(start, timeout);
+        // Rank 0's store calls may run a little past it (its last check round, then the
+        // result), but not a store timeout per call.
+        let calls_by = dist_backend::deadline_after(deadline, RESULT_SLACK);
         store
-            .set(&arrived(rank), b"1")
+            .set_by(&arrived(rank), b"1", deadline)
             .map_err(|e| Error::store(rank, ctx("announcing arrival"), e))?;
         let missing = if rank == 0 {
-            let deadline = dist_backend::deadline_after(Instant::now(), timeout);
             let mut missing: Vec<usize> = (1..self.world_size()).collect();
             loop {
                 let mut still = Vec::new();
                 for &r in &missing {
                     let here = store
-                        .check(&[&arrived(r)])
+                        .check_by(&[&arrived(r)], calls_by)
                         .map_err(|e| Error::store(rank, ctx("checking arrivals"), e))?;
                     if !here {
                         still.push(r);
@@ -59,7 +67,7 @@ impl ProcessGroup {
             }
             let text: Vec<String> = missing.iter().map(ToString::to_string).collect();
             store
-                .set(&result, text.join(",").as_bytes())
+                .set_by(&result, text.join(",").as_bytes(), calls_by)
                 .map_err(|e| Error::store(rank, ctx("publishing the result"), e))?;
             missing
         } else {
@@ -67,18 +75,19 @@ impl ProcessGroup {
             // the slack of a slow store. The first `timeout` of that is one wait of its own,
             // so that a store that does not answer at all (its host stopped) fails the
             // barrier after `timeout`, not after the whole allowance.
-            let first = store.wait(&[&result], timeout);
+            let allowance = dist_backend::deadline_after(deadline, timeout + RESULT_SLACK);
+            let first = store.wait_by(&[&result], deadline);
             let waited = match first {
                 Err(e) if e.is_unreachable() => {
                     return Err(Error::store(rank, ctx("waiting for rank 0's result"), e));
                 }
-                Err(_) => store.wait(&[&result], timeout + Duration::from_secs(1)),
+                Err(_) => store.wait_by(&[&result], allowance),
                 Ok(()) => Ok(()),
             };
             match waited {
                 Ok(()) => {
                     let v = store
-                        .get(&result)
+                        .get_by(&result, allowance)
                         .map_err(|e| Error::store(rank, ctx("reading the result"), e))?;
                     String::from_utf8_lossy(&v)
                         .split(',')

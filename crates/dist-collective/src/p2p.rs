@@ -162,9 +162,22 @@ impl Engine {
     }
 
     /// Reads the doorbell queue; returns false (after failing the receives) on a store error.
+    /// The reads end by the nearest deadline of the receives waiting for them: the engine's
+    /// one thread serves them all, so a silent store must not hold it past any of them.
+    /// Receives already past theirs are left to time out in [`Engine::step`].
     fn poll_inbox(&mut self) -> bool {
+        let now = Instant::now();
+        let Some(by) = self
+            .pending
+            .iter()
+            .filter(|j| j.dir == Dir::Recv && j.deadline > now)
+            .map(|j| j.deadline)
+            .min()
+        else {
+            return true;
+        };
         loop {
-            match self.store.queue_pop(&inbox(self.rank), false) {
+            match self.store.queue_pop_by(&inbox(self.rank), false, by) {
                 Ok(Some(v)) => {
                     let s = String::from_utf8_lossy(&v);
                     if let Some((src, tag)) = s.split_once(':')
@@ -230,7 +243,11 @@ impl Engine {
                         continue;
                     }
                     let bell = format!("{}:{}", self.rank, j.tag);
-                    match self.store.queue_push(&inbox(j.peer), bell.as_bytes()) {
+                    // Ringing is part of the send: it ends by the send's deadline.
+                    match self
+                        .store
+                        .queue_push_by(&inbox(j.peer), bell.as_bytes(), j.deadline)
+                    {
                         Ok(()) => (j.run)(Ok(&*self.backend)),
                         Err(e) => (j.run)(Err(Error::store(
                             self.rank,

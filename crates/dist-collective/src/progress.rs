@@ -222,6 +222,8 @@ pub(crate) struct Progress {
     world_size: usize,
     store: Arc<dyn Store>,
     publish_after: Duration,
+    /// The group's timeout: what the watchdog's publishing may take, as life-cycle work.
+    timeout: Duration,
     started: AtomicU64,
     finished: AtomicU64,
     failed: AtomicU64,
@@ -249,6 +251,7 @@ impl Progress {
             world_size,
             store,
             publish_after,
+            timeout,
             started: AtomicU64::new(0),
             finished: AtomicU64::new(0),
             failed: AtomicU64::new(0),
@@ -288,11 +291,12 @@ impl Progress {
         }
     }
 
-    fn publish(&self, state: &RankState) {
+    /// Publishes `state`, ending by `deadline`.
+    fn publish(&self, state: &RankState, deadline: Instant) {
         let Ok(v) = serde_json::to_vec(state) else {
             return;
         };
-        if let Err(e) = self.store.set(&key(self.rank), &v) {
+        if let Err(e) = self.store.set_by(&key(self.rank), &v, deadline) {
             tracing::debug!(rank = self.rank, error = %e, "cannot publish progress");
         }
     }
@@ -301,23 +305,24 @@ impl Progress {
     /// collective `op` #`seq` that timed out here.
     /// [`Progress::report`], given at most `budget`: the store may be unreachable (its host
     /// stopped or gone), and an error must not wait on it for the store's own timeout. Past
-    /// the budget the report holds only this rank's state; the store calls finish (or time
-    /// out) on their thread in the background.
+    /// the budget the report holds only this rank's state; the store calls, each ending by
+    /// the budget too, give up on their thread in the background.
     pub(crate) fn report_within(
         self: &Arc<Self>,
         op: &'static str,
         seq: u64,
         budget: Duration,
     ) -> ProgressReport {
+        let deadline = dist_backend::deadline_after(Instant::now(), budget);
         let (tx, rx) = channel();
         let me = self.clone();
         let spawned = std::thread::Builder::new()
             .name("dist-progress-report".into())
             .spawn(move || {
-                let _ = tx.send(me.report(op, seq));
+                let _ = tx.send(me.report(op, seq, deadline));
             });
         if spawned.is_err() {
-            return self.report(op, seq);
+            return self.report(op, seq, deadline);
         }
         rx.recv_timeout(budget).unwrap_or_else(|_| {
             let own = Self::state_of(self.words());
@@ -335,9 +340,10 @@ impl Progress {
         })
     }
 
-    pub(crate) fn report(&self, op: &'static str, seq: u64) -> ProgressReport {
+    /// [`Progress::report_within`]'s work, every store call ending by `deadline`.
+    fn report(&self, op: &'static str, seq: u64, deadline: Instant) -> ProgressReport {
         let own = Self::state_of(self.words());
-        self.publish(&own);
+        self.publish(&own, deadline);
         let keys: Vec<String> = (0..self.world_size).map(key).collect();
         let others: Vec<&str> = keys
             .iter()
@@ -350,7 +356,8 @@ impl Progress {
         // it has published already. The ones that have not are gone, stopped or frozen: a short
         // wait covers a publish in flight without delaying the error past timeout + 1 s.
         let wait = (self.publish_after * 2).min(REPORT_WAIT_MAX);
-        let waited = self.store.wait(&others, wait);
+        let wait_by = dist_backend::deadline_after(Instant::now(), wait).min(deadline);
+        let waited = self.store.wait_by(&others, wait_by);
         if waited.as_ref().is_err_and(|e| e.is_unreachable()) {
             // A silent store would make each per-rank read below wait again.
             return ProgressReport {
@@ -368,14 +375,14 @@ impl Progress {
         let everyone = waited.is_ok();
         // One round trip in the usual case; one per rank when some never published.
         let fetched: Vec<Option<RankState>> = match everyone
-            .then(|| self.store.multi_get(&others).ok())
+            .then(|| self.store.multi_get_by(&others, deadline).ok())
             .flatten()
         {
             Some(values) => values
                 .iter()
                 .map(|v| serde_json::from_slice(v).ok())
                 .collect(),
-            None => others.iter().map(|k| self.read(k)).collect(),
+            None => others.iter().map(|k| self.read(k, deadline)).collect(),
         };
         let mut fetched = fetched.into_iter();
         let ranks = (0..self.world_size)
@@ -396,11 +403,11 @@ impl Progress {
         }
     }
 
-    fn read(&self, key: &str) -> Option<RankState> {
-        if !self.store.check(&[key]).ok()? {
+    fn read(&self, key: &str, deadline: Instant) -> Option<RankState> {
+        if !self.store.check_by(&[key], deadline).ok()? {
             return None;
         }
-        let v = self.store.get(key).ok()?;
+        let v = self.store.get_by(key, deadline).ok()?;
         serde_json::from_slice(&v).ok()
     }
 }
@@ -457,7 +464,8 @@ pub(crate) fn start_watchdog(
                 Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
             }
             if let Some(words) = pacer.observe(Instant::now(), p.words()) {
-                p.publish(&Progress::state_of(words));
+                let deadline = dist_backend::deadline_after(Instant::now(), p.timeout);
+                p.publish(&Progress::state_of(words), deadline);
             }
         }
     })?;

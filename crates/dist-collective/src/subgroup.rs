@@ -2,8 +2,10 @@
 //! any connection is made.
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use crate::group::ProcessGroup;
+use crate::missing::missing_keys;
 use crate::{Error, Result};
 
 impl ProcessGroup {
@@ -12,18 +14,30 @@ impl ProcessGroup {
     ///
     /// Each rank publishes its call under `create/<index>/<rank>` and reads everyone's: a rank
     /// that calls something else fails at once with [`Error::GroupMismatch`] naming both calls;
-    /// one that never calls makes the others fail after the timeout, naming it.
-    fn agree(&self, op: &'static str, what: &str, payload: &str) -> Result<(u64, Vec<String>)> {
+    /// one that never calls makes the others fail at `deadline`, naming it. Every store call
+    /// ends by `deadline`, the creation's, so a silent store cannot make it wait a store
+    /// timeout per call.
+    fn agree(
+        &self,
+        op: &'static str,
+        what: &str,
+        payload: &str,
+        deadline: Instant,
+    ) -> Result<(u64, Vec<String>)> {
         let rank = self.rank();
         let index = self.inner.created.fetch_add(1, Ordering::Relaxed);
         let store = self.store();
         let key = |r: usize| format!("create/{index}/{r}");
         store
-            .set(&key(rank), format!("{what}\n{payload}").as_bytes())
+            .set_by(
+                &key(rank),
+                format!("{what}\n{payload}").as_bytes(),
+                deadline,
+            )
             .map_err(|e| Error::store(rank, format!("{op}: publishing creation #{index}"), e))?;
         let keys: Vec<String> = (0..self.world_size()).map(key).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        if let Err(e) = store.wait(&refs, self.timeout()) {
+        if let Err(e) = store.wait_by(&refs, deadline) {
             if e.is_unreachable() {
                 // Asking which keys are missing would wait on the silent store again.
                 return Err(Error::store(
@@ -32,9 +46,7 @@ impl ProcessGroup {
                     e,
                 ));
             }
-            let missing: Vec<usize> = (0..self.world_size())
-                .filter(|&r| !store.check(&[&key(r)]).unwrap_or(false))
-                .collect();
+            let missing = missing_keys(&**store, &refs);
             return Err(Error::store(
                 rank,
                 format!(
@@ -45,7 +57,7 @@ impl ProcessGroup {
             ));
         }
         let values = store
-            .multi_get(&refs)
+            .multi_get_by(&refs, deadline)
             .map_err(|e| Error::store(rank, format!("{op}: reading creation #{index}"), e))?;
         let mut payloads = Vec::with_capacity(values.len());
         for (r, v) in values.iter().enumerate() {
@@ -66,8 +78,13 @@ impl ProcessGroup {
     }
 
     /// Connects the sub-group of `members` (ranks of this group, in the sub-group's rank order)
-    /// under `suffix`; `None` on non-members.
-    fn child(&self, suffix: &str, members: &[usize]) -> Result<Option<ProcessGroup>> {
+    /// under `suffix` by the creation's `deadline`; `None` on non-members.
+    fn child(
+        &self,
+        suffix: &str,
+        members: &[usize],
+        deadline: Instant,
+    ) -> Result<Option<ProcessGroup>> {
         let Some(rank) = members.iter().position(|&m| m == self.rank()) else {
             return Ok(None);
         };
@@ -78,6 +95,7 @@ impl ProcessGroup {
             rank,
             globals,
             false,
+            deadline,
         )
         .map(Some)
     }
@@ -113,8 +131,14 @@ impl ProcessGroup {
                 "a group needs at least one rank",
             ));
         }
-        let (index, _) = self.agree("new_group", &format!("new_group({members:?})"), "")?;
-        self.child(&format!("g{index}"), &members)
+        let deadline = self.creation_deadline();
+        let (index, _) = self.agree(
+            "new_group",
+            &format!("new_group({members:?})"),
+            "",
+            deadline,
+        )?;
+        self.child(&format!("g{index}"), &members, deadline)
     }
 
     /// Splits this group into consecutive sub-groups of `size` ranks (torch's
@@ -128,10 +152,16 @@ impl ProcessGroup {
                 format!("group size {size} does not divide the world size {w}"),
             ));
         }
-        let (index, _) = self.agree("new_subgroups", &format!("new_subgroups({size})"), "")?;
+        let deadline = self.creation_deadline();
+        let (index, _) = self.agree(
+            "new_subgroups",
+            &format!("new_subgroups({size})"),
+            "",
+            deadline,
+        )?;
         let first = self.rank() / size * size;
         let members: Vec<usize> = (first..first + size).collect();
-        self.child(&format!("g{index}/s{}", first / size), &members)?
+        self.child(&format!("g{index}/s{}", first / size), &members, deadline)?
             .ok_or_else(|| {
                 Error::invalid(self.rank(), "new_subgroups", "this rank is in no sub-group")
             })
@@ -141,11 +171,24 @@ impl ProcessGroup {
     /// same color form a sub-group, ordered by `key` and then by rank here; a rank passing
     /// `None` joins none and gets `None`. Every rank of this group must call it.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<ProcessGroup>> {
+        self.split_by("split", color, key, self.creation_deadline())
+    }
+
+    /// [`split`](ProcessGroup::split) for the creation `op`, ending by `deadline`: that of a
+    /// larger creation making several splits (a [`DeviceMesh`](crate::DeviceMesh)'s), which
+    /// the group's timeout bounds as a whole rather than per split, and which its errors name.
+    pub(crate) fn split_by(
+        &self,
+        op: &'static str,
+        color: Option<u32>,
+        key: i64,
+        deadline: Instant,
+    ) -> Result<Option<ProcessGroup>> {
         let payload = match color {
             Some(c) => format!("{c} {key}"),
             None => "-".to_owned(),
         };
-        let (index, payloads) = self.agree("split", "split", &payload)?;
+        let (index, payloads) = self.agree(op, "split", &payload, deadline)?;
         let Some(color) = color else { return Ok(None) };
         let mut members: Vec<(i64, usize)> = Vec::new();
         for (r, p) in payloads.iter().enumerate() {
@@ -162,6 +205,12 @@ impl ProcessGroup {
         }
         members.sort_unstable();
         let members: Vec<usize> = members.into_iter().map(|(_, r)| r).collect();
-        self.child(&format!("g{index}/c{color}"), &members)
+        self.child(&format!("g{index}/c{color}"), &members, deadline)
+    }
+
+    /// The deadline of a group creation starting now: the group's timeout bounds the whole
+    /// creation (agreement, connecting, the connected agreement), not each store call in it.
+    pub(crate) fn creation_deadline(&self) -> Instant {
+        dist_backend::deadline_after(Instant::now(), self.timeout())
     }
 }

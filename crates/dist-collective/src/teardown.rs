@@ -17,11 +17,12 @@
 //! rank fail.
 
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dist_backend::exit::{ExitStage, at_exit};
 
 use crate::group::GroupInner;
+use crate::missing::missing_keys;
 
 /// Every group created in this process and not yet dropped, oldest first.
 static LIVE: Mutex<Vec<Weak<GroupInner>>> = Mutex::new(Vec::new());
@@ -54,12 +55,24 @@ fn left_key(prefix: &str, rank: usize) -> String {
 }
 
 /// This rank leaves the world group `g`; on the rank that serves the store, waits for every
-/// other rank to leave too.
+/// other rank to leave too. Leaving is one life-cycle step: its store calls end together by
+/// one deadline (the group's timeout, or less for a failed group), so a silent store cannot
+/// make the goodbye and the wait each take a store timeout.
 pub(crate) fn leave(g: &GroupInner) {
     let rank = g.ctx.rank;
     let store = &g.cfg.root_store;
-    if let Err(e) = store.set(&left_key(&g.prefix, rank), b"1") {
+    let wait = if g.ctx.dump.aborted() {
+        g.ctx.timeout.min(FAILED_GROUP_LEAVE_WAIT)
+    } else {
+        g.ctx.timeout
+    };
+    let deadline = dist_backend::deadline_after(Instant::now(), wait);
+    if let Err(e) = store.set_by(&left_key(&g.prefix, rank), b"1", deadline) {
         tracing::debug!(rank, group = %g.ctx.name, error = %e, "could not record leaving the group in the store");
+        if e.is_unreachable() {
+            // Waiting for the others through the same silent store would wait again.
+            return;
+        }
     }
     if !store.serves_others() {
         return;
@@ -68,19 +81,12 @@ pub(crate) fn leave(g: &GroupInner) {
         .map(|r| left_key(&g.prefix, r))
         .collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let wait = if g.ctx.dump.aborted() {
-        g.ctx.timeout.min(FAILED_GROUP_LEAVE_WAIT)
-    } else {
-        g.ctx.timeout
-    };
-    if let Err(e) = store.wait(&keys, wait) {
+    if let Err(e) = store.wait_by(&keys, deadline) {
         if e.is_unreachable() {
             tracing::warn!(rank, group = %g.ctx.name, error = %e, "stopping the store without knowing who left: it does not answer");
             return;
         }
-        let missing: Vec<usize> = (0..g.ctx.world_size)
-            .filter(|&r| !store.check(&[keys[r]]).unwrap_or(false))
-            .collect();
+        let missing = missing_keys(&**store, &keys);
         tracing::warn!(rank, group = %g.ctx.name, ?missing, error = %e, "stopping the store before every rank left the group");
     }
 }

@@ -1,7 +1,9 @@
 //! The process that hosts the job's TCP store is stopped (SIGSTOP: its sockets stay open,
-//! nothing answers) while the ranks are in `init_process_group`, `new_group`/`split`,
-//! `monitored_barrier` or `destroy_process_group`. Every rank must come back (with an error
-//! naming the store, where the call returns one) within its configured timeout + 1 s.
+//! nothing answers) while the ranks are in `init_process_group`, `new_group`/`new_subgroups`/
+//! `split`/`DeviceMesh::new`, `monitored_barrier` or `destroy_process_group` (of the world
+//! alone, or of a sub-group and then the world). Every rank must come back (with an error
+//! naming the store, and for sub-group creation the operation, where the call returns one)
+//! within its configured timeout + 1 s.
 //!
 //! The test binary re-runs itself as the store host and as the ranks. Order comes from pipes:
 //! the host prints its port, each rank prints `READY` when it is about to make the call, and
@@ -16,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use dist_backend::Store;
 use dist_backend::store::{TcpStore, TcpStoreServer};
-use dist_collective::{InitOptions, destroy_process_group, init_process_group};
+use dist_collective::{DeviceMesh, InitOptions, destroy_process_group, init_process_group};
 
 const WORLD: usize = 2;
 /// The ranks' configured timeout (process group and store).
@@ -63,6 +65,14 @@ fn rank_main(scenario: &str, rank: usize, port: u16) {
     } else {
         Some(init_process_group(opts.clone()).expect("init before the store stops"))
     };
+    // A sub-group made while the store answers, for the scenarios that tear one down.
+    let sub = (scenario == "destroy_subgroup").then(|| {
+        pg.as_ref()
+            .expect("group")
+            .new_group(&[0, 1])
+            .expect("new_group before the store stops")
+            .expect("both ranks are members")
+    });
     say("READY");
     let mut go = String::new();
     std::io::stdin().read_line(&mut go).expect("go");
@@ -77,6 +87,15 @@ fn rank_main(scenario: &str, rank: usize, port: u16) {
             .new_group(&[0, 1])
             .map(drop)
             .map_err(|e| e.to_string()),
+        "new_subgroups" => pg
+            .as_ref()
+            .expect("group")
+            .new_subgroups(WORLD)
+            .map(drop)
+            .map_err(|e| e.to_string()),
+        "mesh" => DeviceMesh::new(pg.as_ref().expect("group"), &[("dp", 1), ("tp", WORLD)])
+            .map(drop)
+            .map_err(|e| e.to_string()),
         "split" => pg
             .as_ref()
             .expect("group")
@@ -89,6 +108,14 @@ fn rank_main(scenario: &str, rank: usize, port: u16) {
             .monitored_barrier(TIMEOUT, true)
             .map_err(|e| e.to_string()),
         "destroy" => {
+            drop(pg);
+            destroy_process_group();
+            Ok(())
+        }
+        "destroy_subgroup" => {
+            if let Some(sub) = sub {
+                sub.destroy();
+            }
             drop(pg);
             destroy_process_group();
             Ok(())
@@ -261,6 +288,19 @@ fn assert_store_error(scenario: &str) {
     assert_failed_naming(scenario, &results, &[&addr]);
 }
 
+/// Every rank failed within the timeout + 1 s with an error that names the store and the
+/// operation `op` (the error's context says which call of the program failed).
+fn assert_store_error_naming_op(scenario: &str, op: &str) {
+    let (results, addr) = run(scenario);
+    assert_failed_naming(scenario, &results, &[&addr]);
+    for (rank, _, outcome) in &results {
+        assert!(
+            outcome.contains(op),
+            "{scenario}: rank {rank} should name {op:?}: {outcome}"
+        );
+    }
+}
+
 /// Every rank that went failed within the timeout + 1 s with an error that contains one of
 /// `names` (the store's address, or a rank that never came).
 fn assert_failed_naming(scenario: &str, results: &[(usize, Duration, String)], names: &[&str]) {
@@ -284,12 +324,24 @@ fn init_fails_in_time_when_the_store_host_is_stopped() {
 
 #[test]
 fn new_group_fails_in_time_when_the_store_host_is_stopped() {
-    assert_store_error("new_group");
+    assert_store_error_naming_op("new_group", "new_group");
 }
 
 #[test]
 fn split_fails_in_time_when_the_store_host_is_stopped() {
-    assert_store_error("split");
+    assert_store_error_naming_op("split", "split");
+}
+
+#[test]
+fn new_subgroups_fails_in_time_naming_it_when_the_store_host_is_stopped() {
+    assert_store_error_naming_op("new_subgroups", "new_subgroups");
+}
+
+/// A mesh makes one split per dimension: together they keep one deadline (before, each had
+/// its own), and the error names the mesh's creation, not an inner split.
+#[test]
+fn device_mesh_fails_in_time_naming_it_when_the_store_host_is_stopped() {
+    assert_store_error_naming_op("mesh", "DeviceMesh::new");
 }
 
 #[test]
@@ -308,6 +360,34 @@ fn teardown_returns_in_time_when_the_store_host_is_stopped() {
             "destroy: rank {rank} took {took:?}"
         );
     }
+}
+
+/// A sub-group, then the world group, are torn down with the store's host stopped: every rank
+/// returns within the timeout + 1 s (teardown returns nothing; its goodbye and wait share one
+/// deadline).
+#[test]
+fn subgroup_teardown_returns_in_time_when_the_store_host_is_stopped() {
+    let (results, _) = run("destroy_subgroup");
+    assert_eq!(results.len(), WORLD, "every rank returns");
+    for (rank, took, outcome) in &results {
+        eprintln!("destroy_subgroup: rank {rank} returned after {took:?}: {outcome}");
+        assert!(
+            *took <= TIMEOUT + Duration::from_secs(1),
+            "destroy_subgroup: rank {rank} took {took:?}"
+        );
+    }
+}
+
+/// Rank 0 alone splits into sub-groups; the host stops while it waits for rank 1's call. It
+/// fails by the creation's deadline, naming the call.
+#[test]
+fn new_subgroups_alone_fails_in_time_when_the_store_host_stops_during_its_wait() {
+    let (results, addr) = run_with("new_subgroups", &[0], Some("world/create/0/0"));
+    assert_failed_naming("new_subgroups alone", &results, &[&addr]);
+    assert!(
+        results.iter().all(|(_, _, o)| o.contains("new_subgroups")),
+        "{results:?}"
+    );
 }
 
 /// Rank 0 alone creates a group: it publishes its call, then waits for rank 1's, and the host

@@ -1,7 +1,8 @@
 //! Rooted-op agreement cost: broadcast and all_reduce over real loopback TCP (ranks as threads),
-//! the fused agreement (in the first step) beside the dissemination rounds before the data (what
-//! groups above `fused_agreement_max_ranks` still run, and what every group ran before), in the
-//! same invocation. Each measured batch runs `iters` back-to-back operations on every rank and
+//! in the same invocation: the fused agreement with a lazy root (the default: the root verifies
+//! the others' frames at its next operation), the fused agreement with an eager root (it reads
+//! them all before returning), and the dissemination rounds before the data (what groups above
+//! `fused_agreement_max_ranks` still run). Each measured batch runs `iters` back-to-back operations on every rank and
 //! ends when the last rank is done, so one operation's time is its throughput-bound latency.
 #![allow(missing_docs)] // criterion's macros generate undocumented public functions.
 
@@ -108,6 +109,7 @@ impl Drop for World {
 
 fn agreement(c: &mut Criterion) {
     for n in [2, 4] {
+        let base = GlooOptions::from_env();
         let worlds = [
             (
                 "dissemination",
@@ -115,12 +117,23 @@ fn agreement(c: &mut Criterion) {
                     n,
                     &GlooOptions {
                         fused_agreement_max_ranks: Some(1),
-                        ..GlooOptions::from_env()
+                        ..base.clone()
                     },
                     "dissemination",
                 ),
             ),
-            ("fused", World::new(n, &GlooOptions::from_env(), "fused")),
+            (
+                "eager",
+                World::new(
+                    n,
+                    &GlooOptions {
+                        lazy_root_verification: Some(false),
+                        ..base.clone()
+                    },
+                    "eager",
+                ),
+            ),
+            ("lazy", World::new(n, &base, "lazy")),
         ];
         let mut g = c.benchmark_group(format!("broadcast_ws{n}"));
         g.sample_size(10)
@@ -144,11 +157,58 @@ fn agreement(c: &mut Criterion) {
             .measurement_time(Duration::from_secs(2));
         let mut buf = vec![0u8; 4];
         g.bench_function("4", |b| {
-            b.iter_custom(|iters| worlds[1].1.batch(Kind::AllReduce, &mut buf, iters));
+            b.iter_custom(|iters| worlds[2].1.batch(Kind::AllReduce, &mut buf, iters));
         });
         g.finish();
     }
 }
 
-criterion_group!(benches, agreement);
+/// Large broadcasts over sockets only (`cross_memory` off, the cross-host path): the pipelined
+/// chain beside scatter + ring all-gather, same invocation, 3 and 4 ranks.
+fn tcp_broadcast(c: &mut Criterion) {
+    for n in [3, 4] {
+        let mut base = GlooOptions::from_env();
+        base.mesh.cross_memory = false;
+        let worlds = [
+            (
+                "chain",
+                World::new(
+                    n,
+                    &GlooOptions {
+                        broadcast_scatter_bytes: Some(usize::MAX),
+                        ..base.clone()
+                    },
+                    "chain",
+                ),
+            ),
+            (
+                "scatter_all_gather",
+                World::new(
+                    n,
+                    &GlooOptions {
+                        broadcast_scatter_bytes: Some(0),
+                        ..base.clone()
+                    },
+                    "scatter",
+                ),
+            ),
+        ];
+        let mut g = c.benchmark_group(format!("broadcast_tcp_ws{n}"));
+        g.sample_size(10)
+            .warm_up_time(Duration::from_millis(300))
+            .measurement_time(Duration::from_secs(3));
+        for size in [1 << 20, 4 << 20, 16 << 20, 64 << 20] {
+            g.throughput(Throughput::Bytes(size as u64));
+            let mut buf = vec![0u8; size];
+            for (name, w) in &worlds {
+                g.bench_with_input(BenchmarkId::new(*name, size), &size, |b, _| {
+                    b.iter_custom(|iters| w.batch(Kind::Broadcast, &mut buf, iters));
+                });
+            }
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, agreement, tcp_broadcast);
 criterion_main!(benches);

@@ -1,12 +1,13 @@
 //! `GlooBackend`: validation, sequence numbers and algorithm choice over a transport.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dist_backend::{Backend, BufMut, BufRef, Capabilities, Error, OpOptions, Result, Store};
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
-use crate::algo::{Op, agree, allreduce, bcast, blocks_of, ring, rooted};
+use crate::algo::{Op, agree, allreduce, bcast, blocks_of, choice, ring, rooted};
 use crate::transport::mem::MemTransport;
 use crate::transport::tcp::{MeshOptions, TcpTransport};
 use crate::transport::{StepCtx, Transport};
@@ -26,6 +27,19 @@ pub struct GlooOptions {
     /// picks [`FUSED_AGREEMENT_MAX_RANKS`]. Every rank must use the same value: a
     /// disagreement fails with an error naming the algorithm step.
     pub fused_agreement_max_ranks: Option<usize>,
+    /// Whether the root of a rooted op returns as soon as its data is out, leaving the other
+    /// ranks' agreement frames to be verified at the start of its next operation on the
+    /// group (or when the group is closed): a disagreement is then reported on the root one
+    /// operation later, still naming both sides, and the root no longer waits for every
+    /// rank to have entered the operation. `false` makes it read every frame before it
+    /// returns. `None` is `true` (`DIST_GLOO_EAGER_ROOT=1` sets `false`). Purely local:
+    /// ranks may differ.
+    pub lazy_root_verification: Option<bool>,
+    /// Broadcasts of at least this many bytes on more than two ranks scatter the buffer and
+    /// ring all-gather it (van de Geijn) instead of running the pipelined chain. `None`
+    /// picks [`GlooOptions::auto_broadcast_scatter_bytes`]; `DIST_GLOO_BCAST_SCATTER_BYTES`
+    /// sets it. Every rank must use the same value (checked when the group is built).
+    pub broadcast_scatter_bytes: Option<usize>,
 }
 
 /// The default of [`GlooOptions::fused_agreement_max_ranks`].
@@ -41,7 +55,14 @@ impl GlooOptions {
         if world_size <= 2 { 16 << 10 } else { 256 << 10 }
     }
 
+    /// The default of [`GlooOptions::broadcast_scatter_bytes`]: never (`usize::MAX`) until a
+    /// measurement says otherwise.
+    pub fn auto_broadcast_scatter_bytes(_world_size: usize) -> usize {
+        usize::MAX
+    }
+
     /// Defaults, overridden by `DIST_GLOO_SMALL_BYTES` ([`GlooOptions::small_bytes`]),
+    /// `DIST_GLOO_EAGER_ROOT` ([`GlooOptions::lazy_root_verification`]),
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
     /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning), `DIST_GLOO_CMA`
     /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
@@ -53,6 +74,8 @@ impl GlooOptions {
         }
         let mut o = GlooOptions {
             small_bytes: var("DIST_GLOO_SMALL_BYTES"),
+            lazy_root_verification: var("DIST_GLOO_EAGER_ROOT").map(|v| v == 0),
+            broadcast_scatter_bytes: var("DIST_GLOO_BCAST_SCATTER_BYTES"),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {
@@ -91,7 +114,14 @@ pub struct GlooBackend {
     group: u32,
     transport: Box<dyn Transport>,
     small_bytes: usize,
+    broadcast_scatter_bytes: usize,
     fused_agreement_max_ranks: usize,
+    /// `Some(max)` when this rank's rooted ops verify lazily: sends below `max` bytes do
+    /// not wait for their receiver's agreement frame (see [`agree::unblocking_send_max`]).
+    lazy_root: Option<usize>,
+    /// The agreement frames the roots of earlier rooted ops left unread (see
+    /// [`GlooOptions::lazy_root_verification`]), oldest first: read before anything else.
+    deferred: Mutex<VecDeque<agree::Deferred>>,
     seq: AtomicU64,
     /// The first error; once set, the group refuses further operations.
     poisoned: Mutex<Option<String>>,
@@ -126,7 +156,28 @@ impl GlooBackend {
                 format!("rank {rank} is not below world size {world_size}"),
             ));
         }
+        let mine = choice::settings(&[
+            (
+                "small_bytes",
+                opts.small_bytes
+                    .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
+            ),
+            ("segment_bytes", opts.mesh.segment_bytes),
+            (
+                "fused_agreement_max_ranks",
+                opts.fused_agreement_max_ranks
+                    .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
+            ),
+            (
+                "broadcast_scatter_bytes",
+                opts.broadcast_scatter_bytes
+                    .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
+            ),
+        ]);
+        choice::publish(store, prefix, rank, &mine)?;
         let t = TcpTransport::connect(store, prefix, rank, world_size, &opts.mesh)?;
+        // Every rank published before building its side of the mesh, so all are there now.
+        choice::check(store, prefix, rank, world_size, &mine)?;
         Ok(Self::over(
             Box::new(t),
             crate::transport::tcp::group_id(prefix),
@@ -145,9 +196,21 @@ impl GlooBackend {
             small_bytes: opts
                 .small_bytes
                 .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
+            broadcast_scatter_bytes: opts
+                .broadcast_scatter_bytes
+                .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
                 .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
+            lazy_root: opts.lazy_root_verification.unwrap_or(true).then(|| {
+                agree::unblocking_send_max(
+                    opts.mesh
+                        .cross_memory
+                        .then_some(opts.mesh.cross_memory_min_bytes),
+                    opts.mesh.socket_buffer,
+                )
+            }),
+            deferred: Mutex::new(VecDeque::new()),
             seq: AtomicU64::new(0),
             poisoned: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
@@ -323,21 +386,58 @@ impl GlooBackend {
         ctx.reduce_arg = reduce.map_or(0, |r| r.param_fingerprint());
         let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let res = if !name.rooted() || self.world_size == 1 {
-            f(&o, &mut scratch)
-        } else if self.world_size <= self.fused_agreement_max_ranks {
-            *o.agree.borrow_mut() = Some(agree::Pending::new(self.world_size, self.rank));
-            f(&o, &mut scratch).and_then(|r| o.finish_agreement().map(|()| r))
+        let lazy = self.lazy_root.filter(|_| {
+            root == Some(self.rank) && self.world_size <= self.fused_agreement_max_ranks
+        });
+        // A lazy root that only sends, each send below the size that could wait for its
+        // receiver, reads nothing this operation: older deferred frames may stay queued.
+        let sends_only = lazy.is_some_and(|max| {
+            matches!(name, CollectiveOp::Broadcast | CollectiveOp::Scatter)
+                && count * dtype.size() < max
+        });
+        let keep = if sends_only {
+            agree::MAX_DEFERRED - 1
         } else {
-            agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
+            0
         };
+        let res = self.verify_deferred(keep, ctx.deadline).and_then(|()| {
+            if !name.rooted() || self.world_size == 1 {
+                f(&o, &mut scratch)
+            } else if self.world_size <= self.fused_agreement_max_ranks {
+                *o.agree.borrow_mut() = Some(agree::Pending::new(self.world_size, self.rank, lazy));
+                let r = f(&o, &mut scratch)?;
+                if let Some(d) = o.finish_agreement()? {
+                    let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+                    q.push_back(d);
+                }
+                Ok(r)
+            } else {
+                agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
+            }
+        });
         if let Err(e) = &res {
-            tracing::warn!(rank = self.rank, error = %e, "operation failed; the group is aborted");
-            self.transport.abort();
-            let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
-            p.get_or_insert_with(|| e.to_string());
+            self.fail(e);
         }
         res
+    }
+
+    /// Reads, oldest first, the agreement frames earlier rooted ops' roots left unread, by
+    /// `deadline`, until at most `keep` of those ops are left.
+    fn verify_deferred(&self, keep: usize, deadline: std::time::Instant) -> Result<()> {
+        let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        while q.len() > keep {
+            let d = q.pop_front().expect("the queue is longer than keep");
+            agree::verify_deferred(&*self.transport, &d, deadline)?;
+        }
+        Ok(())
+    }
+
+    /// Aborts the group after `e`: its connections are in an unknown state.
+    fn fail(&self, e: &Error) {
+        tracing::warn!(rank = self.rank, error = %e, "operation failed; the group is aborted");
+        self.transport.abort();
+        let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        p.get_or_insert_with(|| e.to_string());
     }
 
     fn prepare(&self, o: &Op<'_>, rop: ReduceOp, data: &mut [u8]) -> Result<()> {
@@ -426,6 +526,8 @@ impl Backend for GlooBackend {
                     || (self.world_size > 2 && chunks < self.world_size)
                 {
                     bcast::tree(o, data, root)
+                } else if self.world_size > 2 && data.len() >= self.broadcast_scatter_bytes {
+                    bcast::scatter_all_gather(o, data, root)
                 } else {
                     bcast::chain(o, data, root, seg)
                 }
@@ -712,6 +814,29 @@ impl Backend for GlooBackend {
     }
 
     fn close(&self) {
+        // A root's last op may still owe its verification: a disagreement must not go
+        // unreported because the group was destroyed right after it.
+        let owed = self
+            .deferred
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(agree::Deferred::timeout)
+            .max();
+        let clean = self
+            .poisoned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none();
+        if let (Some(timeout), true) = (owed, clean)
+            && let Err(e) = self.verify_deferred(
+                0,
+                dist_backend::deadline_after(std::time::Instant::now(), timeout),
+            )
+        {
+            tracing::error!(rank = self.rank, error = %e, "a rooted operation failed its agreement, found at close");
+            self.fail(&e);
+        }
         let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
         if p.is_none() {
             *p = Some("the group was destroyed".into());

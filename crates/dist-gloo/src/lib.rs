@@ -45,6 +45,7 @@
 #![deny(unsafe_code)]
 mod algo;
 mod backend;
+pub mod proto;
 pub mod transport;
 
 pub use backend::{FUSED_AGREEMENT_MAX_RANKS, GlooBackend, GlooOptions};

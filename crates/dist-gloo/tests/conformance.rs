@@ -1,20 +1,30 @@
-//! Every operation × world size 1..=5 × counts {0, 1, 7, 1 MiB + 3} × every dtype (and every
-//! valid reduce op), over real loopback TCP between threads, checked against an independent
-//! reference.
+//! The conformance suite: the same test bodies over every driver of the peer protocol
+//! ([`common::DRIVERS`]: real loopback TCP between threads, and the in-memory pipes).
+//!
+//! Data: every operation × world size 1..=5 × counts {0, 1, 7, 1 MiB + 3} × every dtype (and
+//! every valid reduce op), checked against an independent reference. Faults: ranks that
+//! disagree, a stalled rank, a crashed rank, a rank that leaves, and a send nobody receives,
+//! each with the error every rank must report.
 
 mod common;
 
-use common::{assert_close, decode, encode, on_all, reference, tcp_world, tcp_world_with, value};
-use dist_backend::{Backend, BufMut, BufRef, OpOptions};
+use common::{
+    DRIVERS, MakeTransports, assert_close, decode, encode, on_all, reference, tcp_world,
+    tcp_world_with, value, world,
+};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use dist_backend::{Backend, BufMut, BufRef, Error, OpOptions};
 use dist_gloo::transport::shm::TransportMode;
 use dist_gloo::transport::tcp::cross_memory_available;
 use dist_gloo::{GlooBackend, GlooOptions};
-use dist_wire::{DType, ReduceOp};
+use dist_wire::{CollectiveOp, DType, ReduceOp};
 
 const COUNTS: [usize; 4] = [0, 1, 7, (1 << 20) + 3];
 
 fn opts() -> OpOptions {
-    OpOptions::with_timeout(std::time::Duration::from_secs(60))
+    OpOptions::with_timeout(Duration::from_secs(60))
 }
 
 /// Smaller segments than the default so that the big count crosses many frames and the ring's
@@ -246,42 +256,28 @@ fn check_p2p(ranks: &[GlooBackend]) {
     });
 }
 
-/// Every check on `n` ranks whose pairs all use `mode`, with or without single-copy transfers.
-fn over(n: usize, mode: TransportMode, cross_memory: bool) {
-    let mut o = gloo_opts();
-    o.mesh.transport = mode;
-    o.mesh.cross_memory = cross_memory;
-    let ranks = tcp_world(n, &o);
-    for b in &ranks {
-        let want: Vec<bool> = (0..n)
-            .map(|p| p != b.rank() && mode == TransportMode::Shm)
-            .collect();
-        assert_eq!(
-            b.shared_memory_peers(),
-            want,
-            "ws {n} {mode:?}: rank {}",
-            b.rank()
-        );
-    }
+/// The whole data suite over `driver`'s transports.
+fn over(driver: &str, make: MakeTransports, n: usize) {
+    let ranks = world(make, n, &gloo_opts());
     check_all_reduce(&ranks);
     check_movement(&ranks);
     check_p2p(&ranks);
     // Threads of one process read each other wherever the system call is allowed: then the
-    // big counts went single-copy.
+    // big counts went single-copy (only the TCP mesh, over sockets or rings, offers by
+    // reference).
     let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
     assert_eq!(
         by_ref > 0,
-        n > 1 && cross_memory && cross_memory_available(),
-        "ws {n}: {by_ref} messages sent by reference"
+        driver != "mem" && n > 1 && cross_memory_available(),
+        "{driver} ws {n}: {by_ref} messages sent by reference"
     );
 }
 
-fn over_tcp(n: usize) {
-    over(n, TransportMode::Tcp, true);
-}
-
-fn over_shm(n: usize) {
-    over(n, TransportMode::Shm, true);
+/// [`over`] for every driver.
+fn over_every_driver(n: usize) {
+    for &(driver, make) in DRIVERS {
+        over(driver, make, n);
+    }
 }
 
 /// Ranks playing two hosts in one process (host ids a, a, b, b, a): rings within each host,
@@ -304,6 +300,24 @@ fn a_mixed_group_uses_shared_memory_within_a_host_and_tcp_between_hosts() {
     check_all_reduce(&ranks);
     check_movement(&ranks);
     check_p2p(&ranks);
+}
+
+/// Every byte through the rings, the large counts included.
+#[test]
+fn world_size_3_over_shm_without_cross_memory() {
+    let mut o = gloo_opts();
+    o.mesh.transport = TransportMode::Shm;
+    o.mesh.cross_memory = false;
+    let ranks = tcp_world(3, &o);
+    for b in &ranks {
+        let want: Vec<bool> = (0..3).map(|p| p != b.rank()).collect();
+        assert_eq!(b.shared_memory_peers(), want);
+    }
+    check_all_reduce(&ranks);
+    check_movement(&ranks);
+    check_p2p(&ranks);
+    let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
+    assert_eq!(by_ref, 0, "every byte must have gone through the rings");
 }
 
 /// A rank that opts out of single-copy transfers neither sends nor is sent anything by
@@ -347,93 +361,55 @@ fn a_rank_without_cross_memory_mixes_with_ranks_that_have_it() {
 
 #[test]
 fn world_size_3_over_tcp_without_cross_memory() {
-    over(3, TransportMode::Tcp, false);
-}
-
-/// Every byte through the rings, the large counts included.
-#[test]
-fn world_size_3_over_shm_without_cross_memory() {
-    over(3, TransportMode::Shm, false);
-}
-
-#[test]
-fn world_size_1_over_tcp() {
-    over_tcp(1);
+    let mut o = gloo_opts();
+    o.mesh.cross_memory = false;
+    let ranks = tcp_world(3, &o);
+    check_all_reduce(&ranks);
+    check_movement(&ranks);
+    check_p2p(&ranks);
+    let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
+    assert_eq!(by_ref, 0, "every byte must have gone through the sockets");
 }
 
 #[test]
-fn world_size_2_over_tcp() {
-    over_tcp(2);
+fn world_size_1() {
+    over_every_driver(1);
 }
 
 #[test]
-fn world_size_3_over_tcp() {
-    over_tcp(3);
+fn world_size_2() {
+    over_every_driver(2);
 }
 
 #[test]
-fn world_size_4_over_tcp() {
-    over_tcp(4);
+fn world_size_3() {
+    over_every_driver(3);
 }
 
 #[test]
-fn world_size_5_over_tcp() {
-    over_tcp(5);
+fn world_size_4() {
+    over_every_driver(4);
 }
 
 #[test]
-fn world_size_1_over_shm() {
-    over_shm(1);
-}
-
-#[test]
-fn world_size_2_over_shm() {
-    over_shm(2);
-}
-
-#[test]
-fn world_size_3_over_shm() {
-    over_shm(3);
-}
-
-#[test]
-fn world_size_4_over_shm() {
-    over_shm(4);
-}
-
-#[test]
-fn world_size_5_over_shm() {
-    over_shm(5);
-}
-
-#[test]
-fn algorithms_agree_over_the_in_memory_transport() {
-    for n in [1, 3, 4] {
-        let ranks = GlooBackend::in_memory(n, &gloo_opts());
-        check_movement(&ranks);
-        check_p2p(&ranks);
-    }
+fn world_size_5() {
+    over_every_driver(5);
 }
 
 /// `probe` answers without blocking: false until the tagged message starts to arrive, true once
 /// it has (before the `recv`), and true for a peer that is gone (its `recv` would fail at once).
 #[test]
 fn probe_sees_a_tagged_message_before_its_recv_and_a_departed_peer() {
-    for ranks in [
-        tcp_world(2, &gloo_opts()),
-        GlooBackend::in_memory(2, &gloo_opts()),
-    ] {
+    for &(_, make) in DRIVERS {
+        let ranks = world(make, 2, &gloo_opts());
         let tagged = |tag| OpOptions { tag, ..opts() };
         let (a, b) = (&ranks[0], &ranks[1]);
         assert!(!b.probe(0, 7).unwrap(), "nothing sent yet");
         a.send(BufRef::Host(&[1, 2, 3, 4]), DType::U8, 1, &tagged(7))
             .unwrap();
-        let t0 = std::time::Instant::now();
+        let t0 = Instant::now();
         while !b.probe(0, 7).unwrap() {
-            assert!(
-                t0.elapsed() < std::time::Duration::from_secs(10),
-                "never seen"
-            );
+            assert!(t0.elapsed() < Duration::from_secs(10), "never seen");
             std::thread::yield_now();
         }
         assert!(!b.probe(0, 8).unwrap(), "another tag has not arrived");
@@ -444,13 +420,222 @@ fn probe_sees_a_tagged_message_before_its_recv_and_a_departed_peer() {
         assert!(b.probe(1, 7).is_err(), "probing oneself is an error");
         let mut ranks = ranks;
         drop(ranks.remove(0));
-        let t0 = std::time::Instant::now();
+        let t0 = Instant::now();
         while !ranks[0].probe(0, 9).unwrap() {
             assert!(
-                t0.elapsed() < std::time::Duration::from_secs(10),
+                t0.elapsed() < Duration::from_secs(10),
                 "departure never seen"
             );
             std::thread::yield_now();
+        }
+    }
+}
+
+fn quick(timeout: Duration) -> OpOptions {
+    OpOptions::with_timeout(timeout)
+}
+
+/// Two ranks that pass different counts both fail at once, each naming both counts.
+#[test]
+fn a_count_mismatch_names_both_counts_on_both_sides() {
+    for &(driver, make) in DRIVERS {
+        let ranks = world(make, 2, &gloo_opts());
+        let errs = on_all(&ranks, |b| {
+            let mut v = vec![0u8; if b.rank() == 0 { 40 } else { 44 }];
+            b.all_reduce(
+                BufMut::Host(&mut v),
+                DType::I32,
+                ReduceOp::Max,
+                &quick(Duration::from_secs(30)),
+            )
+            .unwrap_err()
+            .to_string()
+        });
+        assert_eq!(
+            errs[0],
+            "rank 0 all_reduce #0 (i32 × 10, MAX) met rank 1 all_reduce #0 (i32 × 11, MAX)",
+            "{driver}"
+        );
+        assert_eq!(
+            errs[1],
+            "rank 1 all_reduce #0 (i32 × 11, MAX) met rank 0 all_reduce #0 (i32 × 10, MAX)",
+            "{driver}"
+        );
+    }
+}
+
+/// A rank that never joins an operation: the others time out within their timeout plus a
+/// second, naming ranks they waited for, and the stalled rank among them.
+#[test]
+fn a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank() {
+    for &(driver, make) in DRIVERS {
+        let n = 3;
+        let ranks = world(make, n, &gloo_opts());
+        let timeout = Duration::from_secs(1);
+        let released = Barrier::new(n);
+        let out = on_all(&ranks, |b| {
+            let mut v = vec![1u8; 4096];
+            if b.rank() == 2 {
+                released.wait();
+                return None;
+            }
+            let t0 = Instant::now();
+            let e = b
+                .all_reduce(
+                    BufMut::Host(&mut v),
+                    DType::U8,
+                    ReduceOp::Sum,
+                    &quick(timeout),
+                )
+                .unwrap_err();
+            let took = t0.elapsed();
+            released.wait();
+            Some((e, took))
+        });
+        let mut named = false;
+        for (r, o) in out.into_iter().enumerate().take(2) {
+            let (e, took) = o.expect("ranks 0 and 1 fail");
+            assert!(
+                took < timeout + Duration::from_secs(1),
+                "{driver} rank {r} took {took:?}"
+            );
+            match &e {
+                Error::Timeout {
+                    rank,
+                    op,
+                    missing_peers,
+                    ..
+                } => {
+                    assert_eq!((*rank, *op), (r, CollectiveOp::AllReduce), "{driver}: {e}");
+                    assert!(
+                        !missing_peers.is_empty() && !missing_peers.contains(&r),
+                        "{driver} rank {r}: {e}"
+                    );
+                    named |= missing_peers.contains(&2);
+                }
+                other => panic!("{driver} rank {r}: expected a timeout, got {other}"),
+            }
+        }
+        // Which deadline fires first is a race; the rank waiting for the stalled one names it
+        // (itself, or told by a peer that gave up on it).
+        assert!(named, "{driver}: no rank named the stalled rank 2");
+    }
+}
+
+/// A rank whose process dies (here: its transport aborted and dropped, which closes its
+/// connections without a goodbye) makes every survivor fail with `PeerLost` naming it.
+#[test]
+fn a_crashed_rank_is_peer_lost_naming_it_on_every_survivor() {
+    for &(driver, make) in DRIVERS {
+        let n = 4;
+        let mut ts = make(n, &gloo_opts());
+        let dead = ts.pop().expect("a rank");
+        let ranks: Vec<GlooBackend> = ts
+            .into_iter()
+            .map(|t| GlooBackend::over(t, 0, &gloo_opts()))
+            .collect();
+        let errs = std::thread::scope(|s| {
+            let h = s.spawn(|| {
+                on_all(&ranks, |b| {
+                    let mut v = vec![1u8; 1 << 20];
+                    b.all_reduce(
+                        BufMut::Host(&mut v),
+                        DType::U8,
+                        ReduceOp::Sum,
+                        &quick(Duration::from_secs(30)),
+                    )
+                    .unwrap_err()
+                })
+            });
+            dead.abort();
+            drop(dead);
+            h.join().expect("survivors")
+        });
+        for (r, e) in errs.iter().enumerate() {
+            match e {
+                Error::PeerLost { rank, peer, .. } => {
+                    assert_eq!((*rank, *peer), (r, n - 1), "{driver}: {e}");
+                }
+                other => panic!("{driver} rank {r}: expected PeerLost naming rank 3, got {other}"),
+            }
+        }
+    }
+}
+
+/// A rank that leaves cleanly is no failure for peers that do not need it (they may exchange
+/// among themselves), and an operation that needs it fails naming it as gone.
+#[test]
+fn a_rank_that_leaves_is_seen_by_every_peer_and_fails_only_what_needs_it() {
+    for &(driver, make) in DRIVERS {
+        let ranks = world(make, 3, &gloo_opts());
+        let left = Barrier::new(3);
+        let out = on_all(&ranks, |b| {
+            if b.rank() == 2 {
+                Backend::close(b);
+                left.wait();
+                return None;
+            }
+            left.wait();
+            let o = quick(Duration::from_secs(30));
+            let mut v = [b.rank() as u8; 8];
+            let peer = 1 - b.rank();
+            let ok = |r: dist_backend::Result<()>| r.unwrap_or_else(|e| panic!("{driver}: {e}"));
+            if b.rank() == 0 {
+                ok(b.send(BufRef::Host(&v), DType::U8, peer, &o));
+                ok(b.recv(BufMut::Host(&mut v), DType::U8, peer, &o));
+            } else {
+                ok(b.recv(BufMut::Host(&mut v), DType::U8, peer, &o));
+                assert_eq!(v, [0; 8], "{driver}");
+                ok(b.send(BufRef::Host(&v), DType::U8, peer, &o));
+            }
+            Some(b.barrier(&o).unwrap_err())
+        });
+        for (r, e) in out.into_iter().enumerate().take(2) {
+            let e = e.expect("ranks 0 and 1 ran the barrier");
+            match &e {
+                Error::PeerLost {
+                    rank, peer, reason, ..
+                } => {
+                    assert_eq!((*rank, *peer), (r, 2), "{driver}: {e}");
+                    assert!(reason.contains("left the group"), "{driver}: {e}");
+                }
+                other => panic!("{driver} rank {r}: expected PeerLost naming rank 2, got {other}"),
+            }
+        }
+    }
+}
+
+/// Sends are bounded: a large message to a rank that does not receive it cannot complete, and
+/// the sender times out naming that rank (no transport buffers it whole).
+#[test]
+fn a_large_send_nobody_receives_times_out_naming_the_receiver() {
+    for &(driver, make) in DRIVERS {
+        let ranks = world(make, 2, &gloo_opts());
+        let done = Barrier::new(2);
+        let out = on_all(&ranks, |b| {
+            if b.rank() == 1 {
+                done.wait();
+                return None;
+            }
+            let big = vec![7u8; 64 << 20];
+            let e = b
+                .send(
+                    BufRef::Host(&big),
+                    DType::U8,
+                    1,
+                    &quick(Duration::from_secs(1)),
+                )
+                .unwrap_err();
+            done.wait();
+            Some(e)
+        });
+        match out[0].as_ref().expect("rank 0 sent") {
+            Error::Timeout {
+                rank: 0,
+                missing_peers,
+                ..
+            } => assert_eq!(missing_peers, &[1], "{driver}"),
+            other => panic!("{driver}: expected a timeout naming rank 1, got {other}"),
         }
     }
 }

@@ -30,7 +30,9 @@ fn broadcast_roots(n: usize, count: usize, root_of: impl Fn(usize) -> usize + Sy
     broadcast_roots_with(&GlooOptions::default(), n, count, root_of)
 }
 
-/// [`broadcast_roots`] with the given backend options.
+/// [`broadcast_roots`] with the given backend options. A rank that thinks it is the root may
+/// return Ok (it does not wait for the others, see `GlooOptions::lazy_root_verification`);
+/// its next operation, a barrier here, must then fail with the broadcast's mismatch.
 fn broadcast_roots_with(
     gopts: &GlooOptions,
     n: usize,
@@ -41,14 +43,63 @@ fn broadcast_roots_with(
     on_all(&ranks, |b| {
         let mut v = vec![b.rank() as f32; count];
         let root = root_of(b.rank());
-        b.broadcast(
+        let r = b.broadcast(
             BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
             DType::F32,
             root,
             &opts(),
-        )
-        .expect_err("ranks that disagree on the root must not succeed")
+        );
+        match r {
+            Err(e) => e,
+            Ok(()) => {
+                assert_eq!(root, b.rank(), "only a root may return before it knows");
+                b.barrier(&opts())
+                    .expect_err("a root that disagrees must fail at its next operation")
+            }
+        }
     })
+}
+
+/// The root's report one operation later also comes when that operation is the group's
+/// destruction: it is logged, and the peers are told (no rank hangs, none is told the root
+/// left cleanly), so a disagreement is never silent.
+#[test]
+fn a_lazy_root_that_disagrees_and_then_closes_aborts_the_group() {
+    for n in 2..=4 {
+        let ranks = tcp_world(n, &GlooOptions::default());
+        let errs = on_all(&ranks, |b| {
+            let mut v = vec![0f32; 10];
+            // Rank 0 is the root in its own view, everyone else thinks rank 1 is.
+            let root = usize::from(b.rank() != 0);
+            let r = b.broadcast(
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                DType::F32,
+                root,
+                &opts(),
+            );
+            if b.rank() == 0 {
+                assert!(r.is_ok(), "the lazy root returns at once: {r:?}");
+                Backend::close(b);
+                b.barrier(&opts()).expect_err("the group is destroyed")
+            } else {
+                match r {
+                    Err(e) => e,
+                    Ok(()) => b
+                        .barrier(&opts())
+                        .expect_err("a root that disagrees must fail at its next operation"),
+                }
+            }
+        });
+        for (r, e) in errs.iter().enumerate().skip(1) {
+            let (ours, theirs) = sides(e);
+            assert_ne!(ours.root, theirs.root, "n={n}: rank {r}: {e}");
+        }
+        let msg = errs[0].to_string();
+        assert!(
+            msg.contains("mismatch") || msg.contains(" met rank "),
+            "n={n}: rank 0 closed after a mismatch; its group must say so: {msg}"
+        );
+    }
 }
 
 #[test]
@@ -66,30 +117,59 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
     });
 }
 
-/// Ranks configured with different agreement schemes all fail, one at least naming the step.
-/// (A rank that finds the ranks run different algorithms sends no abort notice, as for any
-/// other step disagreement, so a rank that waits on it fails by its timeout, kept short.)
+/// Ranks whose settings would make them choose different algorithms for the same call (a
+/// different `DIST_GLOO_SMALL_BYTES`, segment size or agreement scheme on one rank) are
+/// refused when the group is built, on every rank, naming the setting and a rank that
+/// differs: no rank gets as far as a collective that would hang or lose a peer.
 #[test]
-fn ranks_that_agree_by_different_schemes_all_fail() {
-    let ranks = common::tcp_world_with(3, |r| GlooOptions {
-        fused_agreement_max_ranks: Some(if r == 1 { 1 } else { 16 }),
-        ..GlooOptions::default()
-    });
-    let errs = on_all(&ranks, |b| {
-        let mut v = vec![0f32; 10];
-        b.broadcast(
-            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-            DType::F32,
-            0,
-            &OpOptions::with_timeout(Duration::from_secs(5)),
-        )
-        .expect_err("ranks running different agreements must not succeed")
-    });
-    assert!(
-        errs.iter()
-            .any(|e| e.to_string().contains("different algorithms")),
-        "{errs:?}"
-    );
+fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
+    type Tweak = fn(&mut GlooOptions);
+    let cases: [(&str, Tweak); 3] = [
+        ("small_bytes=0", |o| o.small_bytes = Some(0)),
+        ("segment_bytes=65536", |o| o.mesh.segment_bytes = 64 << 10),
+        ("fused_agreement_max_ranks=1", |o| {
+            o.fused_agreement_max_ranks = Some(1);
+        }),
+    ];
+    for n in 2..=4 {
+        for (setting, tweak) in cases {
+            let odd = n - 1;
+            let store =
+                std::sync::Arc::new(dist_backend::store::HashStore::new(Duration::from_secs(30)));
+            let prefix = format!("choice-{n}-{setting}");
+            let errs: Vec<String> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..n)
+                    .map(|r| {
+                        let (store, prefix) = (store.clone(), prefix.clone());
+                        s.spawn(move || {
+                            let mut o = GlooOptions::default();
+                            if r == odd {
+                                tweak(&mut o);
+                            }
+                            dist_gloo::GlooBackend::connect(&*store, &prefix, r, n, &o)
+                                .expect_err("ranks that choose algorithms differently")
+                                .to_string()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (r, e) in errs.iter().enumerate() {
+                assert!(
+                    e.contains("algorithm settings mismatch") && e.contains(&format!("rank {r}")),
+                    "n={n}, {setting}: rank {r}: {e}"
+                );
+                if r == odd {
+                    assert!(e.contains("rank 0 has"), "n={n}: rank {r}: {e}");
+                } else {
+                    assert!(
+                        e.contains(&format!("rank {odd} has {setting}")),
+                        "n={n}: rank {r}: {e}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// A large broadcast on 4 ranks (the pipelined chain, by reference where possible) whose
@@ -158,6 +238,41 @@ fn every_rank_names_both_roots(gopts: &GlooOptions) {
     }
 }
 
+/// Two would-be roots that only send to each other: below the size a send may wait for its
+/// receiver each returns and finds the mismatch at its next operation; from it on each reads
+/// the other's agreement frame while it sends. At every size around that switch, by
+/// reference and over TCP only, both fail with a mismatch naming both roots, never a timeout.
+#[test]
+fn two_would_be_roots_fail_with_a_mismatch_at_every_size_around_the_switch() {
+    for cma in [true, false] {
+        let mut gopts = GlooOptions::default();
+        gopts.mesh.cross_memory = cma;
+        for bytes in [
+            4,
+            16 << 10,
+            (48 << 10) - 4,
+            48 << 10,
+            64 << 10,
+            255 << 10,
+            1 << 20,
+        ] {
+            let errs = broadcast_roots_with(&gopts, 2, bytes / 4, |r| r);
+            for (r, e) in errs.iter().enumerate() {
+                assert!(
+                    !matches!(e, Error::Timeout { .. }),
+                    "cma={cma}, {bytes} B: rank {r} timed out: {e}"
+                );
+                let (ours, theirs) = sides(e);
+                assert_eq!(
+                    (ours.root, theirs.root),
+                    (Some(r), Some(1 - r)),
+                    "cma={cma}, {bytes} B: {e}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_large_broadcast_with_different_roots_is_a_mismatch_at_once_not_a_timeout() {
     let t0 = Instant::now();
@@ -216,7 +331,15 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
                     )
                 }
             };
-            r.expect_err("ranks that disagree on the root must not succeed")
+            match r {
+                Err(e) => e,
+                // A lazy root (of scatter) reports at its next operation.
+                Ok(()) => {
+                    assert!(is_root, "{op}: only a root may return before it knows");
+                    b.barrier(&opts())
+                        .expect_err("a root that disagrees must fail at its next operation")
+                }
+            }
         });
         for (r, e) in errs.iter().enumerate() {
             let (ours, theirs) = sides(e);
@@ -241,7 +364,13 @@ fn two_disagree_with_two(
         } else {
             matching(b)
         };
-        r.expect_err("a rank of a mismatched collective must not succeed")
+        match r {
+            Err(e) => e,
+            // The root of a rooted op hears of it at its next operation.
+            Ok(()) => b
+                .barrier(&opts())
+                .expect_err("a rank of a mismatched collective must not succeed"),
+        }
     });
     for (r, e) in errs.iter().enumerate() {
         let msg = e.to_string();

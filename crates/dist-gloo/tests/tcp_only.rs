@@ -131,3 +131,21 @@ fn world_size_4_over_sockets_only() {
 fn world_size_5_over_sockets_only() {
     over_sockets(5);
 }
+
+/// The scatter + ring all-gather broadcast (van de Geijn), forced for every size but empty
+/// (which stays on the tree) over sockets only: every root, 1 to 5 ranks (on 1 and 2 the
+/// chain and tree still run), counts 1, uneven (fewer elements than ranks, and not a multiple
+/// of them) and many segments.
+#[test]
+fn scatter_all_gather_broadcast_over_sockets_on_1_to_5_ranks() {
+    for n in 1..=5 {
+        let mut o = GlooOptions {
+            small_bytes: Some(0),
+            broadcast_scatter_bytes: Some(0),
+            ..GlooOptions::default()
+        };
+        o.mesh.cross_memory = false;
+        o.mesh.segment_bytes = 64 << 10;
+        check_broadcast(&tcp_world(n, &o));
+    }
+}

@@ -150,9 +150,10 @@ impl Comm {
     }
 
     /// Creates the communicator of `rank` in `world_size`: rank 0 makes the unique id and
-    /// publishes it in `store` under `prefix`; every rank waits (within the store's timeout)
-    /// until all have arrived, so `ncclCommInitRank`, which has no timeout, is only entered
-    /// once every peer is entering it too. The device must be bound on this thread.
+    /// publishes it in `store` under `prefix`; every rank waits until all have arrived, so
+    /// `ncclCommInitRank`, which has no timeout, is only entered once every peer is entering
+    /// it too. Every store call ends by one deadline, `timeout` from now, so a silent store
+    /// cannot give each call a timeout of its own. The device must be bound on this thread.
     pub(crate) fn init(
         store: &dyn Store,
         prefix: &str,
@@ -169,6 +170,7 @@ impl Comm {
                 code: e.to_string(),
             }
         };
+        let deadline = dist_backend::deadline_after(Instant::now(), timeout);
         let key = id_key(prefix);
         let id = if rank == 0 {
             let mut id = ncclUniqueId { internal: [0; 128] };
@@ -177,16 +179,13 @@ impl Comm {
             check(r, rank, "init", 0, "ncclGetUniqueId")?;
             let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
             store
-                .set(&key, &bytes)
+                .set_by(&key, &bytes, deadline)
                 .map_err(store_err("publishing the unique id"))?;
             id
         } else {
-            store
-                .wait(&[&key], timeout)
-                .map_err(store_err("waiting for rank 0's unique id"))?;
             let bytes = store
-                .get(&key)
-                .map_err(store_err("reading the unique id"))?;
+                .get_by(&key, deadline)
+                .map_err(store_err("waiting for rank 0's unique id"))?;
             if bytes.len() != 128 {
                 return Err(Error::Nccl {
                     rank,
@@ -204,14 +203,14 @@ impl Comm {
         };
         let arrived = format!("{prefix}/nccl/arrived/{rank}");
         store
-            .set(&arrived, b"1")
+            .set_by(&arrived, b"1", deadline)
             .map_err(store_err("announcing arrival"))?;
         let keys: Vec<String> = (0..world_size)
             .map(|r| format!("{prefix}/nccl/arrived/{r}"))
             .collect();
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         store
-            .wait(&keys, timeout)
+            .wait_by(&keys, deadline)
             .map_err(store_err("waiting for every rank to arrive"))?;
         let mut comm: ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` is a valid out-pointer, `id` a unique id shared by all ranks; the

@@ -141,6 +141,10 @@ fn shutdown_all_at_exit() {
 /// How long the worker serving the store waits for the others to leave once a peer is lost.
 const LOST_LEAVE_WAIT: Duration = Duration::from_secs(10);
 
+/// What store calls made past the shutdown's deadline may take together: naming the workers
+/// that did not publish, or reading keys a wait found just in time.
+const DIAGNOSIS_GRACE: Duration = Duration::from_millis(500);
+
 thread_local! {
     /// Set on pool threads: a handler must not shut down the agent that runs it.
     static IN_POOL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -230,11 +234,12 @@ impl Agent {
         };
         // The n-th init of each rank meets the n-th init of every other under `rpc/<n>/`, so
         // a job that shuts RPC down and starts it again never reads the keys of the last one.
+        // Every store call of the init ends by the init's deadline, not a store timeout each.
+        let deadline = deadline_after(Instant::now(), opts.init_timeout);
         let generation = store
-            .add(&format!("rpc/inits/{rank}"), 1)
+            .add_by(&format!("rpc/inits/{rank}"), 1, deadline)
             .map_err(store_err("counting this rank's inits"))?;
         let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("rpc/{generation}"), store));
-        let deadline = deadline_after(Instant::now(), opts.init_timeout);
         // The same interface as the rank's Gloo mesh (DIST_SOCKET_IFNAME, else the route to
         // MASTER_ADDR).
         let ip = match opts.listen_ip {
@@ -262,7 +267,7 @@ impl Agent {
             })?;
         let candidate = format!("{}-{}-{:?}", std::process::id(), rank, Instant::now());
         let job = store
-            .compare_set("job", b"", candidate.as_bytes())
+            .compare_set_by("job", b"", candidate.as_bytes(), deadline)
             .map_err(store_err("agreeing on the job id"))?;
         let job = String::from_utf8_lossy(&job).into_owned();
         let me = Published {
@@ -271,21 +276,19 @@ impl Agent {
             port,
         };
         store
-            .set(
+            .set_by(
                 &format!("addr/{rank}"),
                 &serde_json::to_vec(&me).unwrap_or_default(),
+                deadline,
             )
             .map_err(store_err("publishing this worker's address"))?;
         let keys: Vec<String> = (0..world_size).map(|r| format!("addr/{r}")).collect();
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         store
-            .wait(
-                &key_refs,
-                deadline.saturating_duration_since(Instant::now()),
-            )
+            .wait_by(&key_refs, deadline)
             .map_err(store_err("waiting for every worker's address"))?;
         let values = store
-            .multi_get(&key_refs)
+            .multi_get_by(&key_refs, deadline)
             .map_err(store_err("reading every worker's address"))?;
         let mut published = Vec::with_capacity(world_size);
         for (r, v) in values.iter().enumerate() {
@@ -1554,7 +1557,11 @@ impl Agent {
                 self.processed.load(Ordering::SeqCst)
             );
             self.store
-                .set(&format!("shutdown/{round}/{}", self.me), mine.as_bytes())
+                .set_by(
+                    &format!("shutdown/{round}/{}", self.me),
+                    mine.as_bytes(),
+                    deadline,
+                )
                 .map_err(|source| Error::Store {
                     worker: self.label.clone(),
                     op: "publishing shutdown progress",
@@ -1615,7 +1622,7 @@ impl Agent {
             let slice = deadline
                 .saturating_duration_since(now)
                 .clamp(Duration::from_millis(1), Duration::from_millis(200));
-            match self.store.wait(&refs, slice) {
+            match self.store.wait_by(&refs, deadline_after(now, slice)) {
                 Ok(()) => break,
                 Err(StoreError::Timeout { .. }) => {}
                 Err(source) => {
@@ -1638,7 +1645,7 @@ impl Agent {
             // shutdown (`shutdown_now`, or exit): it will never publish.
             for (r, key) in refs.iter().enumerate() {
                 if self.peer_state(r) == Some(PeerState::ShutDown)
-                    && !self.store.check(&[key]).unwrap_or(true)
+                    && !self.store.check_by(&[key], deadline).unwrap_or(true)
                 {
                     return Err(Error::PeerShutDown {
                         worker: self.label.clone(),
@@ -1648,10 +1655,12 @@ impl Agent {
                 }
             }
             if Instant::now() >= deadline {
+                // Past the deadline: the diagnosis gets one short grace for all its checks.
+                let grace = deadline_after(Instant::now(), DIAGNOSIS_GRACE);
                 let missing: Vec<&str> = refs
                     .iter()
                     .copied()
-                    .filter(|k| !self.store.check(&[k]).unwrap_or(false))
+                    .filter(|k| !self.store.check_by(&[k], grace).unwrap_or(false))
                     .collect();
                 return Err(Error::ShutdownTimeout {
                     worker: self.label.clone(),
@@ -1660,11 +1669,16 @@ impl Agent {
                 });
             }
         }
-        self.store.multi_get(&refs).map_err(|source| Error::Store {
-            worker: self.label.clone(),
-            op: "reading during shutdown",
-            source,
-        })
+        // The keys exist (the wait said so): reading them may take a short grace past the
+        // deadline, which the wait may have used up.
+        let read_by = deadline.max(deadline_after(Instant::now(), DIAGNOSIS_GRACE));
+        self.store
+            .multi_get_by(&refs, read_by)
+            .map_err(|source| Error::Store {
+                worker: self.label.clone(),
+                op: "reading during shutdown",
+                source,
+            })
     }
 
     fn peer_state(&self, r: usize) -> Option<PeerState> {
@@ -1787,7 +1801,7 @@ impl Agent {
     /// worker has left.
     fn leave_store(&self, deadline: Instant) -> Result<()> {
         self.store
-            .set(&format!("left/{}", self.me), b"1")
+            .set_by(&format!("left/{}", self.me), b"1", deadline)
             .map_err(|source| Error::Store {
                 worker: self.label.clone(),
                 op: "recording leaving",
@@ -1807,7 +1821,7 @@ impl Agent {
         };
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         self.store
-            .wait(&refs, deadline.saturating_duration_since(Instant::now()))
+            .wait_by(&refs, deadline)
             .map_err(|source| Error::Store {
                 worker: self.label.clone(),
                 op: "waiting for every worker to leave",

@@ -39,6 +39,23 @@ pub enum StoreError {
         /// How long the call had been running when it gave up.
         waited: Duration,
     },
+    /// A [`FileStore`](super::FileStore) call could not take the file's lock before its
+    /// deadline: another process holds it and does not let go (stopped by SIGSTOP or a
+    /// debugger, or hung while holding it).
+    #[error(
+        "store {op} on {addr} (keys: {keys:?}): the store file's lock was still held by another \
+         process after {waited:?} (its holder may be stopped or hung)"
+    )]
+    LockHeld {
+        /// The store operation.
+        op: &'static str,
+        /// The store file, as `file://<path>`.
+        addr: String,
+        /// Keys of the operation.
+        keys: Vec<String>,
+        /// How long the call tried to take the lock.
+        waited: Duration,
+    },
     /// I/O with the store failed.
     #[error("store {op} on {addr} (keys: {keys:?}): {source}")]
     Io {
@@ -151,6 +168,7 @@ impl StoreError {
         match self {
             StoreError::Timeout { op, .. }
             | StoreError::Unresponsive { op, .. }
+            | StoreError::LockHeld { op, .. }
             | StoreError::Io { op, .. }
             | StoreError::Protocol { op, .. }
             | StoreError::Wire { op, .. }
@@ -165,13 +183,16 @@ impl StoreError {
         matches!(self, StoreError::Timeout { .. })
     }
 
-    /// True when the store itself failed to answer in time ([`StoreError::Unresponsive`]) or
-    /// could not be reached ([`StoreError::Connect`]): asking it anything else now (which keys
-    /// are missing, say) would only wait again.
+    /// True when the store itself failed to answer in time ([`StoreError::Unresponsive`],
+    /// or [`StoreError::LockHeld`] for a file store) or could not be reached
+    /// ([`StoreError::Connect`]): asking it anything else now (which keys are missing, say)
+    /// would only wait again.
     pub fn is_unreachable(&self) -> bool {
         matches!(
             self,
-            StoreError::Unresponsive { .. } | StoreError::Connect { .. }
+            StoreError::Unresponsive { .. }
+                | StoreError::LockHeld { .. }
+                | StoreError::Connect { .. }
         )
     }
 }

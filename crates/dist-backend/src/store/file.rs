@@ -12,13 +12,17 @@
 //!   `write`. Readers never see a half-written record, because writers hold the lock while they
 //!   write; a record torn by a crashed writer is cut off by the next writer.
 //! * `wait`/`get` poll the file's length with a short backoff (1 ms, growing to 16 ms).
+//! * every call ends by its deadline, also while another process holds the lock: the lock is
+//!   taken without blocking and retried with the same backoff, so a holder that is stopped
+//!   (SIGSTOP, a debugger) makes the others fail with [`StoreError::LockHeld`] instead of
+//!   waiting for ever. The handle's own mutex (threads of one process) is taken the same way.
 //!
 //! The log is never compacted: rendezvous writes few, small keys.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use dist_wire::WireError;
@@ -52,6 +56,44 @@ struct State {
     kv: Kv,
     /// Bytes of the file replayed into `kv`.
     offset: u64,
+}
+
+/// The first pause between tries to take a lock, and the longest: short enough that a lock
+/// freed is taken within a few milliseconds, long enough that a waiter costs nothing.
+const FIRST_PAUSE: Duration = Duration::from_millis(1);
+const LONGEST_PAUSE: Duration = Duration::from_millis(16);
+
+/// Pauses between tries, doubling from [`FIRST_PAUSE`] to [`LONGEST_PAUSE`], never past the
+/// deadline; `false` once the deadline has passed.
+struct Backoff {
+    pause: Duration,
+    deadline: Instant,
+}
+
+impl Backoff {
+    fn new(deadline: Instant) -> Self {
+        Backoff {
+            pause: FIRST_PAUSE,
+            deadline,
+        }
+    }
+
+    fn pause(&mut self) -> bool {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        std::thread::sleep(self.pause.min(left));
+        self.pause = (self.pause * 2).min(LONGEST_PAUSE);
+        true
+    }
+}
+
+/// Which `flock` a call takes.
+#[derive(Clone, Copy)]
+enum LockKind {
+    Shared,
+    Exclusive,
 }
 
 /// Unlocks the file on drop.
@@ -106,8 +148,72 @@ impl FileStore {
         }
     }
 
-    fn lock_state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// The handle's state, waiting for another thread of this process until `deadline`.
+    fn lock_state(
+        &self,
+        op: &'static str,
+        keys: &[&str],
+        deadline: Instant,
+    ) -> Result<MutexGuard<'_, State>, StoreError> {
+        self.retry(op, keys, deadline, || match self.state.try_lock() {
+            Ok(g) => Ok(Some(g)),
+            // A thread that panicked holding it left nothing half-done that matters.
+            Err(TryLockError::Poisoned(e)) => Ok(Some(e.into_inner())),
+            Err(TryLockError::WouldBlock) => Ok(None),
+        })
+    }
+
+    /// Takes the file's `flock` without blocking, retrying until `deadline`: a holder that is
+    /// stopped never lets go, and a blocking `flock` would wait for it for ever.
+    fn flock<'f>(
+        &self,
+        file: &'f File,
+        kind: LockKind,
+        op: &'static str,
+        keys: &[&str],
+        deadline: Instant,
+    ) -> Result<Flock<'f>, StoreError> {
+        self.retry(op, keys, deadline, || {
+            let tried = match kind {
+                LockKind::Shared => file.try_lock_shared(),
+                LockKind::Exclusive => file.try_lock(),
+            };
+            match tried {
+                Ok(()) => Ok(Some(Flock(file))),
+                Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+                Err(std::fs::TryLockError::Error(e)) => Err(self.io(op, keys, e)),
+            }
+        })
+    }
+
+    /// Runs `attempt` until it takes what it tries to (`Some`), pausing between tries, or
+    /// fails with [`StoreError::LockHeld`] once `deadline` has passed.
+    fn retry<T>(
+        &self,
+        op: &'static str,
+        keys: &[&str],
+        deadline: Instant,
+        mut attempt: impl FnMut() -> Result<Option<T>, StoreError>,
+    ) -> Result<T, StoreError> {
+        let start = Instant::now();
+        let mut backoff = Backoff::new(deadline);
+        loop {
+            if let Some(taken) = attempt()? {
+                return Ok(taken);
+            }
+            if !backoff.pause() {
+                return Err(self.lock_held(op, keys, start));
+            }
+        }
+    }
+
+    fn lock_held(&self, op: &'static str, keys: &[&str], start: Instant) -> StoreError {
+        StoreError::LockHeld {
+            op,
+            addr: self.addr.clone(),
+            keys: key_list(keys),
+            waited: start.elapsed(),
+        }
     }
 
     /// Replays records appended since the last call. With `exclusive`, a torn record at the end
@@ -178,22 +284,28 @@ impl FileStore {
         &self,
         op: &'static str,
         keys: &[&str],
+        deadline: Instant,
         f: impl FnOnce(&Kv) -> T,
     ) -> Result<T, StoreError> {
-        let mut st = self.lock_state();
-        self.refresh(&mut st, op, keys)?;
+        let mut st = self.lock_state(op, keys, deadline)?;
+        self.refresh(&mut st, op, keys, deadline)?;
         Ok(f(&st.kv))
     }
 
     /// Replays new records under a shared lock; skips the lock when the file has not grown.
-    fn refresh(&self, st: &mut State, op: &'static str, keys: &[&str]) -> Result<(), StoreError> {
+    fn refresh(
+        &self,
+        st: &mut State,
+        op: &'static str,
+        keys: &[&str],
+        deadline: Instant,
+    ) -> Result<(), StoreError> {
         let State { file, kv, offset } = st;
         let len = file.metadata().map_err(|e| self.io(op, keys, e))?.len();
         if len == *offset {
             return Ok(());
         }
-        file.lock_shared().map_err(|e| self.io(op, keys, e))?;
-        let _unlock = Flock(file);
+        let _unlock = self.flock(file, LockKind::Shared, op, keys, deadline)?;
         self.catch_up(file, kv, offset, op, keys, false)
     }
 
@@ -203,12 +315,12 @@ impl FileStore {
         &self,
         op: &'static str,
         keys: &[&str],
+        deadline: Instant,
         f: impl FnOnce(&mut Kv) -> Result<(T, Vec<Request>), StoreError>,
     ) -> Result<T, StoreError> {
-        let mut guard = self.lock_state();
+        let mut guard = self.lock_state(op, keys, deadline)?;
         let State { file, kv, offset } = &mut *guard;
-        file.lock().map_err(|e| self.io(op, keys, e))?;
-        let _unlock = Flock(file);
+        let _unlock = self.flock(file, LockKind::Exclusive, op, keys, deadline)?;
         self.catch_up(file, kv, offset, op, keys, true)?;
         let (out, records) = f(kv)?;
         if records.is_empty() {
@@ -275,29 +387,26 @@ impl FileStore {
         &self,
         op: &'static str,
         keys: &[&str],
-        timeout: Duration,
+        deadline: Instant,
         ready: impl Fn(&Kv) -> bool,
         mut f: impl FnMut() -> Result<Option<T>, StoreError>,
     ) -> Result<T, StoreError> {
         let start = Instant::now();
-        let mut backoff = Duration::from_millis(1);
+        let mut backoff = Backoff::new(deadline);
         loop {
-            if self.read(op, keys, &ready)?
+            if self.read(op, keys, deadline, &ready)?
                 && let Some(v) = f()?
             {
                 return Ok(v);
             }
-            let waited = start.elapsed();
-            if waited >= timeout {
+            if !backoff.pause() {
                 return Err(StoreError::Timeout {
                     op,
                     addr: self.addr.clone(),
                     keys: key_list(keys),
-                    waited,
+                    waited: start.elapsed(),
                 });
             }
-            std::thread::sleep(backoff.min(timeout - waited));
-            backoff = (backoff * 2).min(Duration::from_millis(16));
         }
     }
 
@@ -305,12 +414,12 @@ impl FileStore {
         &self,
         op: &'static str,
         keys: &[&str],
-        timeout: Duration,
+        deadline: Instant,
     ) -> Result<(), StoreError> {
         self.wait_then(
             op,
             keys,
-            timeout,
+            deadline,
             |kv| keys.iter().all(|k| kv.contains(k.as_bytes())),
             || Ok(Some(())),
         )
@@ -345,9 +454,11 @@ fn apply(kv: &mut Kv, rec: &Request) -> Result<(), WireError> {
 }
 
 impl Store for FileStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    plain_calls_by_deadline!();
+
+    fn set_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
         self.check_value("set", key, value)?;
-        self.write("set", &[key], |kv| {
+        self.write("set", &[key], deadline, |kv| {
             kv.set(key.as_bytes(), value);
             Ok((
                 (),
@@ -359,16 +470,16 @@ impl Store for FileStore {
         })
     }
 
-    fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
-        self.wait_keys("get", &[key], self.timeout)?;
-        self.read("get", &[key], |kv| {
+    fn get_by(&self, key: &str, deadline: Instant) -> Result<Vec<u8>, StoreError> {
+        self.wait_keys("get", &[key], deadline)?;
+        self.read("get", &[key], deadline, |kv| {
             kv.get(key.as_bytes()).unwrap_or_default().to_vec()
         })
     }
 
-    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+    fn add_by(&self, key: &str, delta: i64, deadline: Instant) -> Result<i64, StoreError> {
         self.check_key("add", key)?;
-        self.write("add", &[key], |kv| {
+        self.write("add", &[key], deadline, |kv| {
             let new = kv
                 .add(key.as_bytes(), delta)
                 .map_err(|e| StoreError::NotACounter {
@@ -386,14 +497,15 @@ impl Store for FileStore {
         })
     }
 
-    fn compare_set(
+    fn compare_set_by(
         &self,
         key: &str,
         expected: &[u8],
         desired: &[u8],
+        deadline: Instant,
     ) -> Result<Vec<u8>, StoreError> {
         self.check_value("compare_set", key, desired)?;
-        self.write("compare_set", &[key], |kv| {
+        self.write("compare_set", &[key], deadline, |kv| {
             let before = kv.get(key.as_bytes()).map(<[u8]>::to_vec);
             let after = kv.compare_set(key.as_bytes(), expected, desired);
             let records = if kv.get(key.as_bytes()) == before.as_deref() {
@@ -408,18 +520,18 @@ impl Store for FileStore {
         })
     }
 
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        self.wait_keys("wait", keys, timeout)
+    fn wait_by(&self, keys: &[&str], deadline: Instant) -> Result<(), StoreError> {
+        self.wait_keys("wait", keys, deadline)
     }
 
-    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
-        self.read("check", keys, |kv| {
+    fn check_by(&self, keys: &[&str], deadline: Instant) -> Result<bool, StoreError> {
+        self.read("check", keys, deadline, |kv| {
             keys.iter().all(|k| kv.contains(k.as_bytes()))
         })
     }
 
-    fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
-        self.write("delete_key", &[key], |kv| {
+    fn delete_key_by(&self, key: &str, deadline: Instant) -> Result<bool, StoreError> {
+        self.write("delete_key", &[key], deadline, |kv| {
             let existed = kv.delete(key.as_bytes());
             let records = if existed {
                 vec![Request::DeleteKey {
@@ -432,13 +544,13 @@ impl Store for FileStore {
         })
     }
 
-    fn num_keys(&self) -> Result<u64, StoreError> {
-        self.read("num_keys", &[], |kv| kv.num_keys() as u64)
+    fn num_keys_by(&self, deadline: Instant) -> Result<u64, StoreError> {
+        self.read("num_keys", &[], deadline, |kv| kv.num_keys() as u64)
     }
 
-    fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    fn append_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
         self.check_value("append", key, value)?;
-        self.write("append", &[key], |kv| {
+        self.write("append", &[key], deadline, |kv| {
             kv.append(key.as_bytes(), value);
             Ok((
                 (),
@@ -450,21 +562,21 @@ impl Store for FileStore {
         })
     }
 
-    fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
-        self.wait_keys("multi_get", keys, self.timeout)?;
-        self.read("multi_get", keys, |kv| {
+    fn multi_get_by(&self, keys: &[&str], deadline: Instant) -> Result<Vec<Vec<u8>>, StoreError> {
+        self.wait_keys("multi_get", keys, deadline)?;
+        self.read("multi_get", keys, deadline, |kv| {
             keys.iter()
                 .map(|k| kv.get(k.as_bytes()).unwrap_or_default().to_vec())
                 .collect()
         })
     }
 
-    fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), StoreError> {
+    fn multi_set_by(&self, pairs: &[(&str, &[u8])], deadline: Instant) -> Result<(), StoreError> {
         let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
         for (k, v) in pairs {
             self.check_value("multi_set", k, v)?;
         }
-        self.write("multi_set", &keys, |kv| {
+        self.write("multi_set", &keys, deadline, |kv| {
             for (k, v) in pairs {
                 kv.set(k.as_bytes(), v);
             }
@@ -480,9 +592,9 @@ impl Store for FileStore {
         })
     }
 
-    fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    fn queue_push_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
         self.check_value("queue_push", key, value)?;
-        self.write("queue_push", &[key], |kv| {
+        self.write("queue_push", &[key], deadline, |kv| {
             kv.queue_push(key.as_bytes(), value);
             Ok((
                 (),
@@ -494,9 +606,14 @@ impl Store for FileStore {
         })
     }
 
-    fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Vec<u8>>, StoreError> {
+    fn queue_pop_by(
+        &self,
+        key: &str,
+        block: bool,
+        deadline: Instant,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
         let pop = || -> Result<Option<Vec<u8>>, StoreError> {
-            self.write("queue_pop", &[key], |kv| {
+            self.write("queue_pop", &[key], deadline, |kv| {
                 let v = kv.queue_pop(key.as_bytes());
                 let records = if v.is_some() {
                     vec![Request::QueuePop {
@@ -515,15 +632,15 @@ impl Store for FileStore {
         self.wait_then(
             "queue_pop",
             &[key],
-            self.timeout,
+            deadline,
             |kv| kv.queue_len(key.as_bytes()) > 0,
             // Another process may pop the item first: then keep waiting.
             pop,
         )
     }
 
-    fn queue_len(&self, key: &str) -> Result<u64, StoreError> {
-        self.read("queue_len", &[key], |kv| {
+    fn queue_len_by(&self, key: &str, deadline: Instant) -> Result<u64, StoreError> {
+        self.read("queue_len", &[key], deadline, |kv| {
             kv.queue_len(key.as_bytes()) as u64
         })
     }

@@ -45,9 +45,9 @@ impl HashStore {
         &self,
         op: &'static str,
         keys: &[&str],
-        timeout: Duration,
+        deadline: Instant,
     ) -> Result<MutexGuard<'_, Kv>, StoreError> {
-        self.wait_until(op, keys, timeout, |kv| {
+        self.wait_until(op, keys, deadline, |kv| {
             keys.iter().all(|k| kv.contains(k.as_bytes()))
         })
     }
@@ -57,7 +57,7 @@ impl HashStore {
         &self,
         op: &'static str,
         keys: &[&str],
-        timeout: Duration,
+        deadline: Instant,
         ready: impl Fn(&Kv) -> bool,
     ) -> Result<MutexGuard<'_, Kv>, StoreError> {
         let start = Instant::now();
@@ -67,7 +67,8 @@ impl HashStore {
                 return Ok(kv);
             }
             let waited = start.elapsed();
-            let Some(left) = timeout.checked_sub(waited).filter(|d| !d.is_zero()) else {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Some(left) = Some(left).filter(|d| !d.is_zero()) else {
                 return Err(StoreError::Timeout {
                     op,
                     addr: ADDR.to_owned(),
@@ -91,17 +92,22 @@ impl HashStore {
 }
 
 impl Store for HashStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    plain_calls_by_deadline!();
+
+    // The in-process store's calls other than waits take a mutex held only for a map
+    // operation, so they have nothing to bound by the deadline.
+
+    fn set_by(&self, key: &str, value: &[u8], _: Instant) -> Result<(), StoreError> {
         self.mutate(|kv| kv.set(key.as_bytes(), value));
         Ok(())
     }
 
-    fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
-        let kv = self.wait_locked("get", &[key], self.timeout)?;
+    fn get_by(&self, key: &str, deadline: Instant) -> Result<Vec<u8>, StoreError> {
+        let kv = self.wait_locked("get", &[key], deadline)?;
         Ok(kv.get(key.as_bytes()).unwrap_or_default().to_vec())
     }
 
-    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+    fn add_by(&self, key: &str, delta: i64, _: Instant) -> Result<i64, StoreError> {
         self.mutate(|kv| kv.add(key.as_bytes(), delta))
             .map_err(|e| StoreError::NotACounter {
                 addr: ADDR.to_owned(),
@@ -110,46 +116,47 @@ impl Store for HashStore {
             })
     }
 
-    fn compare_set(
+    fn compare_set_by(
         &self,
         key: &str,
         expected: &[u8],
         desired: &[u8],
+        _: Instant,
     ) -> Result<Vec<u8>, StoreError> {
         Ok(self.mutate(|kv| kv.compare_set(key.as_bytes(), expected, desired)))
     }
 
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        self.wait_locked("wait", keys, timeout).map(drop)
+    fn wait_by(&self, keys: &[&str], deadline: Instant) -> Result<(), StoreError> {
+        self.wait_locked("wait", keys, deadline).map(drop)
     }
 
-    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+    fn check_by(&self, keys: &[&str], _: Instant) -> Result<bool, StoreError> {
         let kv = self.lock();
         Ok(keys.iter().all(|k| kv.contains(k.as_bytes())))
     }
 
-    fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
+    fn delete_key_by(&self, key: &str, _: Instant) -> Result<bool, StoreError> {
         Ok(self.mutate(|kv| kv.delete(key.as_bytes())))
     }
 
-    fn num_keys(&self) -> Result<u64, StoreError> {
+    fn num_keys_by(&self, _: Instant) -> Result<u64, StoreError> {
         Ok(self.lock().num_keys() as u64)
     }
 
-    fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    fn append_by(&self, key: &str, value: &[u8], _: Instant) -> Result<(), StoreError> {
         self.mutate(|kv| kv.append(key.as_bytes(), value));
         Ok(())
     }
 
-    fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
-        let kv = self.wait_locked("multi_get", keys, self.timeout)?;
+    fn multi_get_by(&self, keys: &[&str], deadline: Instant) -> Result<Vec<Vec<u8>>, StoreError> {
+        let kv = self.wait_locked("multi_get", keys, deadline)?;
         Ok(keys
             .iter()
             .map(|k| kv.get(k.as_bytes()).unwrap_or_default().to_vec())
             .collect())
     }
 
-    fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), StoreError> {
+    fn multi_set_by(&self, pairs: &[(&str, &[u8])], _: Instant) -> Result<(), StoreError> {
         self.mutate(|kv| {
             for (k, v) in pairs {
                 kv.set(k.as_bytes(), v);
@@ -158,14 +165,19 @@ impl Store for HashStore {
         Ok(())
     }
 
-    fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    fn queue_push_by(&self, key: &str, value: &[u8], _: Instant) -> Result<(), StoreError> {
         self.mutate(|kv| kv.queue_push(key.as_bytes(), value));
         Ok(())
     }
 
-    fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Vec<u8>>, StoreError> {
+    fn queue_pop_by(
+        &self,
+        key: &str,
+        block: bool,
+        deadline: Instant,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
         if block {
-            let mut kv = self.wait_until("queue_pop", &[key], self.timeout, |kv| {
+            let mut kv = self.wait_until("queue_pop", &[key], deadline, |kv| {
                 kv.queue_len(key.as_bytes()) > 0
             })?;
             Ok(kv.queue_pop(key.as_bytes()))
@@ -174,7 +186,7 @@ impl Store for HashStore {
         }
     }
 
-    fn queue_len(&self, key: &str) -> Result<u64, StoreError> {
+    fn queue_len_by(&self, key: &str, _: Instant) -> Result<u64, StoreError> {
         Ok(self.lock().queue_len(key.as_bytes()) as u64)
     }
 

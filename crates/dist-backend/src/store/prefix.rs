@@ -1,7 +1,7 @@
 //! [`PrefixStore`]: a namespace inside another store.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Store, StoreError};
 
@@ -60,71 +60,80 @@ fn refs(keys: &[String]) -> Vec<&str> {
 }
 
 impl Store for PrefixStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.inner.set(&self.key(key), value)
+    plain_calls_by_deadline!();
+
+    fn set_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
+        self.inner.set_by(&self.key(key), value, deadline)
     }
 
-    fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
-        self.inner.get(&self.key(key))
+    fn get_by(&self, key: &str, deadline: Instant) -> Result<Vec<u8>, StoreError> {
+        self.inner.get_by(&self.key(key), deadline)
     }
 
-    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
-        self.inner.add(&self.key(key), delta)
+    fn add_by(&self, key: &str, delta: i64, deadline: Instant) -> Result<i64, StoreError> {
+        self.inner.add_by(&self.key(key), delta, deadline)
     }
 
-    fn compare_set(
+    fn compare_set_by(
         &self,
         key: &str,
         expected: &[u8],
         desired: &[u8],
+        deadline: Instant,
     ) -> Result<Vec<u8>, StoreError> {
-        self.inner.compare_set(&self.key(key), expected, desired)
+        self.inner
+            .compare_set_by(&self.key(key), expected, desired, deadline)
     }
 
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        self.inner.wait(&refs(&self.keys(keys)), timeout)
+    fn wait_by(&self, keys: &[&str], deadline: Instant) -> Result<(), StoreError> {
+        self.inner.wait_by(&refs(&self.keys(keys)), deadline)
     }
 
-    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
-        self.inner.check(&refs(&self.keys(keys)))
+    fn check_by(&self, keys: &[&str], deadline: Instant) -> Result<bool, StoreError> {
+        self.inner.check_by(&refs(&self.keys(keys)), deadline)
     }
 
-    fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
-        self.inner.delete_key(&self.key(key))
+    fn delete_key_by(&self, key: &str, deadline: Instant) -> Result<bool, StoreError> {
+        self.inner.delete_key_by(&self.key(key), deadline)
     }
 
-    fn num_keys(&self) -> Result<u64, StoreError> {
-        self.inner.num_keys()
+    fn num_keys_by(&self, deadline: Instant) -> Result<u64, StoreError> {
+        self.inner.num_keys_by(deadline)
     }
 
-    fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.inner.append(&self.key(key), value)
+    fn append_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
+        self.inner.append_by(&self.key(key), value, deadline)
     }
 
-    fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
-        self.inner.multi_get(&refs(&self.keys(keys)))
+    fn multi_get_by(&self, keys: &[&str], deadline: Instant) -> Result<Vec<Vec<u8>>, StoreError> {
+        self.inner.multi_get_by(&refs(&self.keys(keys)), deadline)
     }
 
-    fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), StoreError> {
+    fn multi_set_by(&self, pairs: &[(&str, &[u8])], deadline: Instant) -> Result<(), StoreError> {
         let keys: Vec<String> = pairs.iter().map(|(k, _)| self.key(k)).collect();
         let pairs: Vec<(&str, &[u8])> = keys
             .iter()
             .zip(pairs)
             .map(|(k, (_, v))| (k.as_str(), *v))
             .collect();
-        self.inner.multi_set(&pairs)
+        self.inner.multi_set_by(&pairs, deadline)
     }
 
-    fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.inner.queue_push(&self.key(key), value)
+    fn queue_push_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
+        self.inner.queue_push_by(&self.key(key), value, deadline)
     }
 
-    fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Vec<u8>>, StoreError> {
-        self.inner.queue_pop(&self.key(key), block)
+    fn queue_pop_by(
+        &self,
+        key: &str,
+        block: bool,
+        deadline: Instant,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.queue_pop_by(&self.key(key), block, deadline)
     }
 
-    fn queue_len(&self, key: &str) -> Result<u64, StoreError> {
-        self.inner.queue_len(&self.key(key))
+    fn queue_len_by(&self, key: &str, deadline: Instant) -> Result<u64, StoreError> {
+        self.inner.queue_len_by(&self.key(key), deadline)
     }
 
     fn timeout(&self) -> Duration {

@@ -16,10 +16,27 @@
 //! and a receiver compares them with its own (as it does for data frames), so any two ranks
 //! that disagree each see the other's header and fail first-hand while the data moves: a
 //! receiver may already have written into its buffer when it fails, whose content is then
-//! unspecified (as in torch). Every rank still reads every other rank's frame before it
-//! returns, so none returns before every rank has entered the operation, which is what "every
-//! rank fails" costs; but no data waits for a round trip, and a rank forwarding data waits
-//! only for the peers it exchanges data with.
+//! unspecified (as in torch). Every rank but the root still reads every other rank's frame
+//! before it returns, so none returns before every rank has entered the operation, which is
+//! what "every rank fails" costs; but no data waits for a round trip, and a rank forwarding
+//! data waits only for the peers it exchanges data with.
+//!
+//! The root need not wait for that (`GlooOptions::lazy_root_verification`, the default): it
+//! returns once its data is out and leaves the frames it did not need to a later operation
+//! ([`Deferred`], [`verify_deferred`]), judged there against the operation they belong to,
+//! before it receives anything else: at its next operation, unless that one only sends small
+//! buffers too (then after at most [`MAX_DEFERRED`] of them), or at close. A disagreement
+//! is then reported on the root that much later, still naming both sides, and on every other
+//! rank as before: receivers read every frame before they return, so two receivers that
+//! disagree (or a receiver and a second would-be root) find it at once. Where the root's
+//! send may wait for its receiver (see [`unblocking_send_max`]) it reads that receiver's
+//! frame in the step, so two would-be roots fail at once rather than time out.
+//!
+//! What the root cannot shed is the receivers' frames to it: one small write per receiver
+//! and operation, which on a loaded 2-core host costs about as much as the whole
+//! pre-agreement small broadcast (see docs/BENCHMARKS.md). No receiver can skip it: with two
+//! ranks that each think the other is the root, both only receive, and only that frame tells
+//! either of them; a receiver cannot tell that case from agreement before it has sent it.
 //!
 //! Above that, n − 1 frames per rank cost more than a few serial rounds, and
 //! [`rooted_args`] runs a dissemination exchange before the data: in round k each rank sends
@@ -55,20 +72,118 @@ pub(crate) struct Pending {
     sent: bool,
     /// Per peer rank: its frame is still to be read.
     unread: Vec<bool>,
+    /// `Some(max)`: this rank is the root and leaves the frames it need not wait for to a
+    /// later operation ([`Deferred`]) instead of reading them before it returns; it still
+    /// reads the frame of the receiver of any send of at least `max` bytes (see
+    /// [`unblocking_send_max`]).
+    lazy_root: Option<usize>,
 }
 
 impl Pending {
-    /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`.
-    pub(crate) fn new(n: usize, rank: usize) -> Self {
+    /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`; `lazy_root` as
+    /// in [`Pending::lazy_root`].
+    pub(crate) fn new(n: usize, rank: usize, lazy_root: Option<usize>) -> Self {
         Pending {
             sent: false,
             unread: (0..n).map(|p| p != rank).collect(),
+            lazy_root,
         }
     }
 
     /// Whether every frame has been sent and read.
     pub(crate) fn done(&self) -> bool {
         self.sent && !self.unread.contains(&true)
+    }
+
+    /// Whether what is left may wait for a later operation: a lazy root's frames have
+    /// gone out, and it reads the others' then ([`Pending::deferred`]).
+    pub(crate) fn may_defer(&self) -> bool {
+        self.sent && self.lazy_root.is_some()
+    }
+
+    /// The frames a lazy root left unread, to be verified by [`verify_deferred`] before
+    /// this rank receives anything else; `None` when there are none.
+    pub(crate) fn deferred(&self, o: &Op<'_>) -> Option<Deferred> {
+        let unread: Vec<usize> = (0..self.unread.len()).filter(|&p| self.unread[p]).collect();
+        (self.lazy_root.is_some() && !unread.is_empty()).then_some(Deferred {
+            ctx: o.ctx,
+            count: o.count,
+            unread,
+        })
+    }
+}
+
+/// The most rooted ops a lazy root may run ahead of its verification: past this many
+/// deferred agreements, the oldest is read before the next operation starts. It bounds how
+/// late a root hears of a disagreement when it only sends (back-to-back small broadcasts from
+/// one root), and the header-only frames waiting in its sockets; any operation in which the
+/// root may receive reads them all first.
+pub(crate) const MAX_DEFERRED: usize = 8;
+
+/// The largest send that cannot block on a receiver that never reads: sends from this size
+/// up make even a lazy root read their receiver's agreement frame in the step that sends.
+/// Such a send may wait for its receiver (by reference from `cross_memory_min` bytes, or once
+/// the socket buffers are full), and a receiver that disagrees (say, a second would-be root
+/// that only sends too) never takes it: its frame is what turns that wait into a mismatch
+/// instead of a timeout. Those sends wait for their receiver anyway, so reading its frame
+/// costs nothing there. Below, a send fits in the kernel's buffers: half of Linux's initial
+/// 128 KiB receive buffer is the window a peer that does not read still offers (16 KiB of
+/// it left for headers and the sender's own buffer), or a quarter of `socket_buffer` if set.
+pub(crate) fn unblocking_send_max(
+    cross_memory_min: Option<usize>,
+    socket_buffer: Option<usize>,
+) -> usize {
+    let socket = socket_buffer.map_or(48 << 10, |b| b / 4);
+    cross_memory_min.map_or(socket, |c| c.min(socket))
+}
+
+/// A root's agreement frames left unread when its operation returned: the operation's own
+/// context (every frame is judged against it) and the peers whose frames are still owed.
+#[derive(Debug)]
+pub(crate) struct Deferred {
+    ctx: crate::transport::StepCtx,
+    count: u64,
+    unread: Vec<usize>,
+}
+
+impl Deferred {
+    /// The timeout the operation was given, which its late verification gets again.
+    pub(crate) fn timeout(&self) -> std::time::Duration {
+        self.ctx
+            .deadline
+            .saturating_duration_since(self.ctx.started)
+    }
+}
+
+/// Reads the frames a lazy root left unread, judged against the operation they belong to,
+/// by `deadline` (the operation now starting). They are the first thing each peer sent in
+/// that operation, so they come before anything of the next one on each connection. A
+/// peer that disagreed fails this read with [`Error::Mismatch`] naming both sides (the
+/// earlier operation's arguments, so both roots); the step's failure sends the abort notices.
+pub(crate) fn verify_deferred(
+    t: &dyn crate::transport::Transport,
+    d: &Deferred,
+    deadline: std::time::Instant,
+) -> Result<()> {
+    let mut ctx = d.ctx;
+    ctx.deadline = deadline;
+    let o = Op::new(t, ctx, d.count);
+    let mut unread = vec![false; o.n()];
+    for &p in &d.unread {
+        unread[p] = true;
+    }
+    let mut recvs: Vec<Incoming<'_>> = d
+        .unread
+        .iter()
+        .map(|&p| o.recv(p, &mut [], FUSED_TAG))
+        .collect();
+    let res = o.t.exchange(&o.ctx, &[], &mut recvs, &mut |i, _, _| {
+        unread[d.unread[i]] = false;
+        Ok(())
+    });
+    match res {
+        Err(e @ Error::MismatchReported { .. }) => Err(first_hand(&o, &unread).unwrap_or(e)),
+        res => res,
     }
 }
 
@@ -100,10 +215,15 @@ pub(crate) fn fused_step(
         count: s.count,
         tag: s.tag,
     }));
+    // A lazy root waits only where its data waits anyway: for peers it receives from, and
+    // for receivers of sends that may block (see `unblocking_send_max`).
+    let waits_on_send = |s: &Outgoing<'_>| pending.lazy_root.is_none_or(|max| s.data.len() >= max);
     let agree_from: Vec<usize> = (0..n)
         .filter(|&p| {
             pending.unread[p]
-                && (last || recvs.iter().any(|x| x.peer == p) || sends.iter().any(|s| s.peer == p))
+                && ((last && pending.lazy_root.is_none())
+                    || recvs.iter().any(|x| x.peer == p)
+                    || sends.iter().any(|s| s.peer == p && waits_on_send(s)))
         })
         .collect();
     let k = agree_from.len();

@@ -1,8 +1,9 @@
-//! broadcast: a binomial tree for small buffers, a pipelined chain for large ones.
+//! broadcast: a binomial tree for small buffers, a pipelined chain for large ones, and a
+//! scatter followed by a ring all-gather (van de Geijn) where that wins.
 
 use dist_backend::Result;
 
-use super::{Op, tags};
+use super::{Op, even_blocks, ring, tags};
 
 /// Binomial tree rooted at `root`: ⌈log2 n⌉ rounds, each rank receives once and forwards to
 /// its subtrees.
@@ -76,4 +77,24 @@ pub(crate) fn chain(o: &Op<'_>, data: &mut [u8], root: usize, seg: usize) -> Res
         o.step(&sends, &mut recvs)?;
     }
     Ok(())
+}
+
+/// Scatter, then ring all-gather (van de Geijn): the root sends block p (of n near-equal
+/// blocks) to rank p, then every rank passes blocks round the ring until each has all n.
+/// Every link carries (n − 1)/n of the buffer in the all-gather, all links at once, instead of
+/// the chain's whole buffer over one path; the root sends only (n − 1)/n of it in all.
+pub(crate) fn scatter_all_gather(o: &Op<'_>, data: &mut [u8], root: usize) -> Result<()> {
+    let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
+    let blocks = even_blocks(data.len() / elem, n, elem);
+    if r == root {
+        let sends: Vec<_> = (1..n)
+            .map(|d| (root + d) % n)
+            .map(|p| o.send(p, &data[blocks[p].clone()], tags::SCATTER))
+            .collect();
+        o.step(&sends, &mut [])?;
+    } else {
+        let mine = blocks[r].clone();
+        o.step(&[], &mut [o.recv(root, &mut data[mine], tags::SCATTER)])?;
+    }
+    ring::all_gather(o, data, &blocks)
 }

@@ -15,6 +15,7 @@ use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
 pub(crate) mod agree;
 pub(crate) mod allreduce;
 pub(crate) mod bcast;
+pub(crate) mod choice;
 pub(crate) mod ring;
 pub(crate) mod rooted;
 
@@ -31,6 +32,7 @@ pub(crate) mod tags {
     pub(crate) const BARRIER: u32 = 9 << 16;
     pub(crate) const GATHER: u32 = 10 << 16;
     pub(crate) const AGREE: u32 = 11 << 16;
+    pub(crate) const SCATTER: u32 = 12 << 16;
 }
 
 /// Everything an algorithm needs about the operation it runs.
@@ -90,13 +92,19 @@ impl<'a> Op<'a> {
 
     /// Reads (and sends, if no step did) what is left of a pending agreement, once the
     /// algorithm's own steps are done.
-    pub(crate) fn finish_agreement(&self) -> Result<()> {
+    ///
+    /// A lazy root reads nothing more: what is left is returned, for its next operation to
+    /// verify (see [`agree::Pending::deferred`]).
+    pub(crate) fn finish_agreement(&self) -> Result<Option<agree::Deferred>> {
         if let Some(p) = self.agree.borrow_mut().as_mut()
             && !p.done()
         {
-            return agree::fused_step(self, p, &[], &mut [], &mut |_, _, _| Ok(()), true);
+            if p.may_defer() {
+                return Ok(p.deferred(self));
+            }
+            agree::fused_step(self, p, &[], &mut [], &mut |_, _, _| Ok(()), true)?;
         }
-        Ok(())
+        Ok(None)
     }
 
     pub(crate) fn send<'b>(&self, peer: usize, data: &'b [u8], tag: u32) -> Outgoing<'b> {

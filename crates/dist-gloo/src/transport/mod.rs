@@ -7,8 +7,9 @@
 //! while segment `k + 1` is still on the wire.
 //!
 //! Algorithms know nothing of sockets: [`tcp::TcpTransport`] runs them over a full TCP mesh and
-//! [`mem::MemTransport`] over in-process channels (for tests); between ranks on one host the
-//! TCP mesh carries its frames through shared-memory rings instead ([`shm`]).
+//! [`mem::MemTransport`] over bounded in-memory byte pipes (for tests), the latter by driving
+//! the sans-IO peer protocol in [`crate::proto`]; between ranks on one host the TCP mesh
+//! carries its frames through shared-memory rings instead ([`shm`]).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -65,7 +66,20 @@ impl StepCtx {
         dtype: DType,
         timeout: Duration,
     ) -> Self {
-        let started = Instant::now();
+        Self::started_at(rank, group, op, seq, dtype, Instant::now(), timeout)
+    }
+
+    /// Context for an operation that started at `started` (a driver in virtual time passes
+    /// its own clock's reading).
+    pub fn started_at(
+        rank: usize,
+        group: u32,
+        op: CollectiveOp,
+        seq: u64,
+        dtype: DType,
+        started: Instant,
+        timeout: Duration,
+    ) -> Self {
         StepCtx {
             rank,
             group,
@@ -108,14 +122,20 @@ impl StepCtx {
     }
 
     /// The error for peers that had not delivered by the deadline.
-    pub fn timeout(&self, mut missing_peers: Vec<usize>) -> Error {
+    pub fn timeout(&self, missing_peers: Vec<usize>) -> Error {
+        self.timeout_at(Instant::now(), missing_peers)
+    }
+
+    /// [`StepCtx::timeout`] as seen at `now` (the protocol core is given the time, it never
+    /// reads a clock).
+    pub fn timeout_at(&self, now: Instant, mut missing_peers: Vec<usize>) -> Error {
         missing_peers.sort_unstable();
         missing_peers.dedup();
         Error::Timeout {
             rank: self.rank,
             op: self.op,
             seq: self.seq,
-            waited: self.started.elapsed(),
+            waited: now.saturating_duration_since(self.started),
             missing_peers,
         }
     }
@@ -291,6 +311,16 @@ pub(crate) fn judge(
 /// The error for a step that met `peer`'s `Close` frame giving `reason` (or whose connection to
 /// `peer` was already closed for it).
 pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> Error {
+    closed_error_at(ctx, Instant::now(), peer, reason)
+}
+
+/// [`closed_error`] as seen at `now`.
+pub(crate) fn closed_error_at(
+    ctx: &StepCtx,
+    now: Instant,
+    peer: usize,
+    reason: &CloseReason,
+) -> Error {
     match *reason {
         CloseReason::Lost { culprit } if culprit as usize != ctx.rank => ctx.peer_lost(
             culprit as usize,
@@ -306,7 +336,7 @@ pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> 
             rank: ctx.rank,
             op: ctx.op,
             seq: ctx.seq,
-            waited: ctx.started.elapsed(),
+            waited: now.saturating_duration_since(ctx.started),
             missing_peers: vec![culprit as usize],
         },
         CloseReason::Stalled { .. } => ctx.peer_lost(
@@ -326,6 +356,31 @@ pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> 
             "it left the group (destroyed its process group) during this operation",
         ),
     }
+}
+
+/// After a peer's notice that it timed out waiting for this rank (or this rank's own timeout
+/// once such a notice came): a timeout naming the ranks this step is itself still waiting for
+/// (`pending`), the peers that gave up on it aside. Reported and passed on, it moves the blame
+/// down the chain of waits towards the stalled rank instead of back up it. `gave_up(p)`: peer
+/// `p` (of `peers`) aborted the group saying it timed out waiting for this rank.
+pub(crate) fn stalled_on(
+    ctx: &StepCtx,
+    now: Instant,
+    e: &Error,
+    peers: usize,
+    gave_up: impl Fn(usize) -> bool,
+    pending: impl Iterator<Item = usize>,
+) -> Option<Error> {
+    let applies = match e {
+        Error::PeerLost { peer, .. } => gave_up(*peer),
+        Error::Timeout { .. } => (0..peers).any(&gave_up),
+        _ => false,
+    };
+    if !applies {
+        return None;
+    }
+    let missing: Vec<usize> = pending.filter(|&p| !gave_up(p)).collect();
+    (!missing.is_empty()).then(|| ctx.timeout_at(now, missing))
 }
 
 /// What this rank tells its peers when a step fails with `e`: whom to blame and why. `None`

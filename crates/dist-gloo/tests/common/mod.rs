@@ -10,6 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dist_backend::store::HashStore;
+use dist_gloo::transport::Transport;
+use dist_gloo::transport::mem::MemTransport;
+use dist_gloo::transport::shm::TransportMode;
+use dist_gloo::transport::tcp::TcpTransport;
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
 
@@ -37,6 +41,83 @@ pub fn tcp_world_with(n: usize, opts: impl Fn(usize) -> GlooOptions + Sync) -> V
             .map(|h| h.join().expect("rank thread"))
             .collect()
     })
+}
+
+/// Builds a world of `n` connected transports, one per rank: what a driver of the peer
+/// protocol contributes to the conformance suite, which runs the same bodies over each.
+pub type MakeTransports = fn(usize, &GlooOptions) -> Vec<Box<dyn Transport>>;
+
+/// The drivers under the conformance suite, by name. A new transport adds its line here.
+pub const DRIVERS: &[(&str, MakeTransports)] = &[
+    ("tcp", tcp_only_transports),
+    ("shm", shm_transports),
+    ("mem", mem_transports),
+];
+
+/// `opts` with every pair on `mode`.
+fn with_mode(opts: &GlooOptions, mode: TransportMode) -> GlooOptions {
+    let mut o = opts.clone();
+    o.mesh.transport = mode;
+    o
+}
+
+/// [`tcp_transports`] with every pair on sockets.
+pub fn tcp_only_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
+    tcp_transports(n, &with_mode(opts, TransportMode::Tcp))
+}
+
+/// [`tcp_transports`] with every pair on shared-memory rings (checked).
+pub fn shm_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
+    let ts = tcp_transports(n, &with_mode(opts, TransportMode::Shm));
+    for t in &ts {
+        let want: Vec<bool> = (0..n).map(|p| p != t.rank()).collect();
+        assert_eq!(
+            t.shared_memory_peers(),
+            want,
+            "rank {} uses rings",
+            t.rank()
+        );
+    }
+    ts
+}
+
+/// `n` TCP transports over loopback, connected through an in-process store.
+pub fn tcp_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
+    let store = Arc::new(HashStore::new(Duration::from_secs(30)));
+    let prefix = format!("transports-{}", std::process::id());
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let store = store.clone();
+                let prefix = prefix.clone();
+                s.spawn(move || -> Box<dyn Transport> {
+                    Box::new(
+                        TcpTransport::connect(&*store, &prefix, r, n, &opts.mesh)
+                            .expect("mesh builds"),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
+}
+
+/// `n` in-memory transports (bounded byte pipes).
+pub fn mem_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
+    MemTransport::network(n, opts.mesh.segment_bytes)
+        .into_iter()
+        .map(|t| Box::new(t) as Box<dyn Transport>)
+        .collect()
+}
+
+/// A world of backends over the transports `make` builds.
+pub fn world(make: MakeTransports, n: usize, opts: &GlooOptions) -> Vec<GlooBackend> {
+    make(n, opts)
+        .into_iter()
+        .map(|t| GlooBackend::over(t, 0, opts))
+        .collect()
 }
 
 /// Runs `f` on every rank concurrently and returns the ranks' results in rank order.

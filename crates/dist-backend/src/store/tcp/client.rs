@@ -147,12 +147,17 @@ struct Call<'k> {
 
 impl<'k> Call<'k> {
     fn new(op: &'static str, keys: &'k [&'k str], timeout: Duration) -> Self {
+        Self::until(op, keys, optional_deadline(timeout))
+    }
+
+    /// A call that ends by `deadline` (`None`: never), the caller's rather than the store's.
+    fn until(op: &'static str, keys: &'k [&'k str], deadline: Option<Instant>) -> Self {
         Call {
             op,
             keys,
             prefixed: true,
             start: Instant::now(),
-            deadline: optional_deadline(timeout),
+            deadline,
         }
     }
 
@@ -889,9 +894,11 @@ fn handshake(mut stream: TcpStream, timeout: Option<Duration>) -> io::Result<Con
 }
 
 impl Store for TcpStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    plain_calls_by_deadline!();
+
+    fn set_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
         let keys = [key];
-        let call = Call::new("set", &keys, self.timeout);
+        let call = Call::until("set", &keys, Some(deadline));
         let req = Request::Set {
             key: prefixed(key),
             value: value.to_vec(),
@@ -899,9 +906,9 @@ impl Store for TcpStore {
         self.quick(&call, &req, no_reply)
     }
 
-    fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+    fn get_by(&self, key: &str, deadline: Instant) -> Result<Vec<u8>, StoreError> {
         let keys = [key];
-        let call = Call::new("get", &keys, self.timeout);
+        let call = Call::until("get", &keys, Some(deadline));
         let raw = prefixed(key);
         let req = Request::Get { key: raw.clone() };
         self.when_present(&call, &[raw], &req, |r| match r {
@@ -910,9 +917,9 @@ impl Store for TcpStore {
         })
     }
 
-    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+    fn add_by(&self, key: &str, delta: i64, deadline: Instant) -> Result<i64, StoreError> {
         let keys = [key];
-        let call = Call::new("add", &keys, self.timeout);
+        let call = Call::until("add", &keys, Some(deadline));
         let req = Request::Add {
             key: prefixed(key),
             delta,
@@ -923,14 +930,15 @@ impl Store for TcpStore {
         })
     }
 
-    fn compare_set(
+    fn compare_set_by(
         &self,
         key: &str,
         expected: &[u8],
         desired: &[u8],
+        deadline: Instant,
     ) -> Result<Vec<u8>, StoreError> {
         let keys = [key];
-        let call = Call::new("compare_set", &keys, self.timeout);
+        let call = Call::until("compare_set", &keys, Some(deadline));
         let req = Request::CompareSet {
             key: prefixed(key),
             expected: expected.to_vec(),
@@ -942,8 +950,8 @@ impl Store for TcpStore {
         })
     }
 
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        let call = Call::new("wait", keys, timeout);
+    fn wait_by(&self, keys: &[&str], deadline: Instant) -> Result<(), StoreError> {
+        let call = Call::until("wait", keys, Some(deadline));
         let raw: Vec<Vec<u8>> = keys.iter().map(|k| prefixed(k)).collect();
         self.check_sizes(&call, &Request::Wait { keys: raw.clone() })?;
         // Keys that exist already need no connection that could block.
@@ -962,15 +970,15 @@ impl Store for TcpStore {
         }
     }
 
-    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
-        let call = Call::new("check", keys, self.timeout);
+    fn check_by(&self, keys: &[&str], deadline: Instant) -> Result<bool, StoreError> {
+        let call = Call::until("check", keys, Some(deadline));
         let raw: Vec<Vec<u8>> = keys.iter().map(|k| prefixed(k)).collect();
         self.present(&call, &raw)
     }
 
-    fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
+    fn delete_key_by(&self, key: &str, deadline: Instant) -> Result<bool, StoreError> {
         let keys = [key];
-        let call = Call::new("delete_key", &keys, self.timeout);
+        let call = Call::until("delete_key", &keys, Some(deadline));
         let req = Request::DeleteKey { key: prefixed(key) };
         self.quick(&call, &req, |r| match r {
             Response::Int(n) => Ok(n > 0),
@@ -978,17 +986,17 @@ impl Store for TcpStore {
         })
     }
 
-    fn num_keys(&self) -> Result<u64, StoreError> {
-        let call = Call::new("num_keys", &[], self.timeout);
+    fn num_keys_by(&self, deadline: Instant) -> Result<u64, StoreError> {
+        let call = Call::until("num_keys", &[], Some(deadline));
         self.quick(&call, &Request::GetNumKeys, |r| match r {
             Response::Int(n) => Ok(n.max(0) as u64),
             other => Err(other),
         })
     }
 
-    fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    fn append_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
         let keys = [key];
-        let call = Call::new("append", &keys, self.timeout);
+        let call = Call::until("append", &keys, Some(deadline));
         let req = Request::Append {
             key: prefixed(key),
             value: value.to_vec(),
@@ -996,8 +1004,8 @@ impl Store for TcpStore {
         self.quick(&call, &req, no_reply)
     }
 
-    fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
-        let call = Call::new("multi_get", keys, self.timeout);
+    fn multi_get_by(&self, keys: &[&str], deadline: Instant) -> Result<Vec<Vec<u8>>, StoreError> {
+        let call = Call::until("multi_get", keys, Some(deadline));
         let raw: Vec<Vec<u8>> = keys.iter().map(|k| prefixed(k)).collect();
         let req = Request::MultiGet { keys: raw.clone() };
         self.when_present(&call, &raw, &req, |r| match r {
@@ -1006,9 +1014,9 @@ impl Store for TcpStore {
         })
     }
 
-    fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), StoreError> {
+    fn multi_set_by(&self, pairs: &[(&str, &[u8])], deadline: Instant) -> Result<(), StoreError> {
         let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
-        let call = Call::new("multi_set", &keys, self.timeout);
+        let call = Call::until("multi_set", &keys, Some(deadline));
         let req = Request::MultiSet {
             pairs: pairs
                 .iter()
@@ -1018,9 +1026,9 @@ impl Store for TcpStore {
         self.quick(&call, &req, no_reply)
     }
 
-    fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    fn queue_push_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
         let keys = [key];
-        let call = Call::new("queue_push", &keys, self.timeout);
+        let call = Call::until("queue_push", &keys, Some(deadline));
         let req = Request::QueuePush {
             key: prefixed(key),
             value: value.to_vec(),
@@ -1028,9 +1036,14 @@ impl Store for TcpStore {
         self.quick(&call, &req, no_reply)
     }
 
-    fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Vec<u8>>, StoreError> {
+    fn queue_pop_by(
+        &self,
+        key: &str,
+        block: bool,
+        deadline: Instant,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
         let keys = [key];
-        let call = Call::new("queue_pop", &keys, self.timeout);
+        let call = Call::until("queue_pop", &keys, Some(deadline));
         let raw = prefixed(key);
         let pop = Request::QueuePop { key: raw.clone() };
         let popped = |r| match r {
@@ -1065,9 +1078,9 @@ impl Store for TcpStore {
         }
     }
 
-    fn queue_len(&self, key: &str) -> Result<u64, StoreError> {
+    fn queue_len_by(&self, key: &str, deadline: Instant) -> Result<u64, StoreError> {
         let keys = [key];
-        let call = Call::new("queue_len", &keys, self.timeout);
+        let call = Call::until("queue_len", &keys, Some(deadline));
         let req = Request::QueueLen { key: prefixed(key) };
         self.quick(&call, &req, |r| match r {
             Response::Int(n) => Ok(n.max(0) as u64),

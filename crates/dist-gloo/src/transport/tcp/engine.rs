@@ -13,6 +13,7 @@ use super::conn::{Conn, Io, Payload, PeerState};
 use super::linger;
 use crate::transport::{
     Incoming, OnFrame, Outgoing, StepCtx, Verdict, abort_reason, closed_error, frames, judge,
+    stalled_on,
 };
 
 /// The longest an aborted mesh spends, when it is closed, delivering its abort notices and
@@ -183,10 +184,7 @@ impl Engine {
         None
     }
 
-    /// After a peer's notice that it timed out waiting for this rank (or this rank's own
-    /// timeout once such a notice came): a timeout naming the ranks this step is itself still
-    /// waiting for, the peers that gave up on it aside. Reported and passed on, it moves the
-    /// blame down the chain of waits towards the stalled rank instead of back up it.
+    /// See [`crate::transport::stalled_on`].
     fn stalled_on(
         &self,
         ctx: &StepCtx,
@@ -200,15 +198,7 @@ impl Engine {
             culprit: ctx.rank as u32,
         };
         let gave_up = |p: usize| matches!(self.conns.get(p), Some(Some(c)) if c.state == PeerState::Aborted(me));
-        let applies = match e {
-            Error::PeerLost { peer, .. } => gave_up(*peer),
-            Error::Timeout { .. } => (0..self.conns.len()).any(gave_up),
-            _ => false,
-        };
-        if !applies {
-            return None;
-        }
-        let missing: Vec<usize> = recvs
+        let pending = recvs
             .iter()
             .zip(rx)
             .filter(|(_, s)| !s.done)
@@ -219,10 +209,8 @@ impl Engine {
                     .zip(tx)
                     .filter(|(_, s)| !s.done)
                     .map(|(s, _)| s.peer),
-            )
-            .filter(|&p| !gave_up(p))
-            .collect();
-        (!missing.is_empty()).then(|| ctx.timeout(missing))
+            );
+        stalled_on(ctx, Instant::now(), e, self.conns.len(), gave_up, pending)
     }
 
     #[allow(

@@ -1,0 +1,209 @@
+//! Reading rank, world size, local rank and the master's address from the variables of
+//! torchrun, Slurm, Open MPI or PMI.
+
+use super::slurm::first_host;
+use super::{InitConfig, Launcher, init_err};
+use crate::Result;
+
+/// Reads variable `name` as a non-negative integer; `Ok(None)` when it is not set.
+pub(super) fn num(env: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
+    match env(name) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| init_err(format!("{name}={v:?} is not a non-negative integer"))),
+    }
+}
+
+/// The leading integer of a Slurm tasks-per-node value such as `4(x2),3`.
+fn leading_num(env: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
+    match env(name) {
+        None => Ok(None),
+        Some(v) => {
+            let digits: String = v.trim().chars().take_while(char::is_ascii_digit).collect();
+            digits
+                .parse::<usize>()
+                .map(Some)
+                .map_err(|_| init_err(format!("{name}={v:?} does not start with an integer")))
+        }
+    }
+}
+
+/// Names of (rank, world size, local rank, local world size) variables per launcher.
+struct Vars {
+    launcher: Launcher,
+    rank: &'static str,
+    size: &'static str,
+    local_rank: &'static [&'static str],
+    local_size: &'static [&'static str],
+}
+
+const LAUNCHERS: [Vars; 4] = [
+    Vars {
+        launcher: Launcher::Torchrun,
+        rank: "RANK",
+        size: "WORLD_SIZE",
+        local_rank: &["LOCAL_RANK"],
+        local_size: &["LOCAL_WORLD_SIZE"],
+    },
+    Vars {
+        launcher: Launcher::Slurm,
+        rank: "SLURM_PROCID",
+        size: "SLURM_NTASKS",
+        local_rank: &["SLURM_LOCALID"],
+        local_size: &["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"],
+    },
+    Vars {
+        launcher: Launcher::OpenMpi,
+        rank: "OMPI_COMM_WORLD_RANK",
+        size: "OMPI_COMM_WORLD_SIZE",
+        local_rank: &["OMPI_COMM_WORLD_LOCAL_RANK"],
+        local_size: &["OMPI_COMM_WORLD_LOCAL_SIZE"],
+    },
+    Vars {
+        launcher: Launcher::Pmi,
+        rank: "PMI_RANK",
+        size: "PMI_SIZE",
+        local_rank: &["MPI_LOCALRANKID", "PMI_LOCAL_RANK"],
+        local_size: &["MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"],
+    },
+];
+
+impl InitConfig {
+    /// Reads the process environment (see the module docs for the variables).
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the variables through `env` instead of the process environment.
+    pub fn from_lookup(env: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        Self::resolve(&env, None, None)
+    }
+
+    /// Like [`from_lookup`](Self::from_lookup), with `rank`/`world_size` given explicitly
+    /// overriding the environment's.
+    pub fn resolve(
+        env: &dyn Fn(&str) -> Option<String>,
+        rank: Option<usize>,
+        world_size: Option<usize>,
+    ) -> Result<Self> {
+        let vars = LAUNCHERS
+            .iter()
+            .find(|v| env(v.rank).is_some() || env(v.size).is_some());
+        let (launcher, env_rank, env_size, local_rank, local_size) = match vars {
+            Some(v) => {
+                let mut lr = None;
+                for name in v.local_rank {
+                    if let Some(x) = num(env, name)? {
+                        lr = Some((x, *name));
+                        break;
+                    }
+                }
+                let mut ls = None;
+                for name in v.local_size {
+                    if let Some(x) = leading_num(env, name)? {
+                        ls = Some((x, *name));
+                        break;
+                    }
+                }
+                (
+                    v.launcher,
+                    num(env, v.rank)?.map(|r| (r, v.rank)),
+                    num(env, v.size)?.map(|s| (s, v.size)),
+                    lr,
+                    ls,
+                )
+            }
+            None => (Launcher::Explicit, None, None, None, None),
+        };
+        let launcher = if rank.is_some() && world_size.is_some() && vars.is_none() {
+            Launcher::Explicit
+        } else {
+            launcher
+        };
+        let (rank, rank_name) = match (rank, env_rank) {
+            (Some(r), _) => (r, "rank"),
+            (None, Some((r, n))) => (r, n),
+            (None, None) => {
+                return Err(init_err(match vars {
+                    Some(v) => format!("{} is not set (launcher {})", v.rank, v.launcher),
+                    None => "RANK is not set and no launcher (torchrun, Slurm, Open MPI, PMI) \
+                             was detected"
+                        .to_owned(),
+                }));
+            }
+        };
+        let (world_size, size_name) = match (world_size, env_size) {
+            (Some(w), _) => (w, "world_size"),
+            (None, Some((w, n))) => (w, n),
+            (None, None) => {
+                return Err(init_err(match vars {
+                    Some(v) => format!("{} is not set (launcher {})", v.size, v.launcher),
+                    None => "WORLD_SIZE is not set".to_owned(),
+                }));
+            }
+        };
+        if world_size == 0 {
+            return Err(init_err(format!("{size_name}=0: the world needs a rank")));
+        }
+        if rank >= world_size {
+            return Err(init_err(format!(
+                "{rank_name}={rank} is not below {size_name}={world_size}"
+            )));
+        }
+        // Without local information, assume one host.
+        let (local_rank, lr_name) = local_rank.unwrap_or((rank, rank_name));
+        let (local_world_size, ls_name) = local_size.unwrap_or((world_size, size_name));
+        if local_world_size == 0 || local_world_size > world_size {
+            return Err(init_err(format!(
+                "{ls_name}={local_world_size} must be between 1 and {size_name}={world_size}"
+            )));
+        }
+        if local_rank >= local_world_size {
+            return Err(init_err(format!(
+                "{lr_name}={local_rank} is not below {ls_name}={local_world_size}"
+            )));
+        }
+        let master_addr = match env("MASTER_ADDR").filter(|s| !s.trim().is_empty()) {
+            Some(a) => Some(a.trim().to_owned()),
+            None if launcher == Launcher::Slurm => {
+                match env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
+                    Some(list) => Some(first_host(&list)?),
+                    None => None,
+                }
+            }
+            None => None,
+        };
+        let master_port = match env("MASTER_PORT") {
+            Some(p) => Some(
+                p.trim()
+                    .parse::<u16>()
+                    .map_err(|_| init_err(format!("MASTER_PORT={p:?} is not a port number")))?,
+            ),
+            // Slurm jobs without MASTER_PORT: a port derived from the job id, the same on
+            // every rank of the job and unlikely to collide with another job's.
+            None if launcher == Launcher::Slurm => {
+                num(env, "SLURM_JOB_ID")?.map(|id| 15000 + (id % 20000) as u16)
+            }
+            None => None,
+        };
+        let agent_store = match env("TORCHELASTIC_USE_AGENT_STORE") {
+            Some(v) if matches!(v.trim(), "True" | "true" | "1") => {
+                Some(num(env, "TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u64)
+            }
+            _ => None,
+        };
+        Ok(InitConfig {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            launcher,
+            agent_store,
+        })
+    }
+}

@@ -1,0 +1,248 @@
+//! The launchers' variables, node lists, URLs and their errors.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::url::host_port;
+use super::*;
+use crate::Result;
+
+fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let m: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    move |k| m.get(k).cloned()
+}
+
+fn init_msg(r: Result<InitConfig>) -> String {
+    match r {
+        Err(Error::Init { what }) => what,
+        other => panic!("expected Error::Init, got {other:?}"),
+    }
+}
+
+#[test]
+fn torchrun_variables() {
+    let c = InitConfig::from_lookup(env(&[
+        ("RANK", "3"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "host0"),
+        ("MASTER_PORT", "29500"),
+    ]))
+    .unwrap();
+    assert_eq!(
+        c,
+        InitConfig {
+            rank: 3,
+            world_size: 8,
+            local_rank: 1,
+            local_world_size: 2,
+            master_addr: Some("host0".into()),
+            master_port: Some(29500),
+            launcher: Launcher::Torchrun,
+            agent_store: None,
+        }
+    );
+}
+
+#[test]
+fn agent_store_variables() {
+    let base = [("RANK", "0"), ("WORLD_SIZE", "2")];
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut v = base.to_vec();
+        v.extend_from_slice(extra);
+        InitConfig::from_lookup(env(&v))
+    };
+    assert_eq!(with(&[]).unwrap().agent_store, None);
+    let c = with(&[("TORCHELASTIC_USE_AGENT_STORE", "False")]).unwrap();
+    assert_eq!(c.agent_store, None);
+    let c = with(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]).unwrap();
+    assert_eq!(c.agent_store, Some(0));
+    let c = with(&[
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ("TORCHELASTIC_RESTART_COUNT", "3"),
+    ])
+    .unwrap();
+    assert_eq!(c.agent_store, Some(3));
+    let m = init_msg(with(&[
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ("TORCHELASTIC_RESTART_COUNT", "x"),
+    ]));
+    assert!(m.contains("TORCHELASTIC_RESTART_COUNT"), "{m}");
+}
+
+#[test]
+fn contradictions_name_the_variable() {
+    let m = init_msg(InitConfig::from_lookup(env(&[
+        ("RANK", "4"),
+        ("WORLD_SIZE", "4"),
+    ])));
+    assert!(m.contains("RANK=4") && m.contains("WORLD_SIZE=4"), "{m}");
+    let m = init_msg(InitConfig::from_lookup(env(&[("RANK", "0")])));
+    assert!(m.contains("WORLD_SIZE"), "{m}");
+    let m = init_msg(InitConfig::from_lookup(env(&[("WORLD_SIZE", "2")])));
+    assert!(m.contains("RANK"), "{m}");
+    let m = init_msg(InitConfig::from_lookup(env(&[
+        ("RANK", "x1"),
+        ("WORLD_SIZE", "2"),
+    ])));
+    assert!(m.contains("RANK=\"x1\""), "{m}");
+    let m = init_msg(InitConfig::from_lookup(env(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "0"),
+    ])));
+    assert!(m.contains("WORLD_SIZE=0"), "{m}");
+    let m = init_msg(InitConfig::from_lookup(env(&[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "2"),
+        ("LOCAL_WORLD_SIZE", "2"),
+    ])));
+    assert!(m.contains("LOCAL_RANK=2"), "{m}");
+    let m = init_msg(InitConfig::from_lookup(env(&[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("MASTER_PORT", "99999"),
+    ])));
+    assert!(m.contains("MASTER_PORT"), "{m}");
+    let m = init_msg(InitConfig::from_lookup(env(&[])));
+    assert!(m.contains("RANK"), "{m}");
+}
+
+#[test]
+fn slurm_variables_and_nodelist() {
+    let c = InitConfig::from_lookup(env(&[
+        ("SLURM_PROCID", "5"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+        ("SLURM_JOB_NODELIST", "gpu[07-08,10],cpu1"),
+        ("SLURM_JOB_ID", "123456"),
+    ]))
+    .unwrap();
+    assert_eq!(c.launcher, Launcher::Slurm);
+    assert_eq!(
+        (c.rank, c.world_size, c.local_rank, c.local_world_size),
+        (5, 8, 1, 4)
+    );
+    assert_eq!(c.master_addr.as_deref(), Some("gpu07"));
+    assert_eq!(c.master_port, Some(15000 + (123_456 % 20000) as u16));
+    // MASTER_ADDR/PORT win over Slurm's.
+    let c = InitConfig::from_lookup(env(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "1"),
+        ("SLURM_JOB_NODELIST", "n1"),
+        ("MASTER_ADDR", "m"),
+        ("MASTER_PORT", "1234"),
+    ]))
+    .unwrap();
+    assert_eq!(c.master_addr.as_deref(), Some("m"));
+    assert_eq!(c.master_port, Some(1234));
+    let m = init_msg(InitConfig::from_lookup(env(&[
+        ("SLURM_PROCID", "8"),
+        ("SLURM_NTASKS", "8"),
+    ])));
+    assert!(
+        m.contains("SLURM_PROCID=8") && m.contains("SLURM_NTASKS=8"),
+        "{m}"
+    );
+}
+
+#[test]
+fn mpi_and_pmi_variables() {
+    let c = InitConfig::from_lookup(env(&[
+        ("OMPI_COMM_WORLD_RANK", "2"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ]))
+    .unwrap();
+    assert_eq!(c.launcher, Launcher::OpenMpi);
+    assert_eq!(
+        (c.rank, c.world_size, c.local_rank, c.local_world_size),
+        (2, 4, 0, 2)
+    );
+    let c = InitConfig::from_lookup(env(&[("PMI_RANK", "1"), ("PMI_SIZE", "3")])).unwrap();
+    assert_eq!(c.launcher, Launcher::Pmi);
+    assert_eq!(
+        (c.rank, c.world_size, c.local_rank, c.local_world_size),
+        (1, 3, 1, 3)
+    );
+    // torchrun's variables take precedence over a surrounding launcher's.
+    let c = InitConfig::from_lookup(env(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("PMI_RANK", "1"),
+        ("PMI_SIZE", "3"),
+    ]))
+    .unwrap();
+    assert_eq!(c.launcher, Launcher::Torchrun);
+    assert_eq!((c.rank, c.world_size), (0, 2));
+}
+
+#[test]
+fn explicit_arguments_override() {
+    let c =
+        InitConfig::resolve(&env(&[("RANK", "3"), ("WORLD_SIZE", "4")]), Some(1), None).unwrap();
+    assert_eq!((c.rank, c.world_size), (1, 4));
+    let c = InitConfig::resolve(&env(&[]), Some(0), Some(2)).unwrap();
+    assert_eq!(c.launcher, Launcher::Explicit);
+    assert_eq!((c.local_rank, c.local_world_size), (0, 2));
+    let e = InitConfig::resolve(&env(&[]), Some(2), Some(2)).unwrap_err();
+    assert!(e.to_string().contains("rank=2"), "{e}");
+}
+
+#[test]
+fn nodelists() {
+    assert_eq!(
+        expand_nodelist("node[01-04,07],gpu1").unwrap(),
+        ["node01", "node02", "node03", "node04", "node07", "gpu1"]
+    );
+    assert_eq!(
+        expand_nodelist("r[1-2]n[8-9]").unwrap(),
+        ["r1n8", "r1n9", "r2n8", "r2n9"]
+    );
+    assert_eq!(expand_nodelist("a,b").unwrap(), ["a", "b"]);
+    assert_eq!(expand_nodelist("x[9-11]").unwrap(), ["x9", "x10", "x11"]);
+    assert_eq!(first_host("node[001-999999],z").unwrap(), "node001");
+    assert_eq!(first_host(" ,host-a.example").unwrap(), "host-a.example");
+    for bad in ["n[1-", "n]", "n[4-2]", "n[a-b]", "", "n[-3]"] {
+        assert!(expand_nodelist(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn host_ports() {
+    assert_eq!(host_port("h:1", "u").unwrap(), ("h".into(), 1));
+    assert_eq!(
+        host_port("[::1]:29500", "u").unwrap(),
+        ("::1".into(), 29500)
+    );
+    assert!(host_port("h", "u").is_err());
+    assert!(host_port(":5", "u").is_err());
+    assert!(host_port("h:70000", "u").is_err());
+}
+
+#[test]
+fn urls_need_rank_and_world_size() {
+    let none = |_: &str| None;
+    let t = Duration::from_millis(100);
+    let e = init_from_url_with("tcp://127.0.0.1:1", None, Some(2), t, &none).unwrap_err();
+    assert!(e.to_string().contains("rank"), "{e}");
+    let e = init_from_url_with("bogus://x", Some(0), Some(1), t, &none).unwrap_err();
+    assert!(e.to_string().contains("bogus"), "{e}");
+    let e = init_from_url_with("no-scheme", Some(0), Some(1), t, &none).unwrap_err();
+    assert!(matches!(e, Error::Init { .. }), "{e}");
+    let e = init_from_url_with(
+        "env://",
+        None,
+        None,
+        t,
+        &env(&[("RANK", "0"), ("WORLD_SIZE", "1")]),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+}

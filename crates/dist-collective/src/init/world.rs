@@ -1,0 +1,71 @@
+//! [`new_process_group`]: the group of every rank of the job, from [`InitOptions`].
+
+use std::path::PathBuf;
+
+use super::options::{InitMethod, InitOptions};
+use crate::debug::DebugLevel;
+use crate::group::{GroupConfig, ProcessGroup};
+use crate::{Error, Result};
+
+/// Creates a process group over all ranks of the job **without** making it the default one
+/// (what [`crate::testing::run_world`] uses; most programs call [`init_process_group`](crate::init_process_group)).
+pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
+    // A bad or uncompiled backend fails here, before any rendezvous.
+    crate::backend_spec::BackendSpec::parse(&opts.backend)?
+        .check_available(&opts.backend, crate::group::AVAILABLE_BACKENDS)?;
+    let (rank, world_size, store) = match &opts.method {
+        InitMethod::Env => {
+            let i = dist_backend::init::init_from_url(
+                "env://",
+                opts.rank,
+                opts.world_size,
+                opts.timeout,
+            )?;
+            (i.rank, i.world_size, i.store)
+        }
+        InitMethod::Url(u) => {
+            let i = dist_backend::init::init_from_url(u, opts.rank, opts.world_size, opts.timeout)?;
+            (i.rank, i.world_size, i.store)
+        }
+        InitMethod::Store(s) => {
+            let (Some(r), Some(w)) = (opts.rank, opts.world_size) else {
+                return Err(Error::Backend(dist_backend::Error::Init {
+                    what: "init with an explicit store needs rank and world_size".into(),
+                }));
+            };
+            if w == 0 || r >= w {
+                return Err(Error::Backend(dist_backend::Error::Init {
+                    what: format!("rank {r} is not below world_size {w}"),
+                }));
+            }
+            (r, w, s.clone())
+        }
+    };
+    // Each init over one store gets its own namespace, so a job may destroy and re-create its
+    // world: every rank of one generation increments the counter before any rank can start
+    // the next (the mesh of the first needs them all).
+    // Bounded by the init's timeout, not the store's own (an explicit store may have another);
+    // the group's connected agreement below keeps the same deadline.
+    let deadline = dist_backend::deadline_after(std::time::Instant::now(), opts.timeout);
+    let n = store
+        .add_by("dist/world_inits", 1, deadline)
+        .map_err(|e| Error::store(rank, "init_process_group: counting inits", e))?;
+    let generation = (n.max(1) as u64 - 1) / world_size as u64;
+    let prefix = if generation == 0 {
+        "world".to_owned()
+    } else {
+        format!("world.{generation}")
+    };
+    let cfg = GroupConfig {
+        backend: opts.backend,
+        timeout: opts.timeout,
+        root_store: store,
+        debug: opts.debug.unwrap_or_else(DebugLevel::from_env),
+        flight_dir: opts.flight_dir.or_else(|| {
+            std::env::var_os("DIST_FLIGHT_RECORDER_DIR")
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+        }),
+    };
+    ProcessGroup::connect(cfg, prefix, rank, (0..world_size).collect(), true, deadline)
+}

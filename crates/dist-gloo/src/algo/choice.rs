@@ -1,0 +1,99 @@
+//! Agreement on what chooses the algorithms, once per group, when its mesh is built.
+//!
+//! Why: each rank picks an operation's algorithm from the buffer size and its own settings
+//! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`).
+//! Ranks whose settings differ would run different algorithms for the same call; the frames'
+//! step tags catch that, but
+//! only on the ranks that meet a foreign frame, as an error the others never hear of (they
+//! wait for their timeout or see a rank vanish). Every rank compares every rank's settings
+//! through the store instead, so every rank refuses the group at once, naming the setting and
+//! a rank that differs.
+
+use dist_backend::{Error, Result, Store};
+
+/// The settings that choose algorithms, as space-separated `name=value` pairs (in the order
+/// given, which every rank must use alike).
+pub(crate) fn settings(pairs: &[(&str, usize)]) -> String {
+    pairs
+        .iter()
+        .map(|(name, v)| format!("{name}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/gloo-algorithms/{rank}")
+}
+
+/// Publishes this rank's [`settings`]; call before the mesh is built, so that every rank's
+/// are in the store once it is.
+pub(crate) fn publish(store: &dyn Store, prefix: &str, rank: usize, mine: &str) -> Result<()> {
+    store.set(&key(prefix, rank), mine.as_bytes())?;
+    Ok(())
+}
+
+/// Fails unless every rank published the same settings as `mine`; the error names the first
+/// setting and rank that differ. Call once the mesh is built (every rank has published).
+pub(crate) fn check(
+    store: &dyn Store,
+    prefix: &str,
+    rank: usize,
+    world_size: usize,
+    mine: &str,
+) -> Result<()> {
+    let keys: Vec<String> = (0..world_size).map(|r| key(prefix, r)).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let all = store.multi_get(&refs)?;
+    for (r, theirs) in all.iter().enumerate() {
+        let theirs = String::from_utf8_lossy(theirs);
+        if theirs == mine {
+            continue;
+        }
+        let differs = mine
+            .split(' ')
+            .zip(theirs.split(' '))
+            .find(|(a, b)| a != b)
+            .map_or_else(
+                || format!("{theirs:?} against this rank's {mine:?}"),
+                |(a, b)| format!("{b} against this rank's {a}"),
+            );
+        return Err(Error::invalid(
+            rank,
+            "init",
+            format!(
+                "algorithm settings mismatch: rank {r} has {differs}; ranks that choose algorithms \
+                 differently would run different algorithms for the same call (set \
+                 DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES and GlooOptions alike on every rank)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use dist_backend::store::HashStore;
+
+    use super::*;
+
+    #[test]
+    fn the_first_setting_that_differs_is_named_with_the_rank() {
+        let store = HashStore::new(Duration::from_secs(5));
+        let a = settings(&[("small_bytes", 16 << 10), ("segment_bytes", 1 << 20)]);
+        let b = settings(&[("small_bytes", 0), ("segment_bytes", 1 << 20)]);
+        publish(&store, "g", 0, &a).unwrap();
+        publish(&store, "g", 1, &b).unwrap();
+        publish(&store, "g", 2, &a).unwrap();
+        let e = check(&store, "g", 0, 3, &a).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 1 has small_bytes=0 against this rank's small_bytes=16384"),
+            "{e}"
+        );
+        let e = check(&store, "g", 1, 3, &b).unwrap_err().to_string();
+        assert!(e.contains("rank 0 has small_bytes=16384"), "{e}");
+        publish(&store, "h", 0, &a).unwrap();
+        check(&store, "h", 0, 1, &a).unwrap();
+    }
+}

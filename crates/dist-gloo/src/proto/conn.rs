@@ -1,0 +1,154 @@
+//! What the core knows of one peer connection: the bytes received and not yet parsed, the
+//! frames that arrived before the step that wants them, what the peer said about leaving, and
+//! the control bytes (goodbyes, abort notices) owed to it.
+
+use std::collections::VecDeque;
+
+use dist_wire::{CloseReason, FrameHeader};
+
+/// Receive staging size: headers and small frames are parsed out of it, many per read.
+pub(super) const STAGING: usize = 64 << 10;
+/// Largest frame kept in the stash; a bigger length is taken as corruption, not allocated.
+pub(super) const MAX_STASHED_FRAME: u64 = 256 << 20;
+
+/// What is known of the peer's side of the connection. The first thing learnt sticks: a peer
+/// that aborted and then exited is remembered for its abort notice, not for the EOF after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerState {
+    /// Connected.
+    Open,
+    /// Sent `Close`: left the group cleanly.
+    Left,
+    /// The connection ended without `Close`, broke, or carried bytes that are not frames.
+    Lost(String),
+    /// The peer aborted the group and said why in its `Close` (never
+    /// [`CloseReason::Goodbye`]).
+    Aborted(CloseReason),
+}
+
+/// Where the bytes of the driver's next read go (decided by `read_buf`, honoured by
+/// `received`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Target {
+    /// Straight into the payload of the frame the step's receive `i` is reading.
+    Direct(usize),
+    /// Into the payload of the stashed frame being read.
+    Partial,
+    /// Into the staging buffer.
+    Stage,
+    /// Nowhere: the peer said `Close`, or the connection ended; later bytes are dropped.
+    Discard,
+}
+
+/// One peer connection's protocol state.
+#[derive(Debug)]
+pub(super) struct Conn {
+    pub(super) stage: Box<[u8]>,
+    pub(super) start: usize,
+    pub(super) end: usize,
+    /// A stashed frame still being read: its header, its payload buffer and how much is in.
+    pub(super) partial: Option<(FrameHeader, Vec<u8>, usize)>,
+    /// Payload bytes of a frame a failed step was reading, to be dropped.
+    pub(super) skip: usize,
+    pub(super) stash: VecDeque<(FrameHeader, Vec<u8>)>,
+    pub(super) state: PeerState,
+    /// A `Close` frame was read or the input ended: nothing more is parsed.
+    pub(super) input_done: bool,
+    /// The peer aborted the group and no step has failed on it yet.
+    pub(super) unreported_abort: bool,
+    /// Control bytes owed to the peer (goodbye, abort notice), and how much of them is out.
+    pub(super) ctl: Vec<u8>,
+    pub(super) ctl_done: usize,
+    /// A data frame is half transmitted: nothing else may start on the stream.
+    pub(super) mid_frame: bool,
+    /// An abort notice was queued: a driver closing the connection must deliver it first.
+    pub(super) notified: bool,
+    pub(super) target: Target,
+}
+
+impl Conn {
+    pub(super) fn new() -> Self {
+        Conn {
+            stage: vec![0u8; STAGING].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            partial: None,
+            skip: 0,
+            stash: VecDeque::new(),
+            state: PeerState::Open,
+            input_done: false,
+            unreported_abort: false,
+            ctl: Vec::new(),
+            ctl_done: 0,
+            mid_frame: false,
+            notified: false,
+            target: Target::Stage,
+        }
+    }
+
+    pub(super) fn staged(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Moves the staged bytes to the front, so that the free end of the staging buffer is
+    /// never empty while the staged bytes are fewer than [`STAGING`].
+    pub(super) fn compact(&mut self) {
+        if self.start > 0 {
+            self.stage.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+    }
+
+    /// Notes the reason of the peer's `Close` frame, unless something was learnt before.
+    pub(super) fn closed(&mut self, reason: CloseReason) {
+        self.input_done = true;
+        if self.state == PeerState::Open {
+            self.state = match reason {
+                CloseReason::Goodbye => PeerState::Left,
+                other => {
+                    self.unreported_abort = true;
+                    PeerState::Aborted(other)
+                }
+            };
+        }
+    }
+
+    /// Notes that the connection is unusable for `why`, unless something was learnt before.
+    pub(super) fn lose(&mut self, why: String) {
+        self.input_done = true;
+        if self.state == PeerState::Open {
+            self.state = PeerState::Lost(why);
+        }
+    }
+
+    /// Control bytes still to write.
+    pub(super) fn ctl_pending(&self) -> &[u8] {
+        &self.ctl[self.ctl_done..]
+    }
+
+    /// Marks `n` control bytes written.
+    pub(super) fn ctl_written(&mut self, n: usize) {
+        self.ctl_done += n;
+        if self.ctl_done >= self.ctl.len() {
+            self.ctl.clear();
+            self.ctl_done = 0;
+        }
+    }
+
+    /// Queues an abort notice after `rest` (the unwritten remainder of a data frame this rank
+    /// was in the middle of sending: a frame cut short would make the peer read the notice as
+    /// payload) and after the control bytes already queued, in wire order.
+    pub(super) fn queue_notice(&mut self, rest: &[u8], notice: &[u8]) {
+        // Control bytes and data frames exclude each other on the stream: when a frame is half
+        // out no control byte has started, so the rest goes first.
+        let mut out = Vec::with_capacity(rest.len() + self.ctl_pending().len() + notice.len());
+        out.extend_from_slice(rest);
+        out.extend_from_slice(self.ctl_pending());
+        out.extend_from_slice(notice);
+        self.ctl = out;
+        self.ctl_done = 0;
+        self.mid_frame = false;
+        self.notified = true;
+    }
+}

@@ -1,0 +1,513 @@
+//! [`Core`]: one rank's side of the peer protocol, over all its connections.
+
+use std::time::Instant;
+
+use dist_backend::{Error, Result};
+use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN};
+
+use super::conn::{Conn, PeerState, Target};
+use super::parse::process;
+use super::step::{Status, Step};
+use crate::transport::{
+    Incoming, OnFrame, Outgoing, StepCtx, abort_reason, closed_error_at, stalled_on,
+};
+
+/// One rank's protocol state with each of its peers: no sockets, threads or clocks.
+///
+/// A driver owns the byte streams. For each connection it asks [`Core::transmit`] what to
+/// write and reports [`Core::transmitted`]; it reads into [`Core::read_buf`] and reports
+/// [`Core::received`]; it reports the end of the input ([`Core::eof`]) and errors
+/// ([`Core::broken`], after feeding whatever the connection still held, which may say why the
+/// peer left). After any input it calls [`Core::poll`], and once that says the step is done
+/// or failed, [`Core::finish`], which returns the step's result and queues the abort notices
+/// that name the culprit to the other peers.
+#[derive(Debug)]
+pub struct Core {
+    rank: usize,
+    seg: usize,
+    /// Indexed by peer rank; `None` at this rank and once disconnected.
+    conns: Vec<Option<Conn>>,
+    /// A step failed (or the group was aborted from outside): closing says no goodbye.
+    aborted: bool,
+}
+
+impl Core {
+    /// The core of `rank` in a group of `world_size`, cutting messages into `segment`-byte
+    /// frames (rounded down to a multiple of 8, at least 8).
+    pub fn new(rank: usize, world_size: usize, segment: usize) -> Self {
+        Core {
+            rank,
+            seg: segment.max(8) / 8 * 8,
+            conns: (0..world_size)
+                .map(|p| (p != rank).then(Conn::new))
+                .collect(),
+            aborted: false,
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Largest payload of one frame.
+    pub fn segment_bytes(&self) -> usize {
+        self.seg
+    }
+
+    /// What is known of `peer`'s side (`None` for this rank, an unknown rank, or a
+    /// connection this rank dropped).
+    pub fn peer_state(&self, peer: usize) -> Option<&PeerState> {
+        self.conns.get(peer)?.as_ref().map(|c| &c.state)
+    }
+
+    /// Starts a step; pass the same `sends` and `recvs` to every call about it.
+    pub fn begin(&self, ctx: StepCtx, sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> Step {
+        Step::new(ctx, self.seg, sends, recvs)
+    }
+
+    /// The bytes to write to `peer` next, in order (empty when none): control bytes between
+    /// frames, else the rest of the current frame's header and payload, for one vectored
+    /// write. Report what was written with [`Core::transmitted`] before any other call.
+    pub fn transmit<'a>(
+        &'a mut self,
+        step: &'a mut Step,
+        sends: &'a [Outgoing<'_>],
+        peer: usize,
+    ) -> [&'a [u8]; 2] {
+        let Some(Some(conn)) = self.conns.get_mut(peer) else {
+            return [&[], &[]];
+        };
+        if !conn.mid_frame && !conn.ctl_pending().is_empty() {
+            return [conn.ctl_pending(), &[]];
+        }
+        let Some(i) = step.current_send(sends, peer) else {
+            return [&[], &[]];
+        };
+        let r = step.frame_range(sends, i);
+        let ctx = step.ctx.expect("a live step has a context");
+        let s = &sends[i];
+        let tx = &mut step.tx[i];
+        if tx.hdr_done == 0 && tx.payload_done == 0 {
+            tx.hdr = ctx.header(s.count, s.tag, r.start, r.len()).encode();
+        }
+        [
+            &tx.hdr[tx.hdr_done..],
+            &s.data[r.start + tx.payload_done..r.end],
+        ]
+    }
+
+    /// `n` bytes of what [`Core::transmit`] returned for `peer` were written.
+    pub fn transmitted(&mut self, step: &mut Step, sends: &[Outgoing<'_>], peer: usize, n: usize) {
+        let Some(Some(conn)) = self.conns.get_mut(peer) else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        if !conn.mid_frame && !conn.ctl_pending().is_empty() {
+            conn.ctl_written(n);
+            return;
+        }
+        let Some(i) = step.current_send(sends, peer) else {
+            return;
+        };
+        let flen = step.frame_range(sends, i).len();
+        let nframes = step.frame_count(sends, i);
+        let tx = &mut step.tx[i];
+        let h = n.min(HEADER_LEN - tx.hdr_done);
+        tx.hdr_done += h;
+        tx.payload_done += n - h;
+        debug_assert!(
+            tx.payload_done <= flen,
+            "more written than transmit offered"
+        );
+        if tx.hdr_done == HEADER_LEN && tx.payload_done >= flen {
+            tx.frame += 1;
+            tx.hdr_done = 0;
+            tx.payload_done = 0;
+            conn.mid_frame = false;
+            tx.done = tx.frame >= nframes;
+        } else {
+            conn.mid_frame = true;
+        }
+    }
+
+    /// Where the driver's next read from `peer` goes: straight into a receive buffer when a
+    /// frame's payload is under way, else a staging buffer. Never empty for a connected peer.
+    /// Report what was read with [`Core::received`] before any other call.
+    pub fn read_buf<'a>(
+        &'a mut self,
+        step: &Step,
+        recvs: &'a mut [Incoming<'_>],
+        peer: usize,
+    ) -> &'a mut [u8] {
+        let Some(Some(conn)) = self.conns.get_mut(peer) else {
+            return &mut [];
+        };
+        let direct = step.current_recv(recvs, peer).and_then(|i| {
+            step.rx[i]
+                .cur
+                .map(|(flen, done)| (i, step.rx[i].got, flen, done))
+        });
+        conn.target = if conn.input_done {
+            Target::Discard
+        } else if conn.staged() > 0 {
+            Target::Stage
+        } else if conn.partial.is_some() {
+            Target::Partial
+        } else if let Some((i, ..)) = direct {
+            Target::Direct(i)
+        } else {
+            Target::Stage
+        };
+        if conn.target == Target::Stage {
+            conn.compact();
+        }
+        let end = conn.end;
+        match (conn.target, &mut conn.partial, direct) {
+            (Target::Discard, ..) => &mut conn.stage[..],
+            (Target::Partial, Some((_, v, filled)), _) => &mut v[*filled..],
+            (Target::Direct(i), _, Some((_, at, flen, done))) => {
+                &mut recvs[i].buf[at + done..at + flen]
+            }
+            _ => &mut conn.stage[end..],
+        }
+    }
+
+    /// `n` bytes were read from `peer` into [`Core::read_buf`]: parses them, delivering whole
+    /// frames to `on_frame`.
+    pub fn received(
+        &mut self,
+        step: &mut Step,
+        recvs: &mut [Incoming<'_>],
+        peer: usize,
+        n: usize,
+        on_frame: &mut OnFrame<'_>,
+    ) {
+        let Some(Some(conn)) = self.conns.get_mut(peer) else {
+            return;
+        };
+        match conn.target {
+            Target::Direct(i) => {
+                if let Some((_, done)) = &mut step.rx[i].cur {
+                    *done += n;
+                }
+            }
+            Target::Partial => {
+                if let Some((_, _, filled)) = &mut conn.partial {
+                    *filled += n;
+                }
+            }
+            Target::Stage => conn.end += n,
+            Target::Discard => {}
+        }
+        conn.target = Target::Stage;
+        process(conn, step, recvs, peer, on_frame);
+    }
+
+    /// `peer`'s input ended (EOF). Everything read before must have been fed.
+    pub fn eof(&mut self, peer: usize) {
+        if let Some(Some(conn)) = self.conns.get_mut(peer) {
+            conn.lose(
+                "its connection closed without a goodbye (the process exited or crashed)".into(),
+            );
+        }
+    }
+
+    /// `peer`'s connection failed with `why` (a reset, a write error). Feed what it still
+    /// holds first: the peer may have said why it left.
+    pub fn broken(&mut self, peer: usize, why: &str) {
+        if let Some(Some(conn)) = self.conns.get_mut(peer) {
+            conn.lose(format!("connection error: {why}"));
+        }
+    }
+
+    /// Whether `peer`'s input is over (after `Close`, EOF or an error): reads may stop.
+    pub fn input_done(&self, peer: usize) -> bool {
+        self.conns
+            .get(peer)
+            .and_then(Option::as_ref)
+            .is_none_or(|c| c.input_done)
+    }
+
+    /// Where the step stands at `now`. Call after any input and at the deadline it names.
+    pub fn poll(
+        &mut self,
+        step: &mut Step,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+        now: Instant,
+    ) -> Status {
+        let Some(ctx) = step.ctx else {
+            return Status::Done;
+        };
+        // Frames stashed before the step began (or before a receive became current).
+        for peer in 0..self.conns.len() {
+            if let Some(conn) = self.conns[peer].as_mut()
+                && step.current_recv(recvs, peer).is_some()
+            {
+                process(conn, step, recvs, peer, on_frame);
+            }
+        }
+        if step.failed.is_some() {
+            return Status::Failed;
+        }
+        if step.finished {
+            return Status::Done;
+        }
+        let missing = step.missing(sends, recvs);
+        for &peer in &missing {
+            if let Err(e) = self.usable(&ctx, peer, now, &missing) {
+                step.fail(e);
+                return Status::Failed;
+            }
+        }
+        // A step whose every message moved is done, whatever arrived after.
+        if missing.is_empty() {
+            return Status::Done;
+        }
+        // A peer this step does not use that aborted the group: the step cannot complete
+        // either (a peer that merely left may have finished and exited: not a failure).
+        for peer in 0..self.conns.len() {
+            if let Some(c) = self.conns[peer].as_mut()
+                && std::mem::take(&mut c.unreported_abort)
+            {
+                let e = self.peer_error(&ctx, now, peer, &missing);
+                step.fail(e);
+                return Status::Failed;
+            }
+        }
+        if now >= ctx.deadline {
+            step.fail(ctx.timeout_at(now, step.missing(sends, recvs)));
+            return Status::Failed;
+        }
+        Status::Pending {
+            deadline: ctx.deadline,
+        }
+    }
+
+    /// Ends the step: `Ok` when it completed. When it failed because of another rank (a peer
+    /// lost, two ranks that disagree), queues a notice to every other peer saying whom to
+    /// blame and why, so that they report that rank and cause rather than this one, whose
+    /// connections close when it exits. Transmit what it queues. Call it once per step.
+    pub fn finish(&mut self, step: &mut Step, sends: &[Outgoing<'_>], now: Instant) -> Result<()> {
+        let was_finished = step.finished;
+        step.finished = true;
+        let Some(e) = step.failed.take() else {
+            return Ok(());
+        };
+        if was_finished {
+            return Err(e);
+        }
+        let ctx = step.ctx.expect("a failed step has a context");
+        self.aborted = true;
+        let e = if self.second_hand(&e) {
+            self.first_hand(&ctx).unwrap_or(e)
+        } else {
+            e
+        };
+        let e = self.stalled_on(&ctx, now, &e, step, sends).unwrap_or(e);
+        if let Some(reason) = abort_reason(&e) {
+            self.notify_abort(&reason, step, sends);
+        }
+        for c in self.conns.iter_mut().flatten() {
+            c.unreported_abort = false;
+        }
+        Err(e)
+    }
+
+    /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the
+    /// peer is gone. Feed what the connection holds first.
+    pub fn probe(&self, peer: usize, tag: u32) -> bool {
+        let Some(Some(c)) = self.conns.get(peer) else {
+            return false;
+        };
+        let wanted = |h: &FrameHeader| h.op == CollectiveOp::SendRecv && h.tag == tag;
+        let arrived = c.stash.iter().any(|(h, _)| wanted(h))
+            || c.partial.as_ref().is_some_and(|(h, _, _)| wanted(h));
+        arrived || c.state != PeerState::Open
+    }
+
+    /// Marks the group aborted by a failure found outside any step: closing then says no
+    /// goodbye.
+    pub fn abort(&mut self) {
+        self.aborted = true;
+    }
+
+    /// Whether a step failed or [`Core::abort`] was called.
+    pub fn aborted(&self) -> bool {
+        self.aborted
+    }
+
+    /// Leaves the group: queues a goodbye to every peer still connected, unless the group was
+    /// aborted, when only the abort notices already queued go out. Afterwards the driver
+    /// transmits what [`Core::transmit`] gives with [`Step::idle`] to each peer for which
+    /// [`Core::owes_close`] holds, shuts its write side, and drops the rest.
+    pub fn close(&mut self) {
+        if self.aborted {
+            return;
+        }
+        let bye = CloseReason::Goodbye.encode(self.rank as u32);
+        for c in self.conns.iter_mut().flatten() {
+            if matches!(c.state, PeerState::Open | PeerState::Left) {
+                c.ctl.extend_from_slice(&bye);
+            }
+        }
+    }
+
+    /// After [`Core::close`]: whether `peer` is owed the bytes queued for it and an orderly
+    /// shutdown (rather than a plain drop, which it sees as a crash).
+    pub fn owes_close(&self, peer: usize) -> bool {
+        let Some(Some(c)) = self.conns.get(peer) else {
+            return false;
+        };
+        if self.aborted {
+            // A notice already handed to the kernel may still be unread by the peer: closing
+            // with unread input could reset the connection and lose it.
+            c.state == PeerState::Open && (!c.ctl_pending().is_empty() || c.notified)
+        } else {
+            matches!(c.state, PeerState::Open | PeerState::Left)
+        }
+    }
+
+    /// Forgets `peer`'s connection (the driver dropped it): later steps that use it fail.
+    pub fn disconnect(&mut self, peer: usize) {
+        if let Some(slot) = self.conns.get_mut(peer) {
+            *slot = None;
+        }
+    }
+
+    /// `Ok` when `peer` can still take part in the step, which waits for `missing`.
+    fn usable(&self, ctx: &StepCtx, peer: usize, now: Instant, missing: &[usize]) -> Result<()> {
+        match self.conns.get(peer) {
+            Some(Some(c)) if c.state == PeerState::Open => Ok(()),
+            Some(Some(_)) => Err(self.peer_error(ctx, now, peer, missing)),
+            _ => Err(Error::invalid(
+                ctx.rank,
+                ctx.op.name(),
+                format!("no connection to rank {peer}"),
+            )),
+        }
+    }
+
+    /// The error for a step waiting for `missing` that cannot go on with `peer`, whose side
+    /// is not open. A peer that timed out waiting for `culprit` passes its blame on only to
+    /// ranks that wait for it: a rank waiting for others names those instead, since its own
+    /// waits lead further down the chain towards the stalled rank than those of a peer it
+    /// does not wait for.
+    fn peer_error(&self, ctx: &StepCtx, now: Instant, peer: usize, missing: &[usize]) -> Error {
+        let Some(Some(c)) = self.conns.get(peer) else {
+            return ctx.peer_lost(peer, "its connection is gone");
+        };
+        if let PeerState::Aborted(CloseReason::Stalled { culprit }) = c.state
+            && culprit as usize != ctx.rank
+            && !missing.contains(&peer)
+        {
+            let gave_up = |p: usize| matches!(self.conns.get(p), Some(Some(c)) if matches!(c.state, PeerState::Aborted(CloseReason::Stalled { .. })));
+            let own: Vec<usize> = missing.iter().copied().filter(|&p| !gave_up(p)).collect();
+            if !own.is_empty() {
+                return ctx.timeout_at(now, own);
+            }
+        }
+        lost_or_left(ctx, now, peer, &c.state)
+    }
+
+    /// Whether `e` was learnt from another rank's abort notice rather than seen by this rank.
+    fn second_hand(&self, e: &Error) -> bool {
+        match e {
+            Error::MismatchReported { .. } => true,
+            // First-hand when this rank's own connection to the lost rank is gone.
+            Error::PeerLost { peer, .. } => !matches!(
+                self.conns.get(*peer),
+                Some(Some(c)) if matches!(c.state, PeerState::Lost(_))
+            ),
+            _ => false,
+        }
+    }
+
+    /// After a failure learnt second-hand: a cause this rank saw itself, if it has one (the
+    /// connection of a peer that died without a goodbye), which it reports instead. A notice
+    /// is only as good as its sender's view; a rank's own EOF from the rank that died is not.
+    fn first_hand(&self, ctx: &StepCtx) -> Option<Error> {
+        self.conns.iter().enumerate().find_map(|(peer, c)| match c {
+            Some(Conn {
+                state: PeerState::Lost(why),
+                ..
+            }) => Some(ctx.peer_lost(peer, why.clone())),
+            _ => None,
+        })
+    }
+
+    /// See [`crate::transport::stalled_on`].
+    fn stalled_on(
+        &self,
+        ctx: &StepCtx,
+        now: Instant,
+        e: &Error,
+        step: &Step,
+        sends: &[Outgoing<'_>],
+    ) -> Option<Error> {
+        let me = CloseReason::Stalled {
+            culprit: ctx.rank as u32,
+        };
+        let gave_up = |p: usize| matches!(self.conns.get(p), Some(Some(c)) if c.state == PeerState::Aborted(me));
+        let pending = step.rx.iter().filter(|r| !r.done).map(|r| r.peer).chain(
+            sends
+                .iter()
+                .zip(&step.tx)
+                .filter(|(_, t)| !t.done)
+                .map(|(s, _)| s.peer),
+        );
+        stalled_on(ctx, now, e, self.conns.len(), gave_up, pending)
+    }
+
+    /// Queues, to every open peer but a lost one, the notice that this rank aborts the group
+    /// and why, after whatever this rank owes the peer on the stream (the rest of a frame it
+    /// was in the middle of, control bytes), so it always lands on a frame boundary.
+    fn notify_abort(&mut self, reason: &CloseReason, step: &Step, sends: &[Outgoing<'_>]) {
+        let notice = reason.encode(self.rank as u32);
+        let lost = match reason {
+            CloseReason::Lost { culprit } => Some(*culprit as usize),
+            _ => None,
+        };
+        for (p, c) in self.conns.iter_mut().enumerate() {
+            let Some(c) = c else { continue };
+            if Some(p) == lost || c.state != PeerState::Open {
+                continue;
+            }
+            let rest = if c.mid_frame {
+                // At most one message per peer is under way (the others queue behind it).
+                (0..sends.len())
+                    .find(|&i| sends[i].peer == p && !step.tx[i].done)
+                    .map(|i| {
+                        let tx = &step.tx[i];
+                        let r = step.frame_range(sends, i);
+                        let mut rest = tx.hdr[tx.hdr_done..].to_vec();
+                        rest.extend_from_slice(&sends[i].data[r.start + tx.payload_done..r.end]);
+                        rest
+                    })
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            c.queue_notice(&rest, &notice);
+        }
+    }
+}
+
+/// The error for a step that needs `peer`, whose side is in `state`.
+fn lost_or_left(ctx: &StepCtx, now: Instant, peer: usize, state: &PeerState) -> Error {
+    match state {
+        PeerState::Lost(why) => ctx.peer_lost(peer, why.clone()),
+        PeerState::Aborted(reason) => closed_error_at(ctx, now, peer, reason),
+        PeerState::Left => closed_error_at(ctx, now, peer, &CloseReason::Goodbye),
+        PeerState::Open => ctx.peer_lost(peer, "its connection is unusable"),
+    }
+}

@@ -1,0 +1,161 @@
+//! The progress of one step: where each send and receive stands, and the first failure.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use dist_backend::Error;
+use dist_wire::HEADER_LEN;
+
+use crate::transport::{Incoming, Outgoing, StepCtx, frames};
+
+/// Progress of one outgoing message.
+#[derive(Debug, Clone)]
+pub(super) struct Tx {
+    pub(super) frame: usize,
+    pub(super) hdr: [u8; HEADER_LEN],
+    pub(super) hdr_done: usize,
+    pub(super) payload_done: usize,
+    pub(super) done: bool,
+}
+
+/// Progress of one incoming message.
+#[derive(Debug, Clone)]
+pub(super) struct Rx {
+    pub(super) peer: usize,
+    pub(super) got: usize,
+    /// Payload length and bytes in of the frame being received.
+    pub(super) cur: Option<(usize, usize)>,
+    pub(super) first: bool,
+    pub(super) done: bool,
+}
+
+/// What a step is waiting for, returned by [`crate::proto::Core::poll`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// More bytes must move; call again after the next input, or at `deadline` at the latest.
+    Pending {
+        /// When the step times out.
+        deadline: Instant,
+    },
+    /// Every send is transmitted and every receive delivered: call
+    /// [`crate::proto::Core::finish`].
+    Done,
+    /// The step failed: feed what the connections still hold, then call
+    /// [`crate::proto::Core::finish`] for the error (and the abort notices it queues).
+    Failed,
+}
+
+/// One step in progress (or, from [`Step::idle`], none). The messages themselves stay with the
+/// caller, who passes the same `sends` and `recvs` to every call about this step.
+#[derive(Debug)]
+pub struct Step {
+    pub(super) ctx: Option<StepCtx>,
+    pub(super) seg: usize,
+    pub(super) tx: Vec<Tx>,
+    pub(super) rx: Vec<Rx>,
+    pub(super) failed: Option<Error>,
+    pub(super) finished: bool,
+}
+
+impl Step {
+    /// No step: the state between steps, in which received frames are stashed and only
+    /// control bytes are transmitted.
+    pub fn idle() -> Self {
+        Step {
+            ctx: None,
+            seg: 1,
+            tx: Vec::new(),
+            rx: Vec::new(),
+            failed: None,
+            finished: true,
+        }
+    }
+
+    pub(super) fn new(
+        ctx: StepCtx,
+        seg: usize,
+        sends: &[Outgoing<'_>],
+        recvs: &[Incoming<'_>],
+    ) -> Self {
+        let tx = Tx {
+            frame: 0,
+            hdr: [0; HEADER_LEN],
+            hdr_done: 0,
+            payload_done: 0,
+            done: false,
+        };
+        let rx = |r: &Incoming<'_>| Rx {
+            peer: r.peer,
+            got: 0,
+            cur: None,
+            first: true,
+            done: false,
+        };
+        Step {
+            ctx: Some(ctx),
+            seg,
+            tx: vec![tx; sends.len()],
+            rx: recvs.iter().map(rx).collect(),
+            failed: None,
+            finished: false,
+        }
+    }
+
+    /// The step's context while it still moves data.
+    pub(super) fn live(&self) -> Option<&StepCtx> {
+        self.ctx
+            .as_ref()
+            .filter(|_| !self.finished && self.failed.is_none())
+    }
+
+    /// Records `e` unless an earlier failure did.
+    pub(super) fn fail(&mut self, e: Error) {
+        if !self.finished && self.failed.is_none() {
+            self.failed = Some(e);
+        }
+    }
+
+    /// The message to `peer` now going out: messages to one peer go out whole, in list order.
+    pub(super) fn current_send(&self, sends: &[Outgoing<'_>], peer: usize) -> Option<usize> {
+        self.live()?;
+        (0..sends.len()).find(|&i| sends[i].peer == peer && !self.tx[i].done)
+    }
+
+    /// The message from `peer` now coming in: messages from one peer arrive in list order.
+    pub(super) fn current_recv(&self, recvs: &[Incoming<'_>], peer: usize) -> Option<usize> {
+        self.live()?;
+        (0..recvs.len()).find(|&i| recvs[i].peer == peer && !self.rx[i].done)
+    }
+
+    /// The byte range of send `i`'s current frame.
+    pub(super) fn frame_range(&self, sends: &[Outgoing<'_>], i: usize) -> Range<usize> {
+        let len = sends[i].data.len();
+        let f = self.tx[i].frame;
+        (f * self.seg).min(len)..((f + 1) * self.seg).min(len)
+    }
+
+    /// Frames in send `i`.
+    pub(super) fn frame_count(&self, sends: &[Outgoing<'_>], i: usize) -> usize {
+        frames(sends[i].data.len(), self.seg).len()
+    }
+
+    /// Peers this step still waits for: receives not delivered and sends not transmitted.
+    pub(super) fn missing(&self, sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> Vec<usize> {
+        let mut m: Vec<usize> = recvs
+            .iter()
+            .zip(&self.rx)
+            .filter(|(_, s)| !s.done)
+            .map(|(r, _)| r.peer)
+            .chain(
+                sends
+                    .iter()
+                    .zip(&self.tx)
+                    .filter(|(_, s)| !s.done)
+                    .map(|(s, _)| s.peer),
+            )
+            .collect();
+        m.sort_unstable();
+        m.dedup();
+        m
+    }
+}

@@ -1,0 +1,256 @@
+//! Two cores wired back to back, one byte stream each way, moved by hand: the rules at the
+//! boundaries the simulation (`tests/sim/`) reaches only by chance.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use dist_backend::Error;
+use dist_wire::{CloseReason, CollectiveOp, DType};
+
+use super::{Core, PeerState, Status, Step};
+use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx};
+
+fn ctx(rank: usize, op: CollectiveOp, seq: u64, t0: Instant) -> StepCtx {
+    StepCtx::started_at(rank, 1, op, seq, DType::U8, t0, Duration::from_secs(10))
+}
+
+/// Moves at most `chunk` bytes at a time of what `a` transmits to `peer` into `b` (whose
+/// rank is `peer`), until `a` has nothing more. Returns the bytes moved.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "both ends of one stream, borrowed apart"
+)]
+fn pump(
+    a: &mut Core,
+    a_step: &mut Step,
+    sends: &[Outgoing<'_>],
+    b: &mut Core,
+    b_step: &mut Step,
+    recvs: &mut [Incoming<'_>],
+    chunk: usize,
+    on_frame: &mut OnFrame<'_>,
+) -> usize {
+    let (from, to) = (a.rank(), b.rank());
+    let mut moved = 0;
+    loop {
+        let parts = a.transmit(a_step, sends, to);
+        let mut bytes: Vec<u8> = parts.concat();
+        if bytes.is_empty() {
+            return moved;
+        }
+        bytes.truncate(chunk);
+        a.transmitted(a_step, sends, to, bytes.len());
+        moved += bytes.len();
+        let mut at = 0;
+        while at < bytes.len() {
+            let buf = b.read_buf(b_step, recvs, from);
+            let k = buf.len().min(bytes.len() - at);
+            buf[..k].copy_from_slice(&bytes[at..at + k]);
+            b.received(b_step, recvs, from, k, on_frame);
+            at += k;
+        }
+    }
+}
+
+#[test]
+fn a_message_cut_at_every_byte_arrives_whole_frame_by_frame() {
+    let t0 = Instant::now();
+    for chunk in [1, 7, 64, 1000] {
+        let (mut a, mut b) = (Core::new(0, 2, 16), Core::new(1, 2, 16));
+        let data: Vec<u8> = (0..100u8).collect();
+        let sends = [Outgoing {
+            peer: 1,
+            data: &data,
+            count: 100,
+            tag: 3,
+        }];
+        let mut got = vec![0u8; 100];
+        let mut recvs = [Incoming {
+            peer: 0,
+            buf: &mut got,
+            count: 100,
+            tag: 3,
+        }];
+        let c = ctx(0, CollectiveOp::AllGather, 1, t0);
+        let mut sa = a.begin(c, &sends, &[]);
+        let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+        let mut frames = Vec::new();
+        let mut on_frame = |i: usize, r: Range<usize>, _: &[u8]| {
+            frames.push((i, r));
+            Ok(())
+        };
+        pump(
+            &mut a,
+            &mut sa,
+            &sends,
+            &mut b,
+            &mut sb,
+            &mut recvs,
+            chunk,
+            &mut on_frame,
+        );
+        assert_eq!(
+            a.poll(&mut sa, &sends, &mut [], &mut |_, _, _| Ok(()), t0),
+            Status::Done
+        );
+        assert_eq!(
+            b.poll(&mut sb, &[], &mut recvs, &mut on_frame, t0),
+            Status::Done
+        );
+        assert_eq!(got, data, "chunk {chunk}");
+        let want: Vec<(usize, Range<usize>)> = (0..7)
+            .map(|f| (0, f * 16..(f * 16 + 16).min(100)))
+            .collect();
+        assert_eq!(frames, want, "chunk {chunk}");
+    }
+}
+
+/// A step that fails while half-way through writing a frame queues its abort notice after the
+/// rest of that frame, so the peer reads the frame whole and then the notice naming the
+/// culprit; and what a peer said first sticks over the EOF after it.
+#[test]
+fn an_abort_notice_follows_the_rest_of_a_half_written_frame_and_sticks() {
+    let t0 = Instant::now();
+    let (mut a, mut b) = (Core::new(0, 3, 64), Core::new(1, 3, 64));
+    let data = vec![5u8; 200];
+    let sends = [Outgoing {
+        peer: 1,
+        data: &data,
+        count: 200,
+        tag: 0,
+    }];
+    // Rank 0 also waits for rank 2, whose connection then ends without a goodbye.
+    let mut from2 = [0u8; 4];
+    let mut a_recvs = [Incoming {
+        peer: 2,
+        buf: &mut from2,
+        count: 4,
+        tag: 0,
+    }];
+    let c = ctx(0, CollectiveOp::AllReduce, 4, t0);
+    let mut sa = a.begin(c, &sends, &a_recvs);
+    // Rank 1 is in the next operation already: rank 0's frames are not what it expects.
+    let mut idle = Step::idle();
+    let parts = a.transmit(&mut sa, &sends, 1);
+    let half = parts[0].len() + 10;
+    let first: Vec<u8> = parts.concat()[..half].to_vec();
+    a.transmitted(&mut sa, &sends, 1, half);
+    a.eof(2);
+    assert_eq!(
+        a.poll(&mut sa, &sends, &mut a_recvs, &mut |_, _, _| Ok(()), t0),
+        Status::Failed
+    );
+    let e = a.finish(&mut sa, &sends, t0).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::PeerLost {
+                rank: 0,
+                peer: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // What rank 0 still owes rank 1: the rest of the frame (54 payload bytes), then the notice.
+    let rest: Vec<u8> = a.transmit(&mut idle, &[], 1).concat();
+    let notice = CloseReason::Lost { culprit: 2 }.encode(0);
+    assert_eq!(rest.len(), 64 - 10 + notice.len());
+    assert_eq!(&rest[64 - 10..], &notice[..]);
+    let mut noop = |_: usize, _: Range<usize>, _: &[u8]| Ok(());
+    for bytes in [&first[..], &rest[..]] {
+        for &byte in bytes {
+            let buf = b.read_buf(&idle, &mut [], 0);
+            buf[0] = byte;
+            b.received(&mut idle, &mut [], 0, 1, &mut noop);
+        }
+    }
+    b.eof(0);
+    assert_eq!(
+        b.peer_state(0),
+        Some(&PeerState::Aborted(CloseReason::Lost { culprit: 2 }))
+    );
+    // Rank 1 (arriving late in the same step) reads the whole frame, then fails naming the
+    // rank that rank 0 lost.
+    let mut buf = vec![0u8; 200];
+    let mut recvs = [Incoming {
+        peer: 0,
+        buf: &mut buf,
+        count: 200,
+        tag: 0,
+    }];
+    let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+    let mut delivered = Vec::new();
+    let mut seen = |_: usize, r: Range<usize>, _: &[u8]| {
+        delivered.push(r);
+        Ok(())
+    };
+    assert_eq!(
+        b.poll(&mut sb, &[], &mut recvs, &mut seen, t0),
+        Status::Failed
+    );
+    match b.finish(&mut sb, &[], t0).unwrap_err() {
+        Error::PeerLost {
+            rank: 1, peer: 2, ..
+        } => {}
+        other => panic!("expected PeerLost naming rank 2, got {other}"),
+    }
+    assert_eq!(delivered, vec![0..64usize]);
+    assert_eq!(&buf[..64], &[5u8; 64][..]);
+}
+
+/// A point-to-point message for a later tag is stashed, and delivered to the step that wants
+/// it, after one the current step wants that came behind it.
+#[test]
+fn a_message_for_another_tag_waits_in_the_stash() {
+    let t0 = Instant::now();
+    let (mut a, mut b) = (Core::new(0, 2, 8), Core::new(1, 2, 8));
+    let (x, y) = (vec![1u8; 20], vec![2u8; 3]);
+    let sends = [
+        Outgoing {
+            peer: 1,
+            data: &x,
+            count: 20,
+            tag: 10,
+        },
+        Outgoing {
+            peer: 1,
+            data: &y,
+            count: 3,
+            tag: 11,
+        },
+    ];
+    let c = ctx(0, CollectiveOp::SendRecv, 0, t0);
+    let mut sa = a.begin(c, &sends, &[]);
+    let mut got_y = [0u8; 3];
+    let mut recvs = [Incoming {
+        peer: 0,
+        buf: &mut got_y,
+        count: 3,
+        tag: 11,
+    }];
+    let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+    let mut noop = |_: usize, _: Range<usize>, _: &[u8]| Ok(());
+    pump(
+        &mut a, &mut sa, &sends, &mut b, &mut sb, &mut recvs, 5, &mut noop,
+    );
+    assert_eq!(
+        b.poll(&mut sb, &[], &mut recvs, &mut noop, t0),
+        Status::Done
+    );
+    assert!(b.probe(0, 10) && !b.probe(0, 12));
+    assert_eq!(got_y, [2; 3]);
+    let mut got_x = [0u8; 20];
+    let mut recvs = [Incoming {
+        peer: 0,
+        buf: &mut got_x,
+        count: 20,
+        tag: 10,
+    }];
+    let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+    assert_eq!(
+        b.poll(&mut sb, &[], &mut recvs, &mut noop, t0),
+        Status::Done
+    );
+    assert_eq!(got_x, [1; 20]);
+}

@@ -1,0 +1,270 @@
+//! An in-process transport for tests: the peer protocol's [`Core`] driven over bounded
+//! in-memory byte pipes, so that it follows the same rules as TCP (sends block when the
+//! receiver does not read, a peer that leaves or drops its end is seen by every peer, abort
+//! notices name the culprit) with no sockets.
+
+mod pipe;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use dist_backend::Result;
+
+use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
+use crate::proto::{Core, Status, Step};
+use pipe::{Bell, Pipe, Read};
+
+/// Bytes each direction of a connection holds before a send blocks (about a loopback
+/// socket's buffers).
+pub const DEFAULT_PIPE_BYTES: usize = 256 << 10;
+
+/// One rank's end of an in-memory network made by [`MemTransport::network`].
+#[derive(Debug)]
+pub struct MemTransport {
+    rank: usize,
+    world_size: usize,
+    segment: usize,
+    bells: Arc<Vec<Bell>>,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    core: Core,
+    /// To each peer (indexed by rank; `None` at this rank and once closed).
+    out: Vec<Option<Arc<Pipe>>>,
+    /// From each peer.
+    inp: Vec<Option<Arc<Pipe>>>,
+    /// The input from the peer ended and the core was told.
+    eof: Vec<bool>,
+}
+
+impl MemTransport {
+    /// `world_size` connected transports, one per rank, cutting messages into `segment`-byte
+    /// frames, with [`DEFAULT_PIPE_BYTES`] pipes.
+    pub fn network(world_size: usize, segment: usize) -> Vec<MemTransport> {
+        Self::network_with(world_size, segment, DEFAULT_PIPE_BYTES)
+    }
+
+    /// [`MemTransport::network`] with pipes of `pipe_bytes` (at least 1) each way.
+    pub fn network_with(world_size: usize, segment: usize, pipe_bytes: usize) -> Vec<MemTransport> {
+        // pipes[src][dst]
+        let pipes: Vec<Vec<Option<Arc<Pipe>>>> = (0..world_size)
+            .map(|src| {
+                (0..world_size)
+                    .map(|dst| (src != dst).then(|| Arc::new(Pipe::new(pipe_bytes.max(1)))))
+                    .collect()
+            })
+            .collect();
+        let bells: Arc<Vec<Bell>> = Arc::new((0..world_size).map(|_| Bell::default()).collect());
+        (0..world_size)
+            .map(|rank| {
+                let core = Core::new(rank, world_size, segment);
+                MemTransport {
+                    rank,
+                    world_size,
+                    segment: core.segment_bytes(),
+                    bells: Arc::clone(&bells),
+                    inner: Mutex::new(Inner {
+                        core,
+                        out: pipes[rank].clone(),
+                        inp: (0..world_size)
+                            .map(|src| pipes[src][rank].clone())
+                            .collect(),
+                        eof: vec![false; world_size],
+                    }),
+                }
+            })
+            .collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Inner {
+    /// Writes what the core has for `peer` and the pipe takes. Returns whether a byte moved.
+    fn write(
+        &mut self,
+        bells: &[Bell],
+        step: &mut Step,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+        peer: usize,
+    ) -> bool {
+        let Some(pipe) = self.out[peer].clone() else {
+            return false;
+        };
+        let mut moved = false;
+        loop {
+            let parts = self.core.transmit(step, sends, peer);
+            if parts.iter().all(|p| p.is_empty()) {
+                return moved;
+            }
+            match pipe.write(parts) {
+                Ok(0) => return moved,
+                Ok(n) => {
+                    self.core.transmitted(step, sends, peer, n);
+                    bells[peer].ring();
+                    moved = true;
+                }
+                Err(why) => {
+                    // The peer may have said why it left before its end went away.
+                    self.read(bells, step, recvs, on_frame, peer);
+                    self.core.broken(peer, why);
+                    return true;
+                }
+            }
+        }
+    }
+
+    /// Feeds the core what the pipe from `peer` holds. Returns whether a byte moved.
+    fn read(
+        &mut self,
+        bells: &[Bell],
+        step: &mut Step,
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+        peer: usize,
+    ) -> bool {
+        let Some(pipe) = self.inp[peer].clone() else {
+            return false;
+        };
+        let mut moved = false;
+        while !self.eof[peer] {
+            let buf = self.core.read_buf(step, recvs, peer);
+            if buf.is_empty() {
+                break;
+            }
+            match pipe.read(buf) {
+                Read::Bytes(k) => {
+                    self.core.received(step, recvs, peer, k, on_frame);
+                    bells[peer].ring();
+                    moved = true;
+                }
+                Read::Empty => break,
+                Read::Eof => {
+                    self.core.eof(peer);
+                    self.eof[peer] = true;
+                    moved = true;
+                }
+            }
+        }
+        moved
+    }
+
+    /// Hands each peer what it is owed and closes both directions; `goodbye` first queues the
+    /// core's goodbyes (unless aborted). Peers not owed an orderly close see a crash.
+    fn shut(&mut self, bells: &[Bell], goodbye: bool) {
+        if goodbye {
+            self.core.close();
+        }
+        let mut idle = Step::idle();
+        for (peer, bell) in bells.iter().enumerate() {
+            if let Some(out) = self.out[peer].take() {
+                let mut last = Vec::new();
+                if goodbye && self.core.owes_close(peer) {
+                    loop {
+                        let parts = self.core.transmit(&mut idle, &[], peer);
+                        let n: usize = parts.iter().map(|p| p.len()).sum();
+                        if n == 0 {
+                            break;
+                        }
+                        parts.iter().for_each(|p| last.extend_from_slice(p));
+                        self.core.transmitted(&mut idle, &[], peer, n);
+                    }
+                }
+                out.write_last(&last);
+            }
+            if let Some(inp) = self.inp[peer].take() {
+                inp.close_reader();
+            }
+            self.core.disconnect(peer);
+            bell.ring();
+        }
+    }
+}
+
+impl Transport for MemTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn segment_bytes(&self) -> usize {
+        self.segment
+    }
+
+    fn exchange(
+        &self,
+        ctx: &StepCtx,
+        sends: &[Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+        on_frame: &mut OnFrame<'_>,
+    ) -> Result<()> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        let bells = &self.bells[..];
+        let mut step = g.core.begin(*ctx, sends, recvs);
+        loop {
+            let seen = bells[self.rank].count();
+            let mut moved = false;
+            for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+                moved |= g.write(bells, &mut step, sends, recvs, on_frame, peer);
+                moved |= g.read(bells, &mut step, recvs, on_frame, peer);
+            }
+            let now = Instant::now();
+            match g.core.poll(&mut step, sends, recvs, on_frame, now) {
+                Status::Pending { deadline } => {
+                    if !moved {
+                        bells[self.rank].wait(seen, deadline);
+                    }
+                }
+                Status::Done => return g.core.finish(&mut step, sends, now),
+                Status::Failed => {
+                    // What the peers said before the failure decides whom it blames.
+                    for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+                        g.read(bells, &mut step, recvs, on_frame, peer);
+                    }
+                    let r = g.core.finish(&mut step, sends, now);
+                    let mut idle = Step::idle();
+                    for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+                        g.write(bells, &mut idle, &[], &mut [], on_frame, peer);
+                    }
+                    return r;
+                }
+            }
+        }
+    }
+
+    fn probe(&self, peer: usize, tag: u32) -> bool {
+        let mut g = self.lock();
+        if peer >= self.world_size || peer == self.rank {
+            return false;
+        }
+        let mut idle = Step::idle();
+        g.read(&self.bells, &mut idle, &mut [], &mut |_, _, _| Ok(()), peer);
+        g.core.probe(peer, tag)
+    }
+
+    fn abort(&self) {
+        self.lock().core.abort();
+    }
+
+    fn close(&self) {
+        self.lock().shut(&self.bells, true);
+    }
+}
+
+impl Drop for MemTransport {
+    /// A transport dropped without [`Transport::close`] vanishes as a crashed process does:
+    /// its peers see its streams end without a goodbye.
+    fn drop(&mut self) {
+        self.lock().shut(&self.bells, false);
+    }
+}

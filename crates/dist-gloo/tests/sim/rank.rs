@@ -1,0 +1,457 @@
+//! One simulated rank: a protocol core running a planned sequence of steps over the
+//! simulated network, then closing (with a goodbye, or only the abort notices it owes),
+//! lingering until its owed bytes are out; or killed, or stalled, when the seed says so.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use dist_backend::Error;
+use dist_gloo::proto::{Core, Status, Step};
+use dist_gloo::transport::{Incoming, OnFrame, Outgoing, StepCtx};
+use dist_wire::{CollectiveOp, DType};
+
+use crate::net::{Got, Net, Rng};
+
+/// How long every operation may take (virtual time).
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(100);
+/// How long a closed rank keeps delivering what it owes.
+const LINGER: Duration = Duration::from_secs(5);
+
+/// One message of a step, as one side sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct Msg {
+    pub(crate) peer: usize,
+    pub(crate) len: usize,
+    pub(crate) tag: u32,
+    /// The bytes (what is sent, or what must arrive).
+    pub(crate) data: Vec<u8>,
+}
+
+/// One rank's view of one operation.
+#[derive(Debug, Clone)]
+pub(crate) struct OpPlan {
+    pub(crate) op: CollectiveOp,
+    pub(crate) seq: u64,
+    /// Per step: (sends, receives).
+    pub(crate) steps: Vec<(Vec<Msg>, Vec<Msg>)>,
+}
+
+/// How a rank's run ended.
+#[derive(Debug)]
+pub(crate) enum Fate {
+    Running,
+    /// Completed every operation (or left early, as planned) at this time.
+    Done(Duration),
+    /// A step failed with this error at this time, in an operation due by the deadline.
+    Failed {
+        error: Error,
+        at: Duration,
+        deadline: Duration,
+    },
+    Killed,
+    Stalled,
+}
+
+impl std::fmt::Display for Fate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fate::Running => write!(f, "still running"),
+            Fate::Done(at) => write!(f, "done at {at:?}"),
+            Fate::Failed {
+                error,
+                at,
+                deadline,
+            } => write!(f, "failed at {at:?} (deadline {deadline:?}): {error}"),
+            Fate::Killed => write!(f, "killed"),
+            Fate::Stalled => write!(f, "stalled"),
+        }
+    }
+}
+
+struct Cur {
+    step: Step,
+    sends: Vec<Msg>,
+    /// Receive buffers, and the bytes delivered so far to `on_frame`.
+    bufs: Vec<Vec<u8>>,
+    delivered: Vec<usize>,
+}
+
+pub(crate) struct RankSim {
+    pub(crate) rank: usize,
+    core: Core,
+    plan: Vec<OpPlan>,
+    op_i: usize,
+    step_i: usize,
+    op_started: Duration,
+    cur: Option<Cur>,
+    pub(crate) fate: Fate,
+    /// Per peer, while closing: still owed bytes and an orderly FIN.
+    owed: Vec<bool>,
+    linger_until: Option<Duration>,
+    eof: Vec<bool>,
+    pumps: u64,
+    /// The pending step's deadline.
+    pub(crate) deadline: Option<Duration>,
+    /// Faults planned for this rank: dies (with a reset or not) or stalls at its n-th pump;
+    /// leaves (destroys its group) before this operation.
+    pub(crate) kill_at: Option<(u64, bool)>,
+    pub(crate) stall_at: Option<u64>,
+    pub(crate) leave_before: Option<usize>,
+    /// A completed step delivered wrong data.
+    pub(crate) violation: Option<String>,
+}
+
+impl RankSim {
+    pub(crate) fn new(rank: usize, n: usize, seg: usize, plan: Vec<OpPlan>) -> Self {
+        RankSim {
+            rank,
+            core: Core::new(rank, n, seg),
+            plan,
+            op_i: 0,
+            step_i: 0,
+            op_started: Duration::ZERO,
+            cur: None,
+            fate: Fate::Running,
+            owed: vec![false; n],
+            linger_until: None,
+            eof: vec![false; n],
+            pumps: 0,
+            deadline: None,
+            kill_at: None,
+            stall_at: None,
+            leave_before: None,
+            violation: None,
+        }
+    }
+
+    /// Whether it still has work: running, or closing with bytes owed.
+    pub(crate) fn busy(&self) -> bool {
+        matches!(self.fate, Fate::Running) || self.owed.iter().any(|&o| o)
+    }
+
+    /// When it next needs the time to move: its step's deadline, or the end of its linger.
+    pub(crate) fn wake_at(&self) -> Option<Duration> {
+        match self.fate {
+            Fate::Running => self.deadline,
+            Fate::Done(_) | Fate::Failed { .. } if self.owed.iter().any(|&o| o) => {
+                self.linger_until
+            }
+            _ => None,
+        }
+    }
+
+    /// Moves whatever can move at `now`. Returns whether anything did.
+    pub(crate) fn pump(
+        &mut self,
+        net: &mut Net,
+        rng: &mut Rng,
+        base: Instant,
+        now: Duration,
+    ) -> bool {
+        self.pumps += 1;
+        if matches!(self.fate, Fate::Running) {
+            if self.kill_at.is_some_and(|(at, _)| self.pumps >= at) {
+                net.kill(self.rank, self.kill_at.is_some_and(|(_, reset)| reset));
+                self.fate = Fate::Killed;
+                self.owed.fill(false);
+                return true;
+            }
+            if self.stall_at.is_some_and(|at| self.pumps >= at) {
+                self.fate = Fate::Stalled;
+                return true;
+            }
+        }
+        match self.fate {
+            Fate::Running => self.run(net, rng, base, now),
+            Fate::Done(_) | Fate::Failed { .. } => self.linger(net, rng, now),
+            Fate::Killed | Fate::Stalled => false,
+        }
+    }
+
+    fn run(&mut self, net: &mut Net, rng: &mut Rng, base: Instant, now: Duration) -> bool {
+        if self.cur.is_none() {
+            if self.leave_before == Some(self.op_i) || self.op_i == self.plan.len() {
+                self.core.close();
+                self.fate = Fate::Done(now);
+                self.begin_close(net, now);
+                return true;
+            }
+            let op = &self.plan[self.op_i];
+            if self.step_i == 0 {
+                self.op_started = now;
+            }
+            let (sends, recvs) = op.steps[self.step_i].clone();
+            let ctx = self.ctx(base);
+            let outs: Vec<Outgoing<'_>> = outgoing(&sends);
+            let mut bufs: Vec<Vec<u8>> = recvs.iter().map(|m| vec![0xEE; m.len]).collect();
+            let ins = incoming(&recvs, &mut bufs);
+            let step = self.core.begin(ctx, &outs, &ins);
+            drop(ins);
+            self.cur = Some(Cur {
+                step,
+                sends,
+                bufs,
+                delivered: vec![0; recvs.len()],
+            });
+        }
+        let rank = self.rank;
+        let recv_plan = &self.plan[self.op_i].steps[self.step_i].1;
+        let Cur {
+            step,
+            sends,
+            bufs,
+            delivered,
+        } = self.cur.as_mut().expect("set above");
+        let outs = outgoing(sends);
+        let mut ins = incoming(recv_plan, bufs);
+        let mut on_frame = |i: usize, r: Range<usize>, _: &[u8]| -> dist_backend::Result<()> {
+            if r.start != delivered[i] {
+                return Err(Error::invalid(
+                    rank,
+                    "sim",
+                    format!(
+                        "receive {i}: frame {r:?} delivered after {} bytes",
+                        delivered[i]
+                    ),
+                ));
+            }
+            delivered[i] = r.end;
+            Ok(())
+        };
+        let mut moved = false;
+        for p in peers_in_random_order(rng, self.eof.len(), rank) {
+            loop {
+                let parts = self.core.transmit(step, &outs, p);
+                if parts.iter().all(|x| x.is_empty()) {
+                    break;
+                }
+                match net.write(rng, now, rank, p, parts) {
+                    Ok(0) => break,
+                    Ok(k) => {
+                        self.core.transmitted(step, &outs, p, k);
+                        moved = true;
+                    }
+                    Err(why) => {
+                        read_from(
+                            &mut self.core,
+                            net,
+                            rng,
+                            step,
+                            &mut ins,
+                            &mut on_frame,
+                            &mut self.eof,
+                            rank,
+                            p,
+                        );
+                        self.core.broken(p, why);
+                        moved = true;
+                        break;
+                    }
+                }
+            }
+            moved |= read_from(
+                &mut self.core,
+                net,
+                rng,
+                step,
+                &mut ins,
+                &mut on_frame,
+                &mut self.eof,
+                rank,
+                p,
+            );
+        }
+        let at = base + now;
+        match self.core.poll(step, &outs, &mut ins, &mut on_frame, at) {
+            Status::Pending { deadline } => {
+                self.deadline = Some(deadline - base);
+                moved
+            }
+            Status::Done => {
+                if let Err(e) = self.core.finish(step, &outs, at) {
+                    self.violation = Some(format!("a step that was done failed: {e}"));
+                }
+                drop(ins);
+                for (i, m) in recv_plan.iter().enumerate() {
+                    if bufs[i] != m.data || delivered[i] != m.len {
+                        self.violation = Some(format!(
+                            "rank {rank} op {} step {}: message {i} from rank {} arrived wrong ({} of {} bytes delivered)",
+                            self.op_i, self.step_i, m.peer, delivered[i], m.len
+                        ));
+                    }
+                }
+                self.cur = None;
+                self.deadline = None;
+                self.step_i += 1;
+                if self.step_i == self.plan[self.op_i].steps.len() {
+                    self.step_i = 0;
+                    self.op_i += 1;
+                }
+                true
+            }
+            Status::Failed => {
+                for p in (0..self.eof.len()).filter(|&p| p != rank) {
+                    read_from(
+                        &mut self.core,
+                        net,
+                        rng,
+                        step,
+                        &mut ins,
+                        &mut on_frame,
+                        &mut self.eof,
+                        rank,
+                        p,
+                    );
+                }
+                let error = match self.core.finish(step, &outs, at) {
+                    Err(e) => e,
+                    Ok(()) => Error::invalid(rank, "sim", "a failed step finished Ok"),
+                };
+                drop(ins);
+                self.cur = None;
+                self.fate = Fate::Failed {
+                    error,
+                    at: now,
+                    deadline: self.op_started + TIMEOUT,
+                };
+                self.core.close();
+                self.begin_close(net, now);
+                true
+            }
+        }
+    }
+
+    fn ctx(&self, base: Instant) -> StepCtx {
+        let op = &self.plan[self.op_i];
+        StepCtx::started_at(
+            self.rank,
+            7,
+            op.op,
+            op.seq,
+            DType::U8,
+            base + self.op_started,
+            TIMEOUT,
+        )
+    }
+
+    fn begin_close(&mut self, net: &mut Net, now: Duration) {
+        for p in (0..self.owed.len()).filter(|&p| p != self.rank) {
+            self.owed[p] = self.core.owes_close(p);
+            if !self.owed[p] {
+                net.fin(self.rank, p);
+            }
+        }
+        self.linger_until = Some(now + LINGER);
+    }
+
+    /// Closed: delivers what it owes each peer, then closes the stream in order; reads and
+    /// drops whatever arrives meanwhile.
+    fn linger(&mut self, net: &mut Net, rng: &mut Rng, now: Duration) -> bool {
+        net.discard_input(self.rank);
+        let expired = self.linger_until.is_some_and(|t| now >= t);
+        let mut idle = Step::idle();
+        let mut moved = false;
+        for p in 0..self.owed.len() {
+            if !self.owed[p] {
+                continue;
+            }
+            loop {
+                let parts = self.core.transmit(&mut idle, &[], p);
+                if parts.iter().all(|x| x.is_empty()) || expired {
+                    self.owed[p] = false;
+                    net.fin(self.rank, p);
+                    moved = true;
+                    break;
+                }
+                match net.write(rng, now, self.rank, p, parts) {
+                    Ok(0) => break,
+                    Ok(k) => {
+                        self.core.transmitted(&mut idle, &[], p, k);
+                        moved = true;
+                    }
+                    Err(_) => {
+                        self.owed[p] = false;
+                        moved = true;
+                        break;
+                    }
+                }
+            }
+        }
+        moved
+    }
+}
+
+fn outgoing(sends: &[Msg]) -> Vec<Outgoing<'_>> {
+    sends
+        .iter()
+        .map(|m| Outgoing {
+            peer: m.peer,
+            data: &m.data,
+            count: m.len as u64,
+            tag: m.tag,
+        })
+        .collect()
+}
+
+fn incoming<'a>(plan: &[Msg], bufs: &'a mut [Vec<u8>]) -> Vec<Incoming<'a>> {
+    plan.iter()
+        .zip(bufs.iter_mut())
+        .map(|(m, b)| Incoming {
+            peer: m.peer,
+            buf: b,
+            count: m.len as u64,
+            tag: m.tag,
+        })
+        .collect()
+}
+
+fn peers_in_random_order(rng: &mut Rng, n: usize, me: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).filter(|&p| p != me).collect();
+    for i in (1..v.len()).rev() {
+        v.swap(i, rng.range(0, i));
+    }
+    v
+}
+
+/// Feeds the core what has arrived from `p`. Returns whether anything moved.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the pieces of one rank, borrowed apart"
+)]
+fn read_from(
+    core: &mut Core,
+    net: &mut Net,
+    rng: &mut Rng,
+    step: &mut Step,
+    ins: &mut [Incoming<'_>],
+    on_frame: &mut OnFrame<'_>,
+    eof: &mut [bool],
+    me: usize,
+    p: usize,
+) -> bool {
+    let mut moved = false;
+    while !eof[p] {
+        let buf = core.read_buf(step, ins, p);
+        if buf.is_empty() {
+            break;
+        }
+        match net.read(rng, p, me, buf) {
+            Got::Bytes(k) => {
+                core.received(step, ins, p, k, on_frame);
+                moved = true;
+            }
+            Got::Empty => break,
+            Got::Eof => {
+                core.eof(p);
+                eof[p] = true;
+                moved = true;
+            }
+            Got::Error(why) => {
+                core.broken(p, why);
+                eof[p] = true;
+                moved = true;
+            }
+        }
+    }
+    moved
+}
