@@ -65,7 +65,9 @@ impl GlooOptions {
     /// `DIST_GLOO_EAGER_ROOT` ([`GlooOptions::lazy_root_verification`]),
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
     /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning), `DIST_GLOO_CMA`
-    /// (`0` turns single-copy transfers between local ranks off) and `DIST_GLOO_CMA_MIN_BYTES`.
+    /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
+    /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
+    /// `DIST_GLOO_BUSY_SPIN_NS` and `DIST_GLOO_SHM_RING_BYTES`.
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -88,6 +90,18 @@ impl GlooOptions {
         }
         if let Some(v) = var("DIST_GLOO_CMA_MIN_BYTES") {
             o.mesh.cross_memory_min_bytes = v;
+        }
+        if let Ok(v) = std::env::var("DIST_GLOO_TRANSPORT") {
+            match v.parse() {
+                Ok(mode) => o.mesh.transport = mode,
+                Err(why) => o.mesh.transport_error = Some(why),
+            }
+        }
+        if let Some(v) = var("DIST_GLOO_BUSY_SPIN_NS") {
+            o.mesh.busy_spin = Some(std::time::Duration::from_nanos(v as u64));
+        }
+        if let Some(v) = var("DIST_GLOO_SHM_RING_BYTES") {
+            o.mesh.shm_ring_bytes = v;
         }
         o
     }
@@ -213,6 +227,12 @@ impl GlooBackend {
     /// memory with in practice (tests check that ranks on different hosts never do).
     pub fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         self.transport.messages_by_reference_per_peer()
+    }
+
+    /// The peers this rank reaches through shared-memory rings rather than sockets (indexed by
+    /// rank; see [`MeshOptions::transport`]): for tests and diagnostics.
+    pub fn shared_memory_peers(&self) -> Vec<bool> {
+        self.transport.shared_memory_peers()
     }
 
     /// `world_size` backends connected in memory, one per rank: the real algorithms with no

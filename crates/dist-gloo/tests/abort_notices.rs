@@ -280,6 +280,19 @@ fn every_survivor_names_the_killed_rank(env: &[(&str, &str)]) {
             assert_eq!(line, "READY", "rank {rank} failed before the kill");
             ready += 1;
         }
+        // Shared memory is the default between processes of one host.
+        let shm = !env.contains(&("DIST_GLOO_TRANSPORT", "tcp"));
+        for (rank, w) in workers.0.iter().enumerate() {
+            let (memfd, named) = shared_mappings(w.id());
+            assert_eq!(
+                memfd, shm,
+                "rank {rank} maps a shared-memory segment: {memfd}"
+            );
+            assert!(
+                named.is_empty(),
+                "rank {rank} maps named shared memory: {named:?}"
+            );
+        }
         workers.0[victim].kill().expect("kill the victim");
         let _ = workers.0[victim].wait();
         let survivors: Vec<usize> = (0..world).filter(|&r| r != victim).collect();
@@ -294,9 +307,50 @@ fn every_survivor_names_the_killed_rank(env: &[(&str, &str)]) {
     }
 }
 
+/// Whether process `pid` maps a dist-gloo `memfd` segment, and the `/dev/shm` files it maps
+/// (which would outlive a `kill -9`; there must be none).
+fn shared_mappings(pid: u32) -> (bool, Vec<String>) {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("read maps");
+    let memfd = maps.contains("/memfd:dist-gloo-shm");
+    let named = maps
+        .lines()
+        .filter(|l| l.contains("/dev/shm/"))
+        .map(str::to_string)
+        .collect();
+    (memfd, named)
+}
+
+/// `/dev/shm` as it is now.
+fn dev_shm() -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 #[test]
 fn after_a_kill_every_survivor_names_the_dead_rank_on_plain_tcp() {
-    every_survivor_names_the_killed_rank(&[("DIST_GLOO_CMA", "0")]);
+    every_survivor_names_the_killed_rank(&[("DIST_GLOO_CMA", "0"), ("DIST_GLOO_TRANSPORT", "tcp")]);
+}
+
+/// Every frame through the rings; the survivors learn of the death from the doorbell
+/// connection's end, and the segments (memfds, never named) leave nothing in `/dev/shm`.
+#[test]
+fn after_a_kill_every_survivor_names_the_dead_rank_over_shared_memory() {
+    let before = dev_shm();
+    every_survivor_names_the_killed_rank(&[("DIST_GLOO_CMA", "0"), ("DIST_GLOO_TRANSPORT", "shm")]);
+    every_survivor_names_the_killed_rank(&[("DIST_GLOO_TRANSPORT", "shm")]);
+    // Other programs on the machine may come and go in /dev/shm: ours would carry the name
+    // of the segment.
+    let left: Vec<String> = dev_shm()
+        .difference(&before)
+        .filter(|n| n.contains("dist"))
+        .cloned()
+        .collect();
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }
 
 #[test]

@@ -16,6 +16,7 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use dist_backend::{Backend, BufMut, BufRef, Error, OpOptions};
+use dist_gloo::transport::shm::TransportMode;
 use dist_gloo::transport::tcp::cross_memory_available;
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{CollectiveOp, DType, ReduceOp};
@@ -262,11 +263,12 @@ fn over(driver: &str, make: MakeTransports, n: usize) {
     check_movement(&ranks);
     check_p2p(&ranks);
     // Threads of one process read each other wherever the system call is allowed: then the
-    // big counts went single-copy (only TCP offers by reference).
+    // big counts went single-copy (only the TCP mesh, over sockets or rings, offers by
+    // reference).
     let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
     assert_eq!(
         by_ref > 0,
-        driver == "tcp" && n > 1 && cross_memory_available(),
+        driver != "mem" && n > 1 && cross_memory_available(),
         "{driver} ws {n}: {by_ref} messages sent by reference"
     );
 }
@@ -276,6 +278,46 @@ fn over_every_driver(n: usize) {
     for &(driver, make) in DRIVERS {
         over(driver, make, n);
     }
+}
+
+/// Ranks playing two hosts in one process (host ids a, a, b, b, a): rings within each host,
+/// sockets between them, in one group, and every check passes across the mix.
+#[test]
+fn a_mixed_group_uses_shared_memory_within_a_host_and_tcp_between_hosts() {
+    let hosts = ["a", "a", "b", "b", "a"];
+    let ranks = tcp_world_with(hosts.len(), |r| {
+        let mut o = gloo_opts();
+        o.mesh.host_id = Some(hosts[r].to_string());
+        o
+    });
+    for b in &ranks {
+        let me = b.rank();
+        let want: Vec<bool> = (0..hosts.len())
+            .map(|p| p != me && hosts[p] == hosts[me])
+            .collect();
+        assert_eq!(b.shared_memory_peers(), want, "rank {me}");
+    }
+    check_all_reduce(&ranks);
+    check_movement(&ranks);
+    check_p2p(&ranks);
+}
+
+/// Every byte through the rings, the large counts included.
+#[test]
+fn world_size_3_over_shm_without_cross_memory() {
+    let mut o = gloo_opts();
+    o.mesh.transport = TransportMode::Shm;
+    o.mesh.cross_memory = false;
+    let ranks = tcp_world(3, &o);
+    for b in &ranks {
+        let want: Vec<bool> = (0..3).map(|p| p != b.rank()).collect();
+        assert_eq!(b.shared_memory_peers(), want);
+    }
+    check_all_reduce(&ranks);
+    check_movement(&ranks);
+    check_p2p(&ranks);
+    let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
+    assert_eq!(by_ref, 0, "every byte must have gone through the rings");
 }
 
 /// A rank that opts out of single-copy transfers neither sends nor is sent anything by

@@ -132,8 +132,10 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
     let (done_tx, done_rx) = mpsc::channel::<u32>();
     let mut ranks = Vec::new();
     let mut readers = 0;
+    let cpus = crate::bind::plan(a.job.nproc_per_node as usize);
     for local_rank in 0..a.job.nproc_per_node {
-        match spawn(a, local_rank, &done_tx) {
+        let share = cpus.as_ref().map(|c| c[local_rank as usize].as_slice());
+        match spawn(a, local_rank, share, &done_tx) {
             Ok((r, n)) => {
                 ranks.push(r);
                 readers += n;
@@ -238,10 +240,12 @@ fn drain(done: &mpsc::Receiver<u32>, left: &mut usize) {
 }
 
 /// Starts local rank `local_rank`: its own process group, torchrun's environment, and two
-/// threads pumping its stdout and stderr. Returns the rank and its number of reader threads.
+/// threads pumping its stdout and stderr, bound to `cpus` when given (see [`crate::bind`]).
+/// Returns the rank and its number of reader threads.
 fn spawn(
     a: &Attempt<'_>,
     local_rank: u32,
+    cpus: Option<&[usize]>,
     done: &mpsc::Sender<u32>,
 ) -> Result<(Rank, usize), String> {
     let rank = a.job.rank(local_rank);
@@ -257,13 +261,27 @@ fn spawn(
         .process_group(0);
     #[cfg(target_os = "linux")]
     {
-        // SAFETY: the closure runs in the child between fork and exec, and only calls `prctl`
-        // and `getppid`, which are async-signal-safe and allocate nothing.
+        // SAFETY: an all-zero `cpu_set_t` is the empty set; `CPU_SET` ignores CPUs past the
+        // set's size.
+        let set = cpus.map(|cpus| unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for &c in cpus {
+                libc::CPU_SET(c, &mut set);
+            }
+            set
+        });
+        // SAFETY: the closure runs in the child between fork and exec, and only calls `prctl`,
+        // `sched_setaffinity` (on a set built before the fork) and `getppid`, which are
+        // async-signal-safe and allocate nothing.
         unsafe {
             let parent = libc::getpid();
             cmd.pre_exec(move || {
                 // Die with distrun, even if it is SIGKILLed.
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // Best effort: a rank that cannot be bound runs unbound.
+                if let Some(set) = &set {
+                    libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), set);
+                }
                 if libc::getppid() != parent {
                     libc::_exit(137);
                 }

@@ -42,11 +42,12 @@
 // `unsafe` is allowed only at the few libc calls that have no safe wrapper.
 #![deny(unsafe_code)]
 mod agents;
+mod bind;
 mod cli;
 mod env;
 #[allow(
     unsafe_code,
-    reason = "pre_exec for PR_SET_PDEATHSIG, with a SAFETY comment"
+    reason = "pre_exec for PR_SET_PDEATHSIG and the CPU binding, with SAFETY comments"
 )]
 mod group;
 #[allow(

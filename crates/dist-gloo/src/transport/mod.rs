@@ -8,8 +8,8 @@
 //!
 //! Algorithms know nothing of sockets: [`tcp::TcpTransport`] runs them over a full TCP mesh and
 //! [`mem::MemTransport`] over bounded in-memory byte pipes (for tests), the latter by driving
-//! the sans-IO peer protocol in [`crate::proto`]; a shared-memory transport can be added
-//! without touching them.
+//! the sans-IO peer protocol in [`crate::proto`]; between ranks on one host the TCP mesh
+//! carries its frames through shared-memory rings instead ([`shm`]).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -18,6 +18,7 @@ use dist_backend::{Error, OpDesc, Result};
 use dist_wire::{CloseReason, CollectiveOp, DType, FrameHeader, NO_ROOT};
 
 pub mod mem;
+pub mod shm;
 pub mod tcp;
 
 /// Frames per segment: Gloo's `kMaxSegmentSize`.
@@ -213,6 +214,11 @@ pub trait Transport: Send + Sync {
     /// process's memory (0 for transports that never do).
     fn messages_by_reference(&self) -> u64 {
         self.messages_by_reference_per_peer().iter().sum()
+    }
+    /// The peers whose frames travel through shared memory rather than sockets (indexed by
+    /// rank; all false for transports that never use it).
+    fn shared_memory_peers(&self) -> Vec<bool> {
+        vec![false; self.world_size()]
     }
     /// [`Transport::messages_by_reference`] split by the receiving peer (indexed by rank;
     /// all zero for transports that never send by reference).

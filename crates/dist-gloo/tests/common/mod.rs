@@ -12,6 +12,7 @@ use std::time::Duration;
 use dist_backend::store::HashStore;
 use dist_gloo::transport::Transport;
 use dist_gloo::transport::mem::MemTransport;
+use dist_gloo::transport::shm::TransportMode;
 use dist_gloo::transport::tcp::TcpTransport;
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
@@ -47,7 +48,38 @@ pub fn tcp_world_with(n: usize, opts: impl Fn(usize) -> GlooOptions + Sync) -> V
 pub type MakeTransports = fn(usize, &GlooOptions) -> Vec<Box<dyn Transport>>;
 
 /// The drivers under the conformance suite, by name. A new transport adds its line here.
-pub const DRIVERS: &[(&str, MakeTransports)] = &[("tcp", tcp_transports), ("mem", mem_transports)];
+pub const DRIVERS: &[(&str, MakeTransports)] = &[
+    ("tcp", tcp_only_transports),
+    ("shm", shm_transports),
+    ("mem", mem_transports),
+];
+
+/// `opts` with every pair on `mode`.
+fn with_mode(opts: &GlooOptions, mode: TransportMode) -> GlooOptions {
+    let mut o = opts.clone();
+    o.mesh.transport = mode;
+    o
+}
+
+/// [`tcp_transports`] with every pair on sockets.
+pub fn tcp_only_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
+    tcp_transports(n, &with_mode(opts, TransportMode::Tcp))
+}
+
+/// [`tcp_transports`] with every pair on shared-memory rings (checked).
+pub fn shm_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
+    let ts = tcp_transports(n, &with_mode(opts, TransportMode::Shm));
+    for t in &ts {
+        let want: Vec<bool> = (0..n).map(|p| p != t.rank()).collect();
+        assert_eq!(
+            t.shared_memory_peers(),
+            want,
+            "rank {} uses rings",
+            t.rank()
+        );
+    }
+    ts
+}
 
 /// `n` TCP transports over loopback, connected through an in-process store.
 pub fn tcp_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {

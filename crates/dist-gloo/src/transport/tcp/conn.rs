@@ -4,6 +4,8 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 
+use super::link::Link;
+use crate::transport::shm::{Rings, link::ShmLink};
 use dist_wire::{
     CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef, WireError,
 };
@@ -49,7 +51,8 @@ pub(super) enum Io<T> {
 
 #[derive(Debug)]
 pub(super) struct Conn {
-    pub(super) stream: mio::net::TcpStream,
+    /// The peer's byte stream: the TCP connection, or shared-memory rings.
+    pub(super) link: Link,
     staging: Box<[u8]>,
     start: usize,
     end: usize,
@@ -72,7 +75,7 @@ pub(super) struct Conn {
 impl Conn {
     pub(super) fn new(stream: mio::net::TcpStream) -> Self {
         Conn {
-            stream,
+            link: Link::Tcp(stream),
             staging: vec![0u8; STAGING].into_boxed_slice(),
             start: 0,
             end: 0,
@@ -102,8 +105,12 @@ impl Conn {
             self.end -= self.start;
             self.start = 0;
         }
+        // A socket is read for all it has (one system call for many small frames); a ring
+        // only for what is needed, so that a payload that follows is copied straight into its
+        // destination by `read_payload` rather than through the staging buffer.
+        let room = if self.is_shm() { n } else { STAGING };
         while self.end < n {
-            match self.stream.read(&mut self.staging[self.end..]) {
+            match self.link.read(&mut self.staging[self.end..room]) {
                 Ok(0) => return Ok(Io::Ready(false)),
                 Ok(k) => self.end += k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Io::WouldBlock),
@@ -174,9 +181,10 @@ impl Conn {
             return Ok(Io::Ready(0));
         }
         if self.staged() == 0 {
-            if dst.len() >= STAGING / 2 {
+            // A ring is read straight into `dst` at any size (see `fill`).
+            if dst.len() >= STAGING / 2 || self.is_shm() {
                 return loop {
-                    match self.stream.read(dst) {
+                    match self.link.read(dst) {
                         Ok(k) => break Ok(Io::Ready(k)),
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             break Ok(Io::WouldBlock);
@@ -340,10 +348,25 @@ impl Conn {
         self.notified = true;
     }
 
-    /// The stream and the bytes queued for it but not yet written (when closing).
-    pub(super) fn into_parts(self) -> (mio::net::TcpStream, Vec<u8>) {
+    /// Moves the peer's frames onto shared-memory `rings`, keeping the connection as their
+    /// doorbell (when the mesh is built, before any frame).
+    pub(super) fn use_rings(mut self, rings: Rings) -> Self {
+        self.link = match self.link {
+            Link::Tcp(stream) => Link::Shm(Box::new(ShmLink::new(stream, rings))),
+            shm @ Link::Shm(_) => shm,
+        };
+        self
+    }
+
+    /// Whether the peer's frames travel through shared memory.
+    pub(super) fn is_shm(&self) -> bool {
+        matches!(self.link, Link::Shm(_))
+    }
+
+    /// The link and the bytes queued for it but not yet written (when closing).
+    pub(super) fn into_parts(self) -> (Link, Vec<u8>) {
         let pending = self.out[self.out_done..].to_vec();
-        (self.stream, pending)
+        (self.link, pending)
     }
 
     /// Whether acknowledgements wait to be written.
@@ -359,7 +382,7 @@ impl Conn {
     /// Writes queued acknowledgements. `Ok(true)` when none is left.
     pub(super) fn flush_out(&mut self) -> io::Result<bool> {
         while self.has_out() {
-            match self.stream.write(&self.out[self.out_done..]) {
+            match self.link.write(&self.out[self.out_done..]) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(k) => self.out_done += k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),

@@ -60,6 +60,8 @@ pub(super) struct Engine {
     /// How long to keep retrying before sleeping in the poller: waking a sleeping process costs
     /// more than the whole of a small message's round trip.
     pub(super) spin: Duration,
+    /// The first part of `spin`, busy-waiting without yielding the core.
+    pub(super) busy_spin: Duration,
     /// Single-copy transfers with the peers on this host, when they are possible.
     pub(super) cma: Option<Cma>,
     /// How long closing waits for each peer to close its end (the group's timeout).
@@ -264,6 +266,7 @@ impl Engine {
             done: false,
         }));
         let mut spin_until: Option<Instant> = None;
+        let mut idle_since: Option<Instant> = None;
         loop {
             let mut progress = false;
             let mut pending = false;
@@ -320,6 +323,7 @@ impl Engine {
             }
             if progress {
                 spin_until = None;
+                idle_since = None;
                 continue;
             }
             let now = Instant::now();
@@ -349,7 +353,15 @@ impl Engine {
             }
             let until = *spin_until.get_or_insert(dist_backend::deadline_after(now, self.spin));
             if now < until {
-                std::thread::yield_now();
+                // A CPU spin first (see `MeshOptions::busy_spin`): a peer on another core
+                // answers through shared memory within a microsecond, while a yield on a busy
+                // host may hand the core to another process for a whole time slice. Then
+                // yields, which let a peer that shares this core run.
+                if now.duration_since(*idle_since.get_or_insert(now)) < self.busy_spin {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
                 continue;
             }
             self.wait(ctx, recvs, rx, ctx.deadline - now)?;
@@ -367,7 +379,17 @@ impl Engine {
     ) -> Result<()> {
         // Cap each sleep so a lost wake-up can only cost latency, never a hang.
         let timeout = timeout.min(Duration::from_millis(100));
-        if let Err(e) = self.poll.poll(&mut self.events, Some(timeout))
+        // Shared-memory links say they sleep first, then look once more (no wake-up lost);
+        // one that changed meanwhile is treated as a poller event, without sleeping.
+        let awake = self.arm_links();
+        let polled = if awake.is_empty() {
+            self.poll.poll(&mut self.events, Some(timeout))
+        } else {
+            self.events.clear();
+            Ok(())
+        };
+        self.disarm_links();
+        if let Err(e) = polled
             && e.kind() != io::ErrorKind::Interrupted
         {
             return Err(Error::Io {
@@ -376,7 +398,8 @@ impl Engine {
                 source: e,
             });
         }
-        let ready: Vec<usize> = self.events.iter().map(|ev| ev.token().0).collect();
+        let mut ready: Vec<usize> = self.events.iter().map(|ev| ev.token().0).collect();
+        ready.extend(awake);
         for peer in ready {
             let receiving = recvs.iter().zip(rx).any(|(r, s)| r.peer == peer && !s.done);
             if receiving {
@@ -399,6 +422,32 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Arms every shared-memory link before a sleep (see `Link::arm`): the peers whose link
+    /// changed meanwhile (then the engine must not sleep). A link whose rings are corrupt is
+    /// lost.
+    fn arm_links(&mut self) -> Vec<usize> {
+        let mut awake = Vec::new();
+        for (peer, c) in self.conns.iter_mut().enumerate() {
+            let Some(c) = c else { continue };
+            match c.link.arm() {
+                Ok(false) => {}
+                Ok(true) => awake.push(peer),
+                Err(e) => {
+                    c.broken(&e);
+                    awake.push(peer);
+                }
+            }
+        }
+        awake
+    }
+
+    /// Lowers what [`Engine::arm_links`] raised.
+    fn disarm_links(&mut self) {
+        for c in self.conns.iter_mut().flatten() {
+            c.link.disarm();
+        }
     }
 
     /// For a message sent by reference and fully written: checks for the peer's
@@ -475,7 +524,7 @@ impl Engine {
             };
             let body_len = if st.by_ref { PAYLOAD_REF_LEN } else { r.len() };
             let bufs = [IoSlice::new(&st.hdr[st.hdr_done..]), IoSlice::new(body)];
-            match c.stream.write_vectored(&bufs) {
+            match c.link.write_vectored(&bufs) {
                 Ok(0) => {
                     c.lose("the connection accepts no more bytes".into());
                     return Err(lost_or_left(ctx, s.peer, &c.state));
@@ -742,21 +791,13 @@ impl Engine {
             } else {
                 matches!(c.state, PeerState::Open | PeerState::Left)
             };
-            let (mut stream, pending) = c.into_parts();
-            let _ = self.poll.registry().deregister(&mut stream);
-            let mut stream = std::net::TcpStream::from(stream);
+            let (mut link, pending) = c.into_parts();
+            let _ = self.poll.registry().deregister(link.stream_mut());
             if !say_bye {
                 continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            let said = stream
-                .set_nonblocking(false)
-                .and_then(|()| stream.set_write_timeout(Some(left.max(Duration::from_millis(1)))))
-                .and_then(|()| stream.write_all(&pending))
-                .and_then(|()| stream.write_all(&bye))
-                .and_then(|()| stream.shutdown(std::net::Shutdown::Write));
-            match said {
-                Ok(()) => streams.push((peer, stream)),
+            match link.finish(&pending, &bye, deadline) {
+                Ok(stream) => streams.push((peer, stream)),
                 Err(e) => {
                     tracing::debug!(rank, peer, error = %e, "could not say goodbye to a peer");
                 }

@@ -10,6 +10,7 @@ use mio::{Interest, Poll, Token};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 use super::conn::Conn;
+use crate::transport::shm::TransportMode;
 
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"DSTH");
 
@@ -24,6 +25,14 @@ pub struct MeshOptions {
     pub segment_bytes: usize,
     /// Busy-poll time before sleeping.
     pub spin: Duration,
+    /// The first part of `spin` that does not even yield the core; `None` picks the whole of
+    /// `spin` when this host's ranks of the group (those reached through shared memory, and
+    /// this one) are no more than its CPUs, else zero. Open MPI polls the same way when not
+    /// oversubscribed: a yield on a core shared with a busy process hands it over for a whole
+    /// time slice (a 1 MiB all_gather on 2 ranks bound to the 2 cores of a loaded host took
+    /// 2.7 ms yielding after 2 us, 0.13 ms never yielding), while spinning on a core a peer
+    /// needs only delays the peer.
+    pub busy_spin: Option<Duration>,
     /// Kernel socket buffer sizes; `None` keeps Linux's autotuning.
     pub socket_buffer: Option<usize>,
     /// Copy large collective messages between ranks on one host straight out of the sender's
@@ -32,6 +41,18 @@ pub struct MeshOptions {
     pub cross_memory: bool,
     /// Smallest message sent that way.
     pub cross_memory_min_bytes: usize,
+    /// Shared-memory rings between ranks on one host, TCP between hosts, or one of the two
+    /// for every pair (see [`crate::transport::shm`]).
+    pub transport: TransportMode,
+    /// Data bytes of each shared-memory ring (rounded up to a power of two).
+    pub shm_ring_bytes: usize,
+    /// Overrides the host id that decides which ranks share memory
+    /// ([`crate::transport::shm::host_id`]); for tests that play several hosts in one
+    /// process. Ranks with different ids never use shared memory between them.
+    pub host_id: Option<String>,
+    /// An unreadable `DIST_GLOO_TRANSPORT` seen by `GlooOptions::from_env`, reported when
+    /// the mesh is built.
+    pub(crate) transport_error: Option<String>,
 }
 
 impl Default for MeshOptions {
@@ -41,9 +62,14 @@ impl Default for MeshOptions {
             timeout: Duration::from_secs(300),
             segment_bytes: crate::transport::DEFAULT_SEGMENT_BYTES,
             spin: Duration::from_micros(50),
+            busy_spin: None,
             socket_buffer: None,
             cross_memory: true,
             cross_memory_min_bytes: 256 << 10,
+            transport: TransportMode::Auto,
+            shm_ring_bytes: crate::transport::shm::DEFAULT_RING_BYTES,
+            host_id: None,
+            transport_error: None,
         }
     }
 }

@@ -4,6 +4,7 @@ mod cma;
 mod conn;
 mod engine;
 mod linger;
+mod link;
 mod mesh;
 
 use std::sync::Mutex;
@@ -16,7 +17,7 @@ pub use dist_backend::net::{local_ip, local_ip_with};
 pub use mesh::MeshOptions;
 pub(crate) use mesh::group_id;
 
-use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
+use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, shm};
 use engine::Engine;
 
 /// A full TCP mesh between the ranks of one group.
@@ -38,7 +39,35 @@ impl TcpTransport {
         world_size: usize,
         opts: &MeshOptions,
     ) -> Result<Self> {
-        let (poll, conns) = mesh::build(store, prefix, rank, world_size, opts)?;
+        if let Some(why) = &opts.transport_error {
+            return Err(dist_backend::Error::invalid(rank, "connect", why.clone()));
+        }
+        let (poll, mut conns) = mesh::build(store, prefix, rank, world_size, opts)?;
+        let rings = shm::negotiate(
+            store,
+            prefix,
+            rank,
+            world_size,
+            &shm::ShmOptions {
+                mode: opts.transport,
+                host_id: opts.host_id.clone(),
+                ring_bytes: opts.shm_ring_bytes,
+            },
+        )?;
+        let mut local_ranks = 1;
+        for (slot, rings) in conns.iter_mut().zip(rings) {
+            if let Some(rings) = rings {
+                *slot = slot.take().map(|c| c.use_rings(rings));
+                local_ranks += 1;
+            }
+        }
+        let busy_spin = opts.busy_spin.unwrap_or_else(|| {
+            if local_ranks > 1 && shm::online_cpus().is_some_and(|n| local_ranks <= n) {
+                opts.spin
+            } else {
+                Duration::ZERO
+            }
+        });
         let cma = cma::Cma::negotiate(
             store,
             prefix,
@@ -56,6 +85,7 @@ impl TcpTransport {
                 events: mio::Events::with_capacity(64),
                 conns,
                 spin: opts.spin,
+                busy_spin,
                 cma,
                 linger: opts.timeout,
                 aborted: false,
@@ -100,6 +130,14 @@ impl Transport for TcpTransport {
             .probe(peer, tag)
     }
 
+    fn shared_memory_peers(&self) -> Vec<bool> {
+        let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        eng.conns
+            .iter()
+            .map(|c| c.as_ref().is_some_and(conn::Conn::is_shm))
+            .collect()
+    }
+
     fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         eng.conns
@@ -120,5 +158,31 @@ impl Transport for TcpTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .close(self.rank);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use dist_backend::Error;
+    use dist_backend::store::HashStore;
+
+    use super::*;
+
+    /// `GlooOptions::from_env` keeps an unreadable `DIST_GLOO_TRANSPORT` for the mesh to refuse,
+    /// naming the rank and the value, before it touches the store.
+    #[test]
+    fn an_unreadable_transport_choice_fails_the_mesh_naming_it() {
+        let store = HashStore::new(Duration::from_secs(1));
+        let opts = MeshOptions {
+            transport_error: "udp".parse::<shm::TransportMode>().err(),
+            ..MeshOptions::default()
+        };
+        let e = TcpTransport::connect(&store, "t", 1, 2, &opts).expect_err("refused");
+        assert!(
+            matches!(&e, Error::InvalidArgument { rank: 1, reason, .. } if reason.contains("DIST_GLOO_TRANSPORT=\"udp\"")),
+            "{e}"
+        );
     }
 }

@@ -1,0 +1,122 @@
+//! The shared-memory segment of one rank: an anonymous `memfd` holding the rings its peers on
+//! this host write to it, one slot per rank of the group.
+//!
+//! A `memfd` has no name in `/dev/shm` or anywhere else: it lives exactly as long as some
+//! process holds its descriptor or a mapping of it, so a group killed with `kill -9` leaves
+//! nothing behind. A peer opens it through `/proc/<pid>/fd/<n>`, which needs the same access to
+//! the owner that reading its `/proc` entries does (same user, same pid namespace), not the
+//! ptrace attach right that cross-memory attach needs. The size is sealed once set, so a peer
+//! cannot shrink it under this rank's mapping (which would turn reads into SIGBUS).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::sync::Arc;
+
+use memmap2::MmapRaw;
+use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+
+use super::ring::{CONTROL_BYTES, RxRing, TxRing};
+
+/// Bytes of one slot: a ring's control lines and its data.
+fn slot_bytes(cap: usize) -> usize {
+    CONTROL_BYTES + cap
+}
+
+/// This rank's segment, and what peers need to find it.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    /// Kept open until every peer has opened its own descriptor (see `negotiate`).
+    file: Option<File>,
+    map: Arc<MmapRaw>,
+    cap: usize,
+}
+
+impl Segment {
+    /// A zeroed segment of `world` rings of `cap` bytes (a power of two), sealed at that size.
+    pub(crate) fn create(world: usize, cap: usize) -> io::Result<Self> {
+        let fd = memfd_create(
+            c"dist-gloo-shm",
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .map_err(io::Error::from)?;
+        let file = File::from(fd);
+        let len = world
+            .checked_mul(slot_bytes(cap))
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment size overflows"))?;
+        file.set_len(len as u64)?;
+        fcntl(
+            &file,
+            FcntlArg::F_ADD_SEALS(
+                SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
+            ),
+        )
+        .map_err(io::Error::from)?;
+        let map = Arc::new(MmapRaw::map_raw(&file)?);
+        Ok(Segment {
+            file: Some(file),
+            map,
+            cap,
+        })
+    }
+
+    /// What a peer passes to [`open_peer`]: this process and the segment's descriptor.
+    pub(crate) fn locator(&self) -> Option<(u32, i32)> {
+        use std::os::fd::AsRawFd;
+        self.file
+            .as_ref()
+            .map(|f| (std::process::id(), f.as_raw_fd()))
+    }
+
+    /// Data bytes of each ring.
+    pub(crate) fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// Closes the descriptor once every peer has its own (the mappings keep the memory).
+    pub(crate) fn close_fd(&mut self) {
+        self.file = None;
+    }
+
+    /// The reading end of the ring `peer` writes to this rank.
+    pub(crate) fn rx_from(&self, peer: usize) -> io::Result<RxRing> {
+        RxRing::new(self.map.clone(), peer * slot_bytes(self.cap), self.cap)
+    }
+}
+
+/// Maps the segment of the rank with process `pid`, descriptor `fd`, `world` rings of `cap`
+/// bytes, and returns the writing end of its ring from `rank`.
+pub(crate) fn open_peer(
+    pid: u32,
+    fd: i32,
+    world: usize,
+    cap: usize,
+    rank: usize,
+) -> io::Result<TxRing> {
+    let path = format!("/proc/{pid}/fd/{fd}");
+    let file = OpenOptions::new().read(true).write(true).open(&path)?;
+    let want = world
+        .checked_mul(slot_bytes(cap))
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment size overflows"))?;
+    let len = file.metadata()?.len();
+    if len != want as u64 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{path} holds {len} bytes, not the {want} of {world} rings of {cap} bytes"),
+        ));
+    }
+    // The owner sealed the size; a file that is not sealed is not the owner's segment.
+    let seals = fcntl(&file, FcntlArg::F_GET_SEALS).map_err(io::Error::from)?;
+    if seals & libc_seal_shrink() == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{path} is not a sealed dist-gloo segment"),
+        ));
+    }
+    let map = Arc::new(MmapRaw::map_raw(&file)?);
+    TxRing::new(map, rank * slot_bytes(cap), cap)
+}
+
+fn libc_seal_shrink() -> i32 {
+    SealFlag::F_SEAL_SHRINK.bits()
+}

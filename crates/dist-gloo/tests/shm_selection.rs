@@ -1,0 +1,119 @@
+//! Choosing shared memory: `DIST_GLOO_TRANSPORT=shm` where it is impossible (ranks on other
+//! hosts, a rank that takes no part) fails the mesh on the ranks that asked for it, naming the
+//! peer and why, instead of falling back silently.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dist_backend::Error;
+use dist_backend::store::HashStore;
+use dist_gloo::transport::shm::TransportMode;
+use dist_gloo::{GlooBackend, GlooOptions};
+
+/// Connects `n` ranks as threads with per-rank options; each rank's outcome.
+fn connect_all(
+    n: usize,
+    opts: impl Fn(usize) -> GlooOptions + Sync,
+) -> Vec<Result<GlooBackend, Error>> {
+    let store = Arc::new(HashStore::new(Duration::from_secs(30)));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let store = store.clone();
+                let opts = &opts;
+                s.spawn(move || GlooBackend::connect(&*store, "sel", r, n, &opts(r)))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
+}
+
+fn opts(mode: TransportMode, host: &str) -> GlooOptions {
+    let mut o = GlooOptions::default();
+    o.mesh.transport = mode;
+    o.mesh.host_id = Some(host.to_string());
+    o.mesh.timeout = Duration::from_secs(30);
+    o
+}
+
+#[test]
+fn shm_between_hosts_is_an_error_naming_the_peer_on_every_rank() {
+    let hosts = ["x", "x", "y"];
+    let outs = connect_all(3, |r| opts(TransportMode::Shm, hosts[r]));
+    for (r, out) in outs.iter().enumerate() {
+        let e = out
+            .as_ref()
+            .expect_err("shm across hosts must fail")
+            .to_string();
+        let peer = if r == 2 { 0 } else { 2 };
+        assert!(
+            e.contains(&format!("rank {r}"))
+                && e.contains(&format!("with rank {peer}"))
+                && e.contains("another host"),
+            "rank {r}: {e}"
+        );
+    }
+}
+
+#[test]
+fn shm_with_a_rank_that_chose_tcp_is_an_error_naming_it() {
+    let outs = connect_all(3, |r| {
+        let mode = if r == 1 {
+            TransportMode::Tcp
+        } else {
+            TransportMode::Shm
+        };
+        opts(mode, "x")
+    });
+    for r in [0, 2] {
+        let e = outs[r].as_ref().expect_err("must fail").to_string();
+        assert!(
+            e.contains(&format!("rank {r}"))
+                && e.contains("with rank 1")
+                && e.contains("it takes no part"),
+            "rank {r}: {e}"
+        );
+    }
+    // The rank that chose TCP fails too, naming a rank that asked for shared memory, rather
+    // than waiting for peers that gave up.
+    let e = outs[1].as_ref().expect_err("must fail").to_string();
+    assert!(
+        e.contains("rank 1") && e.contains("rank 0 asked for DIST_GLOO_TRANSPORT=shm"),
+        "rank 1: {e}"
+    );
+}
+
+#[test]
+fn auto_falls_back_to_tcp_where_a_peer_takes_no_part() {
+    let outs = connect_all(3, |r| {
+        let mode = if r == 1 {
+            TransportMode::Tcp
+        } else {
+            TransportMode::Auto
+        };
+        opts(mode, "x")
+    });
+    let peers: Vec<Vec<bool>> = outs
+        .iter()
+        .map(|o| o.as_ref().expect("auto builds").shared_memory_peers())
+        .collect();
+    assert_eq!(
+        peers,
+        vec![
+            vec![false, false, true],
+            vec![false, false, false],
+            vec![true, false, false]
+        ]
+    );
+}
+
+#[test]
+fn an_unknown_transport_is_refused_when_read() {
+    let e = "udp".parse::<TransportMode>().expect_err("unknown");
+    assert!(e.contains("DIST_GLOO_TRANSPORT=\"udp\"") && e.contains("auto, tcp or shm"));
+    assert_eq!("SHM".parse::<TransportMode>(), Ok(TransportMode::Shm));
+    assert_eq!("tcp".parse::<TransportMode>(), Ok(TransportMode::Tcp));
+    assert_eq!("auto".parse::<TransportMode>(), Ok(TransportMode::Auto));
+}
