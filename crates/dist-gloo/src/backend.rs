@@ -3,6 +3,7 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use dist_backend::{Backend, BufMut, BufRef, Capabilities, Error, OpOptions, Result, Store};
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
@@ -156,6 +157,8 @@ impl GlooBackend {
                 format!("rank {rank} is not below world size {world_size}"),
             ));
         }
+        // One deadline for the whole rendezvous, however many store calls it makes.
+        let deadline = dist_backend::deadline_after(Instant::now(), opts.mesh.timeout);
         let mine = choice::settings(&[
             (
                 "small_bytes",
@@ -174,10 +177,10 @@ impl GlooBackend {
                     .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
             ),
         ]);
-        choice::publish(store, prefix, rank, &mine)?;
-        let t = TcpTransport::connect(store, prefix, rank, world_size, &opts.mesh)?;
+        choice::publish(store, prefix, rank, &mine, deadline)?;
+        let t = TcpTransport::connect_by(store, prefix, rank, world_size, &opts.mesh, deadline)?;
         // Every rank published before building its side of the mesh, so all are there now.
-        choice::check(store, prefix, rank, world_size, &mine)?;
+        choice::check(store, prefix, rank, world_size, &mine, deadline)?;
         Ok(Self::over(
             Box::new(t),
             crate::transport::tcp::group_id(prefix),
@@ -423,7 +426,7 @@ impl GlooBackend {
 
     /// Reads, oldest first, the agreement frames earlier rooted ops' roots left unread, by
     /// `deadline`, until at most `keep` of those ops are left.
-    fn verify_deferred(&self, keep: usize, deadline: std::time::Instant) -> Result<()> {
+    fn verify_deferred(&self, keep: usize, deadline: Instant) -> Result<()> {
         let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
         while q.len() > keep {
             let d = q.pop_front().expect("the queue is longer than keep");
@@ -829,10 +832,8 @@ impl Backend for GlooBackend {
             .unwrap_or_else(|e| e.into_inner())
             .is_none();
         if let (Some(timeout), true) = (owed, clean)
-            && let Err(e) = self.verify_deferred(
-                0,
-                dist_backend::deadline_after(std::time::Instant::now(), timeout),
-            )
+            && let Err(e) =
+                self.verify_deferred(0, dist_backend::deadline_after(Instant::now(), timeout))
         {
             tracing::error!(rank = self.rank, error = %e, "a rooted operation failed its agreement, found at close");
             self.fail(&e);

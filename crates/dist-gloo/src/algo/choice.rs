@@ -9,6 +9,8 @@
 //! through the store instead, so every rank refuses the group at once, naming the setting and
 //! a rank that differs.
 
+use std::time::Instant;
+
 use dist_backend::{Error, Result, Store};
 
 /// The settings that choose algorithms, as space-separated `name=value` pairs (in the order
@@ -27,8 +29,14 @@ fn key(prefix: &str, rank: usize) -> String {
 
 /// Publishes this rank's [`settings`]; call before the mesh is built, so that every rank's
 /// are in the store once it is.
-pub(crate) fn publish(store: &dyn Store, prefix: &str, rank: usize, mine: &str) -> Result<()> {
-    store.set(&key(prefix, rank), mine.as_bytes())?;
+pub(crate) fn publish(
+    store: &dyn Store,
+    prefix: &str,
+    rank: usize,
+    mine: &str,
+    deadline: Instant,
+) -> Result<()> {
+    store.set_by(&key(prefix, rank), mine.as_bytes(), deadline)?;
     Ok(())
 }
 
@@ -40,10 +48,11 @@ pub(crate) fn check(
     rank: usize,
     world_size: usize,
     mine: &str,
+    deadline: Instant,
 ) -> Result<()> {
     let keys: Vec<String> = (0..world_size).map(|r| key(prefix, r)).collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let all = store.multi_get(&refs)?;
+    let all = store.multi_get_by(&refs, deadline)?;
     for (r, theirs) in all.iter().enumerate() {
         let theirs = String::from_utf8_lossy(theirs);
         if theirs == mine {
@@ -81,19 +90,20 @@ mod tests {
     #[test]
     fn the_first_setting_that_differs_is_named_with_the_rank() {
         let store = HashStore::new(Duration::from_secs(5));
+        let soon = Instant::now() + Duration::from_secs(5);
         let a = settings(&[("small_bytes", 16 << 10), ("segment_bytes", 1 << 20)]);
         let b = settings(&[("small_bytes", 0), ("segment_bytes", 1 << 20)]);
-        publish(&store, "g", 0, &a).unwrap();
-        publish(&store, "g", 1, &b).unwrap();
-        publish(&store, "g", 2, &a).unwrap();
-        let e = check(&store, "g", 0, 3, &a).unwrap_err().to_string();
+        publish(&store, "g", 0, &a, soon).unwrap();
+        publish(&store, "g", 1, &b, soon).unwrap();
+        publish(&store, "g", 2, &a, soon).unwrap();
+        let e = check(&store, "g", 0, 3, &a, soon).unwrap_err().to_string();
         assert!(
             e.contains("rank 1 has small_bytes=0 against this rank's small_bytes=16384"),
             "{e}"
         );
-        let e = check(&store, "g", 1, 3, &b).unwrap_err().to_string();
+        let e = check(&store, "g", 1, 3, &b, soon).unwrap_err().to_string();
         assert!(e.contains("rank 0 has small_bytes=16384"), "{e}");
-        publish(&store, "h", 0, &a).unwrap();
-        check(&store, "h", 0, 1, &a).unwrap();
+        publish(&store, "h", 0, &a, soon).unwrap();
+        check(&store, "h", 0, 1, &a, soon).unwrap();
     }
 }

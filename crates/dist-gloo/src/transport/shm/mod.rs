@@ -22,6 +22,7 @@ pub(crate) mod segment;
 
 use std::io;
 use std::str::FromStr;
+use std::time::Instant;
 
 use dist_backend::{Error, Result, Store};
 
@@ -166,6 +167,7 @@ pub(crate) fn negotiate(
     rank: usize,
     world: usize,
     o: &ShmOptions,
+    deadline: Instant,
 ) -> Result<Vec<Option<Rings>>> {
     let mut out: Vec<Option<Rings>> = (0..world).map(|_| None).collect();
     if world == 1 {
@@ -216,14 +218,18 @@ pub(crate) fn negotiate(
                 host: host.clone(),
             }),
     };
-    store.set(&format!("{prefix}/shm/{rank}"), me.encode().as_bytes())?;
+    store.set_by(
+        &format!("{prefix}/shm/{rank}"),
+        me.encode().as_bytes(),
+        deadline,
+    )?;
 
     // Round 1: open the segment of every peer on this host; for the others, why not.
     let mut txs: Vec<Option<TxRing>> = (0..world).map(|_| None).collect();
     let mut why_not: Vec<Option<Error>> = (0..world).map(|_| None).collect();
     let mut strict: Vec<bool> = vec![shm; world];
     for peer in (0..world).filter(|&p| p != rank) {
-        let raw = store.get(&format!("{prefix}/shm/{peer}"))?;
+        let raw = store.get_by(&format!("{prefix}/shm/{peer}"), deadline)?;
         let theirs = Record::decode(&raw);
         let unsupported = |what: String| {
             let who = match &theirs {
@@ -275,9 +281,9 @@ pub(crate) fn negotiate(
     let can: String = (0..world)
         .map(|p| if txs[p].is_some() { '1' } else { '0' })
         .collect();
-    store.set(&format!("{prefix}/shm-ok/{rank}"), can.as_bytes())?;
+    store.set_by(&format!("{prefix}/shm-ok/{rank}"), can.as_bytes(), deadline)?;
     for peer in (0..world).filter(|&p| p != rank) {
-        let theirs = store.get(&format!("{prefix}/shm-ok/{peer}"))?;
+        let theirs = store.get_by(&format!("{prefix}/shm-ok/{peer}"), deadline)?;
         let both = txs[peer].is_some() && theirs.get(rank) == Some(&b'1');
         if both && let (Some(seg), Some(tx)) = (seg.as_ref(), txs[peer].take()) {
             let rx = seg.rx_from(peer).map_err(|source| Error::Io {

@@ -24,6 +24,7 @@
 use std::sync::Arc;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::time::Instant;
 
 use dist_backend::{Result, Store};
 use dist_wire::PayloadRef;
@@ -65,6 +66,7 @@ impl Cma {
         world: usize,
         enabled: bool,
         min_bytes: usize,
+        deadline: Instant,
     ) -> Result<Option<Cma>> {
         let enabled = enabled && cfg!(target_os = "linux") && world > 1;
         let offers: Arc<[AtomicU64]> = (0..world).map(|_| AtomicU64::new(0)).collect();
@@ -80,13 +82,13 @@ impl Cma {
         } else {
             "off".to_string()
         };
-        store.set(&format!("{prefix}/cma/{rank}"), me.as_bytes())?;
+        store.set_by(&format!("{prefix}/cma/{rank}"), me.as_bytes(), deadline)?;
         let mut sources = vec![None; world];
         for (peer, source) in sources.iter_mut().enumerate() {
             if peer == rank {
                 continue;
             }
-            let theirs = store.get(&format!("{prefix}/cma/{peer}"))?;
+            let theirs = store.get_by(&format!("{prefix}/cma/{peer}"), deadline)?;
             if enabled && let Some((src, probe_addr, token)) = parse(&theirs, rank) {
                 let mut got = [0u8; 8];
                 if read_remote(src.pid, probe_addr, &mut got).is_ok()
@@ -100,11 +102,11 @@ impl Cma {
             .iter()
             .map(|s| if s.is_some() { '1' } else { '0' })
             .collect();
-        store.set(&format!("{prefix}/cma-ok/{rank}"), can.as_bytes())?;
+        store.set_by(&format!("{prefix}/cma-ok/{rank}"), can.as_bytes(), deadline)?;
         let mut readers = vec![false; world];
         for (peer, reader) in readers.iter_mut().enumerate() {
             if peer != rank {
-                let theirs = store.get(&format!("{prefix}/cma-ok/{peer}"))?;
+                let theirs = store.get_by(&format!("{prefix}/cma-ok/{peer}"), deadline)?;
                 *reader = theirs.get(rank) == Some(&b'1');
             }
         }

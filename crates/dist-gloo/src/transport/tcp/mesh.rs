@@ -116,13 +116,13 @@ pub(super) fn build(
     rank: usize,
     world: usize,
     opts: &MeshOptions,
+    deadline: Instant,
 ) -> Result<(Poll, Vec<Option<Conn>>)> {
     let poll = Poll::new().map_err(io(rank, "creating the poller".into()))?;
     let mut conns: Vec<Option<Conn>> = (0..world).map(|_| None).collect();
     if world == 1 {
         return Ok((poll, conns));
     }
-    let deadline = dist_backend::deadline_after(Instant::now(), opts.timeout);
     let group = group_id(prefix);
     let ip = match opts.ip {
         Some(ip) => ip,
@@ -132,9 +132,10 @@ pub(super) fn build(
     let addr = listener
         .local_addr()
         .map_err(io(rank, "reading the listener's address".into()))?;
-    store.set(
+    store.set_by(
         &format!("{prefix}/addr/{rank}"),
         addr.to_string().as_bytes(),
+        deadline,
     )?;
 
     // Accept the higher ranks on a helper thread while connecting to the lower ones here.
@@ -280,11 +281,10 @@ fn connect_to(
     rank: usize,
     deadline: Instant,
 ) -> Result<TcpStream> {
-    // Waiting first bounds the lookup by the mesh's deadline, not the store's own timeout,
-    // which may be longer (a user's store) or have begun earlier.
+    // The lookup is bounded by the mesh's deadline, not the store's own timeout, which may be
+    // longer (a user's store) or have begun earlier.
     let key = format!("{prefix}/addr/{peer}");
-    store.wait(&[&key], deadline.saturating_duration_since(Instant::now()))?;
-    let raw = store.get(&key)?;
+    let raw = store.get_by(&key, deadline)?;
     let text = String::from_utf8_lossy(&raw).into_owned();
     let addr: SocketAddr = text.parse().map_err(|_| Error::Init {
         what: format!(

@@ -8,7 +8,7 @@ mod link;
 mod mesh;
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dist_backend::{Result, Store};
 
@@ -39,10 +39,25 @@ impl TcpTransport {
         world_size: usize,
         opts: &MeshOptions,
     ) -> Result<Self> {
+        let deadline = dist_backend::deadline_after(Instant::now(), opts.timeout);
+        Self::connect_by(store, prefix, rank, world_size, opts, deadline)
+    }
+
+    /// [`TcpTransport::connect`] within `deadline`: every store call of the rendezvous (the
+    /// addresses, the shared-memory and single-copy negotiations) ends by it, so building the
+    /// mesh never takes longer than the call it serves, however many store calls it makes.
+    pub fn connect_by(
+        store: &dyn Store,
+        prefix: &str,
+        rank: usize,
+        world_size: usize,
+        opts: &MeshOptions,
+        deadline: Instant,
+    ) -> Result<Self> {
         if let Some(why) = &opts.transport_error {
             return Err(dist_backend::Error::invalid(rank, "connect", why.clone()));
         }
-        let (poll, mut conns) = mesh::build(store, prefix, rank, world_size, opts)?;
+        let (poll, mut conns) = mesh::build(store, prefix, rank, world_size, opts, deadline)?;
         let rings = shm::negotiate(
             store,
             prefix,
@@ -53,6 +68,7 @@ impl TcpTransport {
                 host_id: opts.host_id.clone(),
                 ring_bytes: opts.shm_ring_bytes,
             },
+            deadline,
         )?;
         let mut local_ranks = 1;
         for (slot, rings) in conns.iter_mut().zip(rings) {
@@ -75,6 +91,7 @@ impl TcpTransport {
             world_size,
             opts.cross_memory,
             opts.cross_memory_min_bytes,
+            deadline,
         )?;
         Ok(TcpTransport {
             rank,
