@@ -1,15 +1,15 @@
 //! The shared-memory transport between ranks on one host.
 //!
 //! Each ordered pair of ranks on one host gets a single-producer, single-consumer byte ring
-//! ([`ring`]) in the receiver's `memfd` segment ([`segment`]); the frames, their headers and
-//! the whole peer protocol run over it unchanged (the engine sees a byte stream, [`link`]).
+//! (`ring`) in the receiver's `memfd` segment (`segment`); the frames, their headers and
+//! the whole peer protocol run over it unchanged (the engine sees a byte stream, `link`).
 //! The pair's TCP connection stays: it is the doorbell that wakes a sleeping side (one byte,
 //! sent only when the other side said it sleeps) and the liveness signal (its EOF means the
 //! peer is gone), so the engine still sleeps in one poll over every peer, TCP or not. Large
 //! collective messages keep the single-copy path, whose offers and acknowledgements now travel
 //! through the ring.
 //!
-//! Which pairs use it is decided when the mesh is built ([`negotiate`]): every rank publishes
+//! Which pairs use it is decided when the mesh is built (`negotiate`): every rank publishes
 //! a host id (the kernel's boot id and the network and pid namespaces, so two containers on
 //! one machine with separate namespaces are two hosts) and where its segment is; two ranks with
 //! the same host id that can both open each other's segment use rings, all others TCP, in one
