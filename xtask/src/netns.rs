@@ -90,7 +90,15 @@ fn preflight() -> Result<(), String> {
         .map_err(|e| format!("cannot make a network namespace here: {e}"))?;
     let pid_ns = Command::new("ip")
         .args([
-            "netns", "exec", &probe, "unshare", "--pid", "--fork", "--uts", "true",
+            "netns",
+            "exec",
+            &probe,
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--uts",
+            "true",
         ])
         .output();
     let _ = sh("ip", &["netns", "del", &probe]);
@@ -190,8 +198,18 @@ impl Hosts {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.ns[node]])
             // A pid namespace of its own: ranks of different hosts cannot read each other's
-            // memory, as on two machines. The shell names the host, then becomes distrun.
-            .args(["unshare", "--pid", "--fork", "--kill-child", "--uts", "--"])
+            // memory, as on two machines. /proc is mounted anew for it, as a container does, so
+            // that the pids a rank publishes (for its shared-memory segment) mean the same to the
+            // ranks of its host. The shell names the host, then becomes distrun.
+            .args([
+                "unshare",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+                "--uts",
+                "--",
+            ])
             .args(["sh", "-c", "hostname \"$0\" && exec \"$@\""])
             .arg(format!("host-{node}"))
             .arg(distrun)
@@ -386,8 +404,25 @@ fn collectives(hosts: &Hosts, bin: &Path) -> Result<(), String> {
     }
     let world = 2 * PER_HOST;
     let mut within = [0u64; 2];
+    let mut ring_lines = 0;
     for f in &done {
         for line in f.stdout.lines() {
+            if let Some((rank, rings)) = per_peer_line(line, "# shared-memory rings to ranks: [") {
+                // Rings exactly between the ranks of one namespace: the host id tells hosts
+                // apart by network namespace, not by hostname.
+                for (peer, &r) in rings.iter().enumerate() {
+                    let same_host = peer / PER_HOST == rank / PER_HOST;
+                    if peer != rank && (r == 1) != same_host {
+                        return Err(format!(
+                            "rank {rank} {} shared-memory rings with rank {peer} ({}): {line}",
+                            if r == 1 { "uses" } else { "does not use" },
+                            if same_host { "same host" } else { "other host" },
+                        ));
+                    }
+                }
+                ring_lines += 1;
+                continue;
+            }
             let Some((rank, counts)) = single_copy_line(line) else {
                 continue;
             };
@@ -407,24 +442,32 @@ fn collectives(hosts: &Hosts, bin: &Path) -> Result<(), String> {
             }
         }
     }
+    if ring_lines != world {
+        return Err(format!(
+            "expected a shared-memory line from each of {world} ranks, got {ring_lines}"
+        ));
+    }
     if within.contains(&0) {
         return Err(format!(
             "ranks of one host never shared memory (single-copy messages per host: {within:?})"
         ));
     }
     println!(
-        "    ok: results checked; single-copy messages within each host {within:?}, none across"
+        "    ok: results checked; shared-memory rings and single-copy messages ({within:?}) within each host only"
     );
     Ok(())
 }
 
 /// `[rank R] # single-copy messages to ranks: [a, b, ...]` as (R, counts).
 fn single_copy_line(line: &str) -> Option<(usize, Vec<u64>)> {
+    per_peer_line(line, "# single-copy messages to ranks: [")
+}
+
+/// `[rank R] <what>a, b, ...]` as (R, [a, b, ...]).
+fn per_peer_line(line: &str, what: &str) -> Option<(usize, Vec<u64>)> {
     let rest = line.strip_prefix("[rank ")?;
     let (rank, rest) = rest.split_once(']')?;
-    let list = rest
-        .trim()
-        .strip_prefix("# single-copy messages to ranks: [")?;
+    let list = rest.trim().strip_prefix(what)?;
     let counts = list
         .trim_end_matches(']')
         .split(',')
@@ -547,5 +590,12 @@ mod tests {
             Some((3, vec![0, 0, 12, 0]))
         );
         assert_eq!(single_copy_line("[rank 3] # Avg bus bandwidth : 1.0"), None);
+        assert_eq!(
+            per_peer_line(
+                "[rank 1] # shared-memory rings to ranks: [1, 0, 0, 1]",
+                "# shared-memory rings to ranks: ["
+            ),
+            Some((1, vec![1, 0, 0, 1]))
+        );
     }
 }

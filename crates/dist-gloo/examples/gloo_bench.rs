@@ -436,6 +436,12 @@ fn main() {
         "# single-copy messages to ranks: {:?}",
         pg.messages_by_reference_per_peer()
     );
+    let rings: Vec<u64> = pg
+        .shared_memory_peers()
+        .into_iter()
+        .map(u64::from)
+        .collect();
+    println!("# shared-memory rings to ranks: {rings:?}");
     if wrong_total > 0 {
         std::process::exit(1);
     }
