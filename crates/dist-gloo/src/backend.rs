@@ -407,7 +407,12 @@ impl GlooBackend {
             if !name.rooted() || self.world_size == 1 {
                 f(&o, &mut scratch)
             } else if self.world_size <= self.fused_agreement_max_ranks {
-                *o.agree.borrow_mut() = Some(agree::Pending::new(self.world_size, self.rank, lazy));
+                *o.agree.borrow_mut() = Some(agree::Pending::new(
+                    self.world_size,
+                    self.rank,
+                    ctx.root as usize,
+                    lazy,
+                ));
                 let r = f(&o, &mut scratch)?;
                 if let Some(d) = o.finish_agreement()? {
                     let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());

@@ -25,38 +25,72 @@ fn sides(e: &Error) -> (OpDesc, OpDesc) {
     }
 }
 
+/// For a rank whose rooted operation returned Ok and whose next one failed: the error names
+/// two ranks that disagree, each side as that rank called it (the side that ran `op` with the
+/// root `root_of` gave it). Either side may be this rank's next operation, when what it met
+/// first was a frame of `op` that it had not expected.
+fn assert_names_a_disagreement(e: &Error, op: CollectiveOp, root_of: impl Fn(usize) -> usize) {
+    let (a, b) = sides(e);
+    for side in [a, b].into_iter().filter(|s| s.op == op) {
+        assert_eq!(side.root, Some(root_of(side.rank)), "{e}");
+    }
+    assert!(a.op != b.op || a.root != b.root, "{e}");
+    assert_ne!(a.rank, b.rank, "{e}");
+}
+
+/// What one rank's part in a mismatched collective ended with.
+struct Outcome {
+    /// Its error: from the collective itself, or (`returned`) from its next operation.
+    err: Error,
+    /// Whether the collective returned Ok: a root does not wait for the others (see
+    /// `GlooOptions::lazy_root_verification`), nor a rank whose own data was consistent.
+    returned: bool,
+}
+
+/// Runs `call` on every rank; a rank whose call returns Ok runs a barrier, which must fail.
+fn outcomes<F>(ranks: &[dist_gloo::GlooBackend], call: F) -> Vec<Outcome>
+where
+    F: Fn(&dist_gloo::GlooBackend) -> dist_backend::Result<()> + Sync,
+{
+    on_all(ranks, |b| match call(b) {
+        Err(err) => Outcome {
+            err,
+            returned: false,
+        },
+        Ok(()) => Outcome {
+            err: b
+                .barrier(&opts())
+                .expect_err("a rank that disagrees must fail at its next operation"),
+            returned: true,
+        },
+    })
+}
+
 /// Every rank broadcasts `count` f32 from the root `root_of(rank)`; returns each rank's error.
 fn broadcast_roots(n: usize, count: usize, root_of: impl Fn(usize) -> usize + Sync) -> Vec<Error> {
     broadcast_roots_with(&GlooOptions::default(), n, count, root_of)
+        .into_iter()
+        .map(|o| o.err)
+        .collect()
 }
 
-/// [`broadcast_roots`] with the given backend options. A rank that thinks it is the root may
-/// return Ok (it does not wait for the others, see `GlooOptions::lazy_root_verification`);
-/// its next operation, a barrier here, must then fail with the broadcast's mismatch.
+/// [`broadcast_roots`] with the given backend options, and whether each rank's broadcast
+/// returned (see [`Outcome`]).
 fn broadcast_roots_with(
     gopts: &GlooOptions,
     n: usize,
     count: usize,
     root_of: impl Fn(usize) -> usize + Sync,
-) -> Vec<Error> {
+) -> Vec<Outcome> {
     let ranks = tcp_world(n, gopts);
-    on_all(&ranks, |b| {
+    outcomes(&ranks, |b| {
         let mut v = vec![b.rank() as f32; count];
-        let root = root_of(b.rank());
-        let r = b.broadcast(
+        b.broadcast(
             BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
             DType::F32,
-            root,
+            root_of(b.rank()),
             &opts(),
-        );
-        match r {
-            Err(e) => e,
-            Ok(()) => {
-                assert_eq!(root, b.rank(), "only a root may return before it knows");
-                b.barrier(&opts())
-                    .expect_err("a root that disagrees must fail at its next operation")
-            }
-        }
+        )
     })
 }
 
@@ -104,17 +138,20 @@ fn a_lazy_root_that_disagrees_and_then_closes_aborts_the_group() {
 
 #[test]
 fn a_broadcast_with_different_roots_fails_on_every_rank_naming_both_roots() {
-    every_rank_names_both_roots(&GlooOptions::default());
+    every_rank_names_both_roots(&GlooOptions::default(), true);
 }
 
 /// Groups larger than `fused_agreement_max_ranks` agree in dissemination rounds before the
 /// data instead; forced here at 2 to 4 ranks, the outcome is the same.
 #[test]
 fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
-    every_rank_names_both_roots(&GlooOptions {
-        fused_agreement_max_ranks: Some(1),
-        ..GlooOptions::default()
-    });
+    every_rank_names_both_roots(
+        &GlooOptions {
+            fused_agreement_max_ranks: Some(1),
+            ..GlooOptions::default()
+        },
+        false,
+    );
 }
 
 /// Ranks whose settings would make them choose different algorithms for the same call (a
@@ -201,7 +238,10 @@ fn a_large_chain_broadcast_with_a_count_mismatch_fails_on_every_rank() {
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
 }
 
-fn every_rank_names_both_roots(gopts: &GlooOptions) {
+/// `may_return`: whether a rank may return from the broadcast and fail at its next operation
+/// (the fused agreement: roots, and receivers whose data came from the root they named);
+/// with the dissemination agreement every rank fails in the broadcast itself.
+fn every_rank_names_both_roots(gopts: &GlooOptions, may_return: bool) {
     for n in 2..=4 {
         for (name, root_of) in [
             (
@@ -216,14 +256,28 @@ fn every_rank_names_both_roots(gopts: &GlooOptions) {
             if name.starts_with("the last") && n != 4 {
                 continue;
             }
-            let errs = broadcast_roots_with(gopts, n, 100, root_of);
-            for (r, e) in errs.iter().enumerate() {
-                let msg = e.to_string();
-                // Every rank finds it itself, from the agreement every rank takes part in.
+            let outs = broadcast_roots_with(gopts, n, 100, root_of);
+            for (r, o) in outs.iter().enumerate() {
+                let (e, msg) = (&o.err, o.err.to_string());
+                // With the fused agreement a rank may also hear of it from the rank that
+                // found it, or find it at its next operation.
+                let second_hand = matches!(e, Error::MismatchReported { .. });
+                if o.returned || second_hand {
+                    assert!(may_return, "n={n}, {name}: rank {r}: {msg}");
+                    assert_names_a_disagreement(e, CollectiveOp::Broadcast, root_of);
+                    continue;
+                }
                 let Error::Mismatch { ours, theirs } = e else {
                     panic!("n={n}, {name}: rank {r}: expected Error::Mismatch, got {msg}");
                 };
                 assert_eq!((ours.rank, ours.root), (r, Some(root_of(r))), "{msg}");
+                if theirs.op != CollectiveOp::Broadcast {
+                    // The rank this one waited on moved on to its next operation without
+                    // sending to it: it had another root in mind.
+                    assert!(theirs.seq > ours.seq, "n={n}, {name}: rank {r}: {msg}");
+                    assert_ne!(root_of(theirs.rank), root_of(r), "{msg}");
+                    continue;
+                }
                 let other_root = theirs.root.expect("a broadcast names its root");
                 assert_ne!(other_root, root_of(r), "n={n}, {name}: rank {r}: {msg}");
                 assert_eq!(other_root, root_of(theirs.rank), "{msg}");
@@ -256,8 +310,8 @@ fn two_would_be_roots_fail_with_a_mismatch_at_every_size_around_the_switch() {
             255 << 10,
             1 << 20,
         ] {
-            let errs = broadcast_roots_with(&gopts, 2, bytes / 4, |r| r);
-            for (r, e) in errs.iter().enumerate() {
+            let outs = broadcast_roots_with(&gopts, 2, bytes / 4, |r| r);
+            for (r, e) in outs.iter().map(|o| &o.err).enumerate() {
                 assert!(
                     !matches!(e, Error::Timeout { .. }),
                     "cma={cma}, {bytes} B: rank {r} timed out: {e}"
@@ -297,12 +351,12 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
     ] {
         // A failed operation aborts the group: a fresh one per op.
         let ranks = tcp_world(n, &GlooOptions::default());
-        let errs = on_all(&ranks, |b| {
+        let outs = outcomes(&ranks, |b| {
             let root = root_of(b.rank());
             let mine = vec![1u8; 12];
             let mut all = vec![0u8; 12 * n];
             let is_root = b.rank() == root;
-            let r = match op {
+            match op {
                 CollectiveOp::Reduce => {
                     let mut v = mine.clone();
                     b.reduce(
@@ -330,18 +384,16 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
                         &opts(),
                     )
                 }
-            };
-            match r {
-                Err(e) => e,
-                // A lazy root (of scatter) reports at its next operation.
-                Ok(()) => {
-                    assert!(is_root, "{op}: only a root may return before it knows");
-                    b.barrier(&opts())
-                        .expect_err("a root that disagrees must fail at its next operation")
-                }
             }
         });
-        for (r, e) in errs.iter().enumerate() {
+        for (r, o) in outs.iter().enumerate() {
+            let e = &o.err;
+            // A root, or a rank whose own part was consistent, reports at its next operation;
+            // a rank may also hear of it from the rank that found it.
+            if o.returned || matches!(e, Error::MismatchReported { .. }) {
+                assert_names_a_disagreement(e, op, root_of);
+                continue;
+            }
             let (ours, theirs) = sides(e);
             assert_eq!(ours.op, op, "{e}");
             assert_eq!(ours.root, Some(root_of(r)), "{e}");
@@ -520,14 +572,55 @@ fn premul_sum_scales_that_differ_are_a_mismatch_on_every_rank() {
                 assert_eq!(*v, 1.5, "{what}: rank {r}");
             }
         }
-        let errs = on_all(&ranks, |b| {
-            run(b, scale_of(b.rank())).expect_err("different scales must not succeed")
-        });
-        for (r, e) in errs.iter().enumerate() {
+        // A rank that only sends (reduce's leaves) may return and fail at its next operation.
+        let outs = outcomes(&ranks, |b| run(b, scale_of(b.rank())).map(drop));
+        for (r, e) in outs.iter().map(|o| &o.err).enumerate() {
             let (ours, theirs) = sides(e);
             assert_ne!(ours.reduce_arg, theirs.reduce_arg, "{what}: rank {r}: {e}");
             assert_eq!((ours.reduce, theirs.reduce), (Some(8), Some(8)), "{e}");
             assert!(e.to_string().contains("scale #"), "{what}: rank {r}: {e}");
         }
+    }
+}
+
+/// A receiver that waits on a peer that will never send to it (the peer named another root,
+/// got its data and returned) finds the disagreement in the frames other ranks sent it, not
+/// at the timeout, even while no rank runs another operation: rank 3 names root 1, whose
+/// subtree it waits in; ranks 0-2 name root 0 and rank 2 forwards 0's data to rank 3.
+#[test]
+fn a_waiting_receiver_finds_the_disagreement_in_frames_it_does_not_wait_for() {
+    let n = 4;
+    let root_of = |r: usize| usize::from(r == 3);
+    for round in 0..5 {
+        let ranks = tcp_world(n, &GlooOptions::default());
+        // No rank starts its next operation before every rank has its broadcast's outcome, so
+        // rank 3 cannot learn of it from a frame of that operation.
+        let settled = std::sync::Barrier::new(n);
+        let t0 = Instant::now();
+        let outs = outcomes(&ranks, |b| {
+            let mut v = vec![b.rank() as f32; 100];
+            let r = b.broadcast(
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                DType::F32,
+                root_of(b.rank()),
+                &opts(),
+            );
+            settled.wait();
+            r
+        });
+        assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+        for (r, o) in outs.iter().enumerate() {
+            assert!(
+                !matches!(o.err, Error::Timeout { .. }),
+                "round {round}: rank {r}: {}",
+                o.err
+            );
+            assert_names_a_disagreement(&o.err, CollectiveOp::Broadcast, root_of);
+        }
+        assert!(!outs[3].returned, "rank 3 never gets data from its root");
+        let (a, b) = sides(&outs[3].err);
+        let mut roots = [a.root, b.root];
+        roots.sort();
+        assert_eq!(roots, [Some(0), Some(1)], "round {round}: {}", outs[3].err);
     }
 }

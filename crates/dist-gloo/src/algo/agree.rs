@@ -8,35 +8,42 @@
 //! always reaches every rank through the headers (and the abort notices of the ranks that see
 //! it); these four need this extra exchange.
 //!
-//! Up to [`FUSED_MAX_RANKS`] ranks it costs no round of its own ([`fused_step`]): the
-//! operation's first step also sends one header-only frame from every rank to every other,
-//! ahead of any data on each connection, and each step reads the frames of the peers it
-//! exchanges data with, the rest being read once the algorithm's steps are done. Every frame
+//! Up to [`FUSED_MAX_RANKS`] ranks it costs no round of its own ([`fused_step`]): in the
+//! operation's first step every rank but the root also sends one header-only frame to the
+//! rank it takes for the root, ahead of anything else it sends this operation. Every frame
 //! header carries root, count, dtype, reduce op (with `PremulSum`'s scale) and split sizes,
-//! and a receiver compares them with its own (as it does for data frames), so any two ranks
-//! that disagree each see the other's header and fail first-hand while the data moves: a
-//! receiver may already have written into its buffer when it fails, whose content is then
-//! unspecified (as in torch). Every rank but the root still reads every other rank's frame
-//! before it returns, so none returns before every rank has entered the operation, which is
-//! what "every rank fails" costs; but no data waits for a round trip, and a rank forwarding
-//! data waits only for the peers it exchanges data with.
+//! and a receiver compares them with its own, so the data frames already show most
+//! disagreements to the rank that receives them; the root's frames show it to its
+//! receivers. Two more rules close the rest:
+//! - the frames to the root tell it of ranks that name it while it names another (so two
+//!   ranks that each think the other is the root, and only receive, fail at once), and a root
+//!   checks them all, at the latest one operation later;
+//! - a rank that waits judges every frame of its operation that arrives on any connection,
+//!   not only those it waits for (see `transport::stashed_conflict`): ranks that disagree
+//!   about the root send their data down different trees, and some rank that does not share
+//!   the sender's view always receives from it (the first rank on the sender's tree that
+//!   names another root), so the one that would otherwise wait on a peer that never sends
+//!   fails naming the other side.
 //!
-//! The root need not wait for that (`GlooOptions::lazy_root_verification`, the default): it
-//! returns once its data is out and leaves the frames it did not need to a later operation
+//! A rank whose own data was consistent returns without waiting for anyone else's frame, and
+//! hears of a disagreement elsewhere from the rank that found it (its abort notice), or from a
+//! frame it did not expect, at its next operation on the group; a receiver may already have
+//! written into its buffer when it fails, whose content is then unspecified (as in torch).
+//! No data waits for a round trip, and no rank waits for ranks it exchanges no data with: a
+//! small broadcast costs one small write per receiver more than with no agreement at all (see
+//! docs/BENCHMARKS.md), where every rank reading every other's frame made each one a barrier.
+//!
+//! The root need not wait for its frames either (`GlooOptions::lazy_root_verification`, the
+//! default): it returns once its data is out and leaves them to a later operation
 //! ([`Deferred`], [`verify_deferred`]), judged there against the operation they belong to,
 //! before it receives anything else: at its next operation, unless that one only sends small
-//! buffers too (then after at most [`MAX_DEFERRED`] of them), or at close. A disagreement
-//! is then reported on the root that much later, still naming both sides, and on every other
-//! rank as before: receivers read every frame before they return, so two receivers that
-//! disagree (or a receiver and a second would-be root) find it at once. Where the root's
+//! buffers too (then after at most [`MAX_DEFERRED`] of them), or at close. Where the root's
 //! send may wait for its receiver (see [`unblocking_send_max`]) it reads that receiver's
 //! frame in the step, so two would-be roots fail at once rather than time out.
 //!
-//! What the root cannot shed is the receivers' frames to it: one small write per receiver
-//! and operation, which on a loaded 2-core host costs about as much as the whole
-//! pre-agreement small broadcast (see docs/BENCHMARKS.md). No receiver can skip it: with two
-//! ranks that each think the other is the root, both only receive, and only that frame tells
-//! either of them; a receiver cannot tell that case from agreement before it has sent it.
+//! What no rank can shed is the receivers' frames to the root: with two ranks that each think
+//! the other is the root, both only receive, and only that frame tells either of them; a
+//! receiver cannot tell that case from agreement before it has sent it.
 //!
 //! Above that, n − 1 frames per rank cost more than a few serial rounds, and
 //! [`rooted_args`] runs a dissemination exchange before the data: in round k each rank sends
@@ -80,12 +87,13 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`; `lazy_root` as
-    /// in [`Pending::lazy_root`].
-    pub(crate) fn new(n: usize, rank: usize, lazy_root: Option<usize>) -> Self {
+    /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`, for an operation
+    /// rooted at `root`: the root is owed every other rank's frame, a receiver none;
+    /// `lazy_root` as in [`Pending::lazy_root`].
+    pub(crate) fn new(n: usize, rank: usize, root: usize, lazy_root: Option<usize>) -> Self {
         Pending {
             sent: false,
-            unread: (0..n).map(|p| p != rank).collect(),
+            unread: (0..n).map(|p| rank == root && p != rank).collect(),
             lazy_root,
         }
     }
@@ -187,14 +195,13 @@ pub(crate) fn verify_deferred(
     }
 }
 
-/// Runs `sends` and `recvs` as one step that also carries what is left of the agreement: this
-/// rank's header-only frame to every other rank (in the first step, ahead of anything else it
-/// sends this operation), and the frame of every peer the step receives from (ahead of that
-/// peer's data: its frame is the first thing it sent) or sends to (a send by reference waits
-/// for its receiver, which, disagreeing, might never take it: its frame says so). Frames of
-/// other peers are read by the `last` step, so a rank that forwards data (a chain's middle)
-/// does not wait for ranks it exchanges nothing with. Frame indices passed to `on_frame` are
-/// those of `recvs`.
+/// Runs `sends` and `recvs` as one step that also carries what is left of the agreement: a
+/// receiver's header-only frame to the root (in the first step, ahead of anything else it
+/// sends this operation) and, on the root, the frame of every peer the step receives from
+/// (ahead of that peer's data: its frame is the first thing it sent) or sends to by a send
+/// that may wait for it (which, disagreeing, might never take it: its frame says so). An
+/// eager root reads the rest in the `last` step; a lazy one leaves them to a later operation.
+/// Frame indices passed to `on_frame` are those of `recvs`.
 pub(crate) fn fused_step(
     o: &Op<'_>,
     pending: &mut Pending,
@@ -203,10 +210,12 @@ pub(crate) fn fused_step(
     on_frame: &mut OnFrame<'_>,
     last: bool,
 ) -> Result<()> {
-    let (n, r) = (o.n(), o.rank());
-    let mut all_sends: Vec<Outgoing<'_>> = Vec::with_capacity(n + sends.len());
+    let (n, r, root) = (o.n(), o.rank(), o.ctx.root as usize);
+    let mut all_sends: Vec<Outgoing<'_>> = Vec::with_capacity(1 + sends.len());
     if !pending.sent {
-        all_sends.extend((1..n).map(|d| o.send((r + d) % n, &[], FUSED_TAG)));
+        if r != root {
+            all_sends.push(o.send(root, &[], FUSED_TAG));
+        }
         pending.sent = true;
     }
     all_sends.extend(sends.iter().map(|s| Outgoing {

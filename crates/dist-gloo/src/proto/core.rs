@@ -10,6 +10,7 @@ use super::parse::process;
 use super::step::{Status, Step};
 use crate::transport::{
     Incoming, OnFrame, Outgoing, StepCtx, abort_reason, closed_error_at, stalled_on,
+    stashed_conflict,
 };
 
 /// One rank's protocol state with each of its peers: no sockets, threads or clocks.
@@ -272,6 +273,23 @@ impl Core {
         // A step whose every message moved is done, whatever arrived after.
         if missing.is_empty() {
             return Status::Done;
+        }
+        // A frame of this operation whose arguments differ from ours, from a peer the step
+        // does not wait for (see `stashed_conflict`): the ranks disagree.
+        let count = recvs
+            .first()
+            .map(|r| r.count)
+            .or_else(|| sends.first().map(|s| s.count))
+            .unwrap_or(0);
+        let conflict = self
+            .conns
+            .iter()
+            .flatten()
+            .flat_map(|c| c.stash.iter())
+            .find_map(|(h, _)| stashed_conflict(&ctx, h, count));
+        if let Some(e) = conflict {
+            step.fail(e);
+            return Status::Failed;
         }
         // A peer this step does not use that aborted the group: the step cannot complete
         // either (a peer that merely left may have finished and exited: not a failure).

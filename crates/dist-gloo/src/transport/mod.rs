@@ -308,6 +308,42 @@ pub(crate) fn judge(
     Ok(Verdict::Expected)
 }
 
+/// A frame `peer` sent in this very operation (same group and sequence number) that the
+/// step does not wait for, judged as it arrives: `Some` when its operation or arguments
+/// differ from this rank's. Why: a rank waits only on the peers its algorithm names, and
+/// ranks that disagree about a rooted operation's root send to ranks that wait on someone
+/// else (a rooted op's receivers send their agreement frame only to the root they believe
+/// in), which would otherwise wait to the timeout with the disagreement in their stash.
+/// Counts are not compared (they may differ between the messages of one operation); the
+/// frames a step reads compare them. A frame of an earlier operation still unread is one
+/// this rank never took (every frame of a collective is received in the operation that sends
+/// it), so its sender disagreed with this rank about that operation, unless it is a
+/// header-only frame naming this rank as the root: a lazy root's deferred agreement frame.
+/// `count` is this rank's, for the error only.
+pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Option<Error> {
+    let collective = |op| op != CollectiveOp::SendRecv && op != CollectiveOp::Close;
+    if !collective(h.op) || !collective(ctx.op) || ctx.args_in_payload || h.group != ctx.group {
+        return None;
+    }
+    let deferred_agreement = h.payload_len == 0 && h.root as usize == ctx.rank;
+    let conflict = match h.seq.cmp(&ctx.seq) {
+        std::cmp::Ordering::Less => !deferred_agreement,
+        std::cmp::Ordering::Equal => {
+            h.op != ctx.op
+                || h.dtype != ctx.dtype
+                || h.reduce != ctx.reduce
+                || h.root != ctx.root
+                || h.splits != ctx.splits
+                || h.reduce_arg != ctx.reduce_arg
+        }
+        std::cmp::Ordering::Greater => false,
+    };
+    conflict.then(|| Error::Mismatch {
+        ours: ctx.desc(count),
+        theirs: OpDesc::from(h),
+    })
+}
+
 /// The error for a step that met `peer`'s `Close` frame giving `reason` (or whose connection to
 /// `peer` was already closed for it).
 pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> Error {

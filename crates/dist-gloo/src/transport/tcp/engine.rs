@@ -13,7 +13,7 @@ use super::conn::{Conn, Io, Payload, PeerState};
 use super::linger;
 use crate::transport::{
     Incoming, OnFrame, Outgoing, StepCtx, Verdict, abort_reason, closed_error, frames, judge,
-    stalled_on,
+    stalled_on, stashed_conflict,
 };
 
 /// The longest an aborted mesh spends, when it is closed, delivering its abort notices and
@@ -364,19 +364,32 @@ impl Engine {
                 }
                 continue;
             }
-            self.wait(ctx, recvs, rx, ctx.deadline - now)?;
+            let count = recvs
+                .first()
+                .map(|r| r.count)
+                .or_else(|| sends.first().map(|s| s.count))
+                .unwrap_or(0);
+            self.wait(ctx, recvs, rx, count, ctx.deadline - now)?;
         }
     }
 
     /// Sleeps in the poller until some socket is ready, draining sockets the step does not
-    /// receive from and failing if one of them turns out lost.
+    /// receive from and failing if one of them turns out lost, or holds a frame of this
+    /// operation whose arguments differ from ours (see [`stashed_conflict`]; `count` is
+    /// ours, for its error).
     fn wait(
         &mut self,
         ctx: &StepCtx,
         recvs: &[Incoming<'_>],
         rx: &[RecvState],
+        count: u64,
         timeout: Duration,
     ) -> Result<()> {
+        // Checked before sleeping too: such a frame may have been stashed before this
+        // operation began (its sender ran ahead).
+        if let Some(e) = self.stashed_conflict(ctx, count) {
+            return Err(e);
+        }
         // Cap each sleep so a lost wake-up can only cost latency, never a hang.
         let timeout = timeout.min(Duration::from_millis(100));
         // Shared-memory links say they sleep first, then look once more (no wake-up lost);
@@ -422,6 +435,16 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// The first frame of this operation in any connection's stash whose arguments differ
+    /// from this rank's, as a mismatch error.
+    fn stashed_conflict(&self, ctx: &StepCtx, count: u64) -> Option<Error> {
+        self.conns
+            .iter()
+            .flatten()
+            .flat_map(|c| c.stash.iter())
+            .find_map(|(h, _)| stashed_conflict(ctx, h, count))
     }
 
     /// Arms every shared-memory link before a sleep (see `Link::arm`): the peers whose link
