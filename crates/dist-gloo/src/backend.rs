@@ -5,7 +5,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use dist_backend::{Backend, BufMut, BufRef, Capabilities, Error, OpOptions, Result, Store};
+use dist_backend::{
+    Backend, BufMut, BufRef, Capabilities, Error, OpDesc, OpOptions, Result, Store,
+};
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
 use crate::algo::{Op, agree, allreduce, bcast, blocks_of, choice, ring, rooted};
@@ -124,6 +126,8 @@ pub struct GlooBackend {
     /// [`GlooOptions::lazy_root_verification`]), oldest first: read before anything else.
     deferred: Mutex<VecDeque<agree::Deferred>>,
     seq: AtomicU64,
+    /// This rank's last rooted operation (see `StepCtx::last_rooted`).
+    last_rooted: Mutex<Option<OpDesc>>,
     /// The first error; once set, the group refuses further operations.
     poisoned: Mutex<Option<String>>,
     /// Receive scratch, as `u64` so that typed views of it are aligned.
@@ -215,6 +219,7 @@ impl GlooBackend {
             }),
             deferred: Mutex::new(VecDeque::new()),
             seq: AtomicU64::new(0),
+            last_rooted: Mutex::new(None),
             poisoned: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
         }
@@ -387,6 +392,13 @@ impl GlooBackend {
         ctx.root = root.map_or(NO_ROOT, |r| r as u32);
         ctx.splits = splits.map_or(0, dist_wire::splits_fingerprint);
         ctx.reduce_arg = reduce.map_or(0, |r| r.param_fingerprint());
+        if name != CollectiveOp::SendRecv {
+            let mut last = self.last_rooted.lock().unwrap_or_else(|e| e.into_inner());
+            ctx.last_rooted = *last;
+            if name.rooted() {
+                *last = Some(ctx.desc(count as u64));
+            }
+        }
         let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let lazy = self.lazy_root.filter(|_| {

@@ -50,6 +50,10 @@ pub struct StepCtx {
     /// every rank, not only the pair whose frames disagree, can report a disagreement: the
     /// receiver checks only op, sequence number and step of its frames.
     pub args_in_payload: bool,
+    /// This rank's last rooted operation before this one, if any: a frame of it that this
+    /// rank never took (it returned before that frame came) is judged against it, so that the
+    /// mismatch names both sides of the operation they disagreed on.
+    pub last_rooted: Option<OpDesc>,
     /// When the whole operation started (for `Timeout::waited`).
     pub started: Instant,
     /// When the whole operation must be done.
@@ -91,6 +95,7 @@ impl StepCtx {
             splits: 0,
             reduce_arg: 0,
             args_in_payload: false,
+            last_rooted: None,
             started,
             deadline: dist_backend::deadline_after(started, timeout),
         }
@@ -119,6 +124,19 @@ impl StepCtx {
     /// This rank's description of the operation, for mismatch errors.
     pub fn desc(&self, count: u64) -> OpDesc {
         OpDesc::from(&self.header(count, 0, 0, 0))
+    }
+
+    /// The two sides of a mismatch with `h`: this rank's view of the operation `h` belongs
+    /// to when that is its last rooted one, else of this one (with `count`).
+    pub(crate) fn mismatch(&self, h: &FrameHeader, count: u64) -> Error {
+        let ours = self
+            .last_rooted
+            .filter(|d| d.seq == h.seq && h.seq != self.seq)
+            .unwrap_or_else(|| self.desc(count));
+        Error::Mismatch {
+            ours,
+            theirs: OpDesc::from(h),
+        }
     }
 
     /// The error for peers that had not delivered by the deadline.
@@ -276,10 +294,7 @@ pub(crate) fn judge(
             && h.splits == ctx.splits
             && h.reduce_arg == ctx.reduce_arg);
     if h.op != ctx.op || h.seq != ctx.seq || !same_args {
-        return Err(Error::Mismatch {
-            ours: ctx.desc(want_count),
-            theirs,
-        });
+        return Err(ctx.mismatch(h, want_count));
     }
     if h.tag != want_tag {
         return Err(Error::invalid(
@@ -338,10 +353,7 @@ pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Op
         }
         std::cmp::Ordering::Greater => false,
     };
-    conflict.then(|| Error::Mismatch {
-        ours: ctx.desc(count),
-        theirs: OpDesc::from(h),
-    })
+    conflict.then(|| ctx.mismatch(h, count))
 }
 
 /// The error for a step that met `peer`'s `Close` frame giving `reason` (or whose connection to
