@@ -119,9 +119,9 @@ pub struct GlooBackend {
     small_bytes: usize,
     broadcast_scatter_bytes: usize,
     fused_agreement_max_ranks: usize,
-    /// `Some(max)` when this rank's rooted ops verify lazily: sends below `max` bytes do
-    /// not wait for their receiver's agreement frame (see [`agree::unblocking_send_max`]).
-    lazy_root: Option<usize>,
+    /// Whether this rank, as a rooted op's root, verifies the others' agreement frames
+    /// lazily ([`GlooOptions::lazy_root_verification`]).
+    lazy_root: bool,
     /// The agreement frames the roots of earlier rooted ops left unread (see
     /// [`GlooOptions::lazy_root_verification`]), oldest first: read before anything else.
     deferred: Mutex<VecDeque<agree::Deferred>>,
@@ -209,14 +209,7 @@ impl GlooBackend {
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
                 .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
-            lazy_root: opts.lazy_root_verification.unwrap_or(true).then(|| {
-                agree::unblocking_send_max(
-                    opts.mesh
-                        .cross_memory
-                        .then_some(opts.mesh.cross_memory_min_bytes),
-                    opts.mesh.socket_buffer,
-                )
-            }),
+            lazy_root: opts.lazy_root_verification.unwrap_or(true),
             deferred: Mutex::new(VecDeque::new()),
             seq: AtomicU64::new(0),
             last_rooted: Mutex::new(None),
@@ -401,15 +394,12 @@ impl GlooBackend {
         }
         let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let lazy = self.lazy_root.filter(|_| {
-            root == Some(self.rank) && self.world_size <= self.fused_agreement_max_ranks
-        });
-        // A lazy root that only sends, each send below the size that could wait for its
-        // receiver, reads nothing this operation: older deferred frames may stay queued.
-        let sends_only = lazy.is_some_and(|max| {
-            matches!(name, CollectiveOp::Broadcast | CollectiveOp::Scatter)
-                && count * dtype.size() < max
-        });
+        let lazy = self.lazy_root
+            && root == Some(self.rank)
+            && self.world_size <= self.fused_agreement_max_ranks;
+        // A lazy root that only sends reads nothing this operation: older deferred frames
+        // may stay queued.
+        let sends_only = lazy && matches!(name, CollectiveOp::Broadcast | CollectiveOp::Scatter);
         let keep = if sends_only {
             agree::MAX_DEFERRED - 1
         } else {

@@ -131,8 +131,8 @@ fn expected(n: usize, me: usize, count: usize) -> Vec<f32> {
 fn runs_of_small_rooted_ops_interleave_with_every_op_on_1_to_5_ranks() {
     for n in 1..=5 {
         let ranks = tcp_world(n, &GlooOptions::default());
-        // 0, 1, uneven, and just below and above the size from which a root reads its
-        // receivers' frames while it sends (48 KiB by default).
+        // 0, 1, uneven, and just below and above 48 KiB (where a send may fill the socket
+        // and wait for its receiver).
         for count in [0, 1, 7, (12 << 10) - 1, (12 << 10) + 3] {
             let got = on_all(&ranks, |b| mixed_sequence(b, count));
             for (r, g) in got.iter().enumerate() {

@@ -293,9 +293,10 @@ fn every_rank_names_both_roots(gopts: &GlooOptions, may_return: bool) {
 }
 
 /// Two would-be roots that only send to each other: below the size a send may wait for its
-/// receiver each returns and finds the mismatch at its next operation; from it on each reads
-/// the other's agreement frame while it sends. At every size around that switch, by
-/// reference and over TCP only, both fail with a mismatch naming both roots, never a timeout.
+/// receiver (a socket's worth, or the single-copy threshold) each returns and finds the
+/// mismatch at its next operation; from it on each, waiting, judges the other's data frame as
+/// it arrives. At every size around that switch, by reference and over TCP only, both fail
+/// with a mismatch naming both roots, never a timeout.
 #[test]
 fn two_would_be_roots_fail_with_a_mismatch_at_every_size_around_the_switch() {
     for cma in [true, false] {

@@ -36,10 +36,12 @@
 //! The root need not wait for its frames either (`GlooOptions::lazy_root_verification`, the
 //! default): it returns once its data is out and leaves them to a later operation
 //! ([`Deferred`], [`verify_deferred`]), judged there against the operation they belong to,
-//! before it receives anything else: at its next operation, unless that one only sends small
-//! buffers too (then after at most [`MAX_DEFERRED`] of them), or at close. Where the root's
-//! send may wait for its receiver (see [`unblocking_send_max`]) it reads that receiver's
-//! frame in the step, so two would-be roots fail at once rather than time out.
+//! before it receives anything else: at its next operation, unless that one only sends too
+//! (then after at most [`MAX_DEFERRED`] of them), or at close. A root's send that waits for
+//! its receiver (by reference, or on a full socket) does not need that receiver's frame to
+//! end: a receiver that disagrees is waiting, or a second would-be root sending too, and
+//! either way the frames that reach a waiting rank show it, so two would-be roots of a large
+//! buffer fail at once rather than time out.
 //!
 //! What no rank can shed is the receivers' frames to the root: with two ranks that each think
 //! the other is the root, both only receive, and only that frame tells either of them; a
@@ -79,18 +81,16 @@ pub(crate) struct Pending {
     sent: bool,
     /// Per peer rank: its frame is still to be read.
     unread: Vec<bool>,
-    /// `Some(max)`: this rank is the root and leaves the frames it need not wait for to a
-    /// later operation ([`Deferred`]) instead of reading them before it returns; it still
-    /// reads the frame of the receiver of any send of at least `max` bytes (see
-    /// [`unblocking_send_max`]).
-    lazy_root: Option<usize>,
+    /// This rank is the root and leaves the frames of the peers it does not receive from to a
+    /// later operation ([`Deferred`]) instead of reading them before it returns.
+    lazy_root: bool,
 }
 
 impl Pending {
     /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`, for an operation
     /// rooted at `root`: the root is owed every other rank's frame, a receiver none;
     /// `lazy_root` as in [`Pending::lazy_root`].
-    pub(crate) fn new(n: usize, rank: usize, root: usize, lazy_root: Option<usize>) -> Self {
+    pub(crate) fn new(n: usize, rank: usize, root: usize, lazy_root: bool) -> Self {
         Pending {
             sent: false,
             unread: (0..n).map(|p| rank == root && p != rank).collect(),
@@ -106,14 +106,14 @@ impl Pending {
     /// Whether what is left may wait for a later operation: a lazy root's frames have
     /// gone out, and it reads the others' then ([`Pending::deferred`]).
     pub(crate) fn may_defer(&self) -> bool {
-        self.sent && self.lazy_root.is_some()
+        self.sent && self.lazy_root
     }
 
     /// The frames a lazy root left unread, to be verified by [`verify_deferred`] before
     /// this rank receives anything else; `None` when there are none.
     pub(crate) fn deferred(&self, o: &Op<'_>) -> Option<Deferred> {
         let unread: Vec<usize> = (0..self.unread.len()).filter(|&p| self.unread[p]).collect();
-        (self.lazy_root.is_some() && !unread.is_empty()).then_some(Deferred {
+        (self.lazy_root && !unread.is_empty()).then_some(Deferred {
             ctx: o.ctx,
             count: o.count,
             unread,
@@ -127,23 +127,6 @@ impl Pending {
 /// one root), and the header-only frames waiting in its sockets; any operation in which the
 /// root may receive reads them all first.
 pub(crate) const MAX_DEFERRED: usize = 8;
-
-/// The largest send that cannot block on a receiver that never reads: sends from this size
-/// up make even a lazy root read their receiver's agreement frame in the step that sends.
-/// Such a send may wait for its receiver (by reference from `cross_memory_min` bytes, or once
-/// the socket buffers are full), and a receiver that disagrees (say, a second would-be root
-/// that only sends too) never takes it: its frame is what turns that wait into a mismatch
-/// instead of a timeout. Those sends wait for their receiver anyway, so reading its frame
-/// costs nothing there. Below, a send fits in the kernel's buffers: half of Linux's initial
-/// 128 KiB receive buffer is the window a peer that does not read still offers (16 KiB of
-/// it left for headers and the sender's own buffer), or a quarter of `socket_buffer` if set.
-pub(crate) fn unblocking_send_max(
-    cross_memory_min: Option<usize>,
-    socket_buffer: Option<usize>,
-) -> usize {
-    let socket = socket_buffer.map_or(48 << 10, |b| b / 4);
-    cross_memory_min.map_or(socket, |c| c.min(socket))
-}
 
 /// A root's agreement frames left unread when its operation returned: the operation's own
 /// context (every frame is judged against it) and the peers whose frames are still owed.
@@ -224,15 +207,17 @@ pub(crate) fn fused_step(
         count: s.count,
         tag: s.tag,
     }));
-    // A lazy root waits only where its data waits anyway: for peers it receives from, and
-    // for receivers of sends that may block (see `unblocking_send_max`).
-    let waits_on_send = |s: &Outgoing<'_>| pending.lazy_root.is_none_or(|max| s.data.len() >= max);
+    // A lazy root waits only where its data waits anyway: for peers it receives from. A
+    // send that waits for a receiver that disagrees and never takes it (a by-reference copy,
+    // a full socket) ends by the other side's frames, which the wait judges as they come
+    // (see `transport::stashed_conflict`), not by this frame.
+    let lazy = pending.lazy_root;
     let agree_from: Vec<usize> = (0..n)
         .filter(|&p| {
             pending.unread[p]
-                && ((last && pending.lazy_root.is_none())
+                && ((last && !lazy)
                     || recvs.iter().any(|x| x.peer == p)
-                    || sends.iter().any(|s| s.peer == p && waits_on_send(s)))
+                    || (!lazy && sends.iter().any(|s| s.peer == p)))
         })
         .collect();
     let k = agree_from.len();

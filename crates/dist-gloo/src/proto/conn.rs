@@ -67,6 +67,12 @@ pub(super) struct Conn {
 }
 
 impl Conn {
+    /// The headers of every frame stashed, the one still being read included.
+    pub(super) fn stashed_headers(&self) -> impl Iterator<Item = &FrameHeader> {
+        let partial = self.partial.as_ref().map(|(h, _, _)| h);
+        self.stash.iter().map(|(h, _)| h).chain(partial)
+    }
+
     pub(super) fn new() -> Self {
         Conn {
             stage: vec![0u8; STAGING].into_boxed_slice(),

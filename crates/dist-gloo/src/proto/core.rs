@@ -285,8 +285,8 @@ impl Core {
             .conns
             .iter()
             .flatten()
-            .flat_map(|c| c.stash.iter())
-            .find_map(|(h, _)| stashed_conflict(&ctx, h, count));
+            .flat_map(Conn::stashed_headers)
+            .find_map(|h| stashed_conflict(&ctx, h, count));
         if let Some(e) = conflict {
             step.fail(e);
             return Status::Failed;

@@ -206,6 +206,13 @@ impl Conn {
         Ok(Io::Ready(k))
     }
 
+    /// The headers of every frame stashed, the one still being read included (its header
+    /// says what it is before its payload is in).
+    pub(super) fn stashed_headers(&self) -> impl Iterator<Item = &FrameHeader> {
+        let partial = self.partial.as_ref().map(|(h, _)| h);
+        self.stash.iter().map(|(h, _)| h).chain(partial)
+    }
+
     /// Starts stashing a frame whose header (and reference) has been read.
     pub(super) fn begin_stash(&mut self, (h, at): FrameStart) -> Result<(), String> {
         if let Some(at) = at {

@@ -443,8 +443,8 @@ impl Engine {
         self.conns
             .iter()
             .flatten()
-            .flat_map(|c| c.stash.iter())
-            .find_map(|(h, _)| stashed_conflict(ctx, h, count))
+            .flat_map(Conn::stashed_headers)
+            .find_map(|h| stashed_conflict(ctx, h, count))
     }
 
     /// Arms every shared-memory link before a sleep (see `Link::arm`): the peers whose link
