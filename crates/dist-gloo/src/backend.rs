@@ -142,13 +142,30 @@ impl std::fmt::Debug for GlooBackend {
 
 impl GlooBackend {
     /// Connects a full TCP mesh among `world_size` ranks through `store`, under the key prefix
-    /// `prefix` (one prefix per group).
+    /// `prefix` (one prefix per group), within [`MeshOptions::timeout`] from now.
     pub fn connect(
         store: &dyn Store,
         prefix: &str,
         rank: usize,
         world_size: usize,
         opts: &GlooOptions,
+    ) -> Result<Self> {
+        // One deadline for the whole rendezvous, however many store calls it makes.
+        let deadline = dist_backend::deadline_after(Instant::now(), opts.mesh.timeout);
+        Self::connect_by(store, prefix, rank, world_size, opts, deadline)
+    }
+
+    /// [`GlooBackend::connect`] ending by `deadline`, that of the call it serves (init, a
+    /// sub-group's creation), instead of a timeout of its own from now: every store call and
+    /// connection of the rendezvous ends by it. [`MeshOptions::timeout`] then only bounds how
+    /// long a closed connection lingers for its peer.
+    pub fn connect_by(
+        store: &dyn Store,
+        prefix: &str,
+        rank: usize,
+        world_size: usize,
+        opts: &GlooOptions,
+        deadline: Instant,
     ) -> Result<Self> {
         if rank >= world_size {
             return Err(Error::invalid(
@@ -157,8 +174,6 @@ impl GlooBackend {
                 format!("rank {rank} is not below world size {world_size}"),
             ));
         }
-        // One deadline for the whole rendezvous, however many store calls it makes.
-        let deadline = dist_backend::deadline_after(Instant::now(), opts.mesh.timeout);
         let mine = choice::settings(&[
             (
                 "small_bytes",

@@ -46,6 +46,7 @@ impl TcpTransport {
     /// [`TcpTransport::connect`] within `deadline`: every store call of the rendezvous (the
     /// addresses, the shared-memory and single-copy negotiations) ends by it, so building the
     /// mesh never takes longer than the call it serves, however many store calls it makes.
+    /// `opts.timeout` still bounds the linger of each connection when the mesh is closed.
     pub fn connect_by(
         store: &dyn Store,
         prefix: &str,
