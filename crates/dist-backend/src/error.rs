@@ -33,6 +33,25 @@ pub struct OpDesc {
     /// Fingerprint of the reduce op's parameter, `PremulSum`'s scale
     /// ([`ReduceOp::param_fingerprint`]), 0 when none.
     pub reduce_arg: u32,
+    /// The algorithm step the rank was in, named only when two ranks met in different
+    /// algorithms for the same call (a backend that picks them from local settings), since
+    /// every other argument then matches.
+    pub step: Option<AlgoStep>,
+}
+
+/// One step of a backend's algorithm, as its frames label it: which algorithm, which step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AlgoStep {
+    /// The backend's name of the algorithm (`"ring reduce-scatter"`).
+    pub algorithm: &'static str,
+    /// The label its frames carry (the header's `tag`), naming the step within it.
+    pub tag: u32,
+}
+
+impl fmt::Display for AlgoStep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} step {:#x}", self.algorithm, self.tag)
+    }
 }
 
 impl From<&FrameHeader> for OpDesc {
@@ -47,6 +66,7 @@ impl From<&FrameHeader> for OpDesc {
             root: (h.root != NO_ROOT).then_some(h.root as usize),
             splits: h.splits,
             reduce_arg: h.reduce_arg,
+            step: None,
         }
     }
 }
@@ -72,6 +92,9 @@ impl fmt::Display for OpDesc {
         }
         if self.reduce_arg != 0 {
             write!(f, ", scale #{:06x}", self.reduce_arg)?;
+        }
+        if let Some(step) = self.step {
+            write!(f, ", in {step}")?;
         }
         f.write_str(")")
     }

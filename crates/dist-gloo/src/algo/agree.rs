@@ -399,6 +399,7 @@ pub(crate) fn rooted_args(o: &Op<'_>) -> Result<()> {
             root: (other.root != NO_ROOT).then_some(other.root as usize),
             splits: other.splits,
             reduce_arg: other.reduce_arg,
+            step: None,
         },
     })
 }

@@ -271,7 +271,7 @@ fn check(ranks: &[RankSim], fault: Fault, n: usize, seg: usize) -> Result<String
                 error,
                 at,
                 deadline,
-            } => (error, *at, *deadline),
+            } => (&**error, *at, *deadline),
         };
         failures += 1;
         let bad = |why: &str| {

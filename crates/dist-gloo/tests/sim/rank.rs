@@ -44,7 +44,8 @@ pub(crate) enum Fate {
     Done(Duration),
     /// A step failed with this error at this time, in an operation due by the deadline.
     Failed {
-        error: Error,
+        /// Boxed: a mismatch's two sides make `Error` the bulk of the enum.
+        error: Box<Error>,
         at: Duration,
         deadline: Duration,
     },
@@ -310,7 +311,7 @@ impl RankSim {
                 drop(ins);
                 self.cur = None;
                 self.fate = Fate::Failed {
-                    error,
+                    error: Box::new(error),
                     at: now,
                     deadline: self.op_started + TIMEOUT,
                 };
