@@ -25,6 +25,17 @@ fn sides(e: &Error) -> (OpDesc, OpDesc) {
     }
 }
 
+/// An f32 `SUM` all_reduce of `count` ones on `b`.
+fn sum_ones(b: &GlooBackend, count: usize) -> dist_backend::Result<()> {
+    let mut v = vec![1.0f32; count];
+    b.all_reduce(
+        BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+        DType::F32,
+        ReduceOp::Sum,
+        &opts(),
+    )
+}
+
 /// Every rank broadcasts `count` f32 from the root `root_of(rank)`; returns each rank's error.
 fn broadcast_roots(n: usize, count: usize, root_of: impl Fn(usize) -> usize + Sync) -> Vec<Error> {
     broadcast_roots_with(&GlooOptions::default(), n, count, root_of)
@@ -197,14 +208,7 @@ fn ranks_over_a_transport_running_different_algorithms_fail_on_every_rank_at_onc
                 .collect();
             let t0 = Instant::now();
             let errs = on_all(&ranks, |b| {
-                let mut v = vec![1.0f32; 100];
-                b.all_reduce(
-                    BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-                    DType::F32,
-                    ReduceOp::Sum,
-                    &opts(),
-                )
-                .expect_err("ranks that run different algorithms must not succeed")
+                sum_ones(b, 100).expect_err("ranks that run different algorithms must not succeed")
             });
             let took = t0.elapsed();
             assert!(
@@ -465,24 +469,8 @@ fn a_count_mismatch_between_two_ranks_reaches_every_rank() {
     const COUNT: usize = 256 * 1024 / 4;
     two_disagree_with_two(
         "count",
-        |b| {
-            let mut v = vec![1.0f32; COUNT + 1 + b.rank()];
-            b.all_reduce(
-                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-                DType::F32,
-                ReduceOp::Sum,
-                &opts(),
-            )
-        },
-        |b| {
-            let mut v = vec![1.0f32; COUNT];
-            b.all_reduce(
-                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-                DType::F32,
-                ReduceOp::Sum,
-                &opts(),
-            )
-        },
+        |b| sum_ones(b, COUNT + 1 + b.rank()),
+        |b| sum_ones(b, COUNT),
     );
 }
 
@@ -499,15 +487,7 @@ fn an_op_mismatch_between_two_ranks_reaches_every_rank() {
                 &opts(),
             )
         },
-        |b| {
-            let mut v = vec![1.0f32; 4096];
-            b.all_reduce(
-                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-                DType::F32,
-                ReduceOp::Sum,
-                &opts(),
-            )
-        },
+        |b| sum_ones(b, 4096),
     );
 }
 

@@ -3,8 +3,9 @@
 //! join must end by the one deadline it took when it started (`--rdzv-timeout`), not by a
 //! fresh store timeout from the store call that was in flight when the host stopped.
 //!
-//! Order comes from the store itself: the test reads the join counter until both started
-//! nodes have joined; node 1's join began before that.
+//! Order comes from the store itself (the test reads the join counter until both started
+//! nodes have joined; node 1's join began before that) and from `waitpid`, which reports
+//! node 0 stopped once every thread of it is.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
@@ -18,51 +19,42 @@ const DISTRUN: &str = env!("CARGO_BIN_EXE_distrun");
 const RDZV: Duration = Duration::from_secs(4);
 const SLACK: Duration = Duration::from_secs(1);
 
-/// Every node still running when the test ends is resumed and killed.
-struct Nodes(Vec<Child>);
+/// A node's `distrun`, resumed and killed when the test ends, however it ends.
+struct Node(Child);
 
-impl Drop for Nodes {
+impl Drop for Node {
     fn drop(&mut self) {
-        for c in &mut self.0 {
-            signal(c, libc::SIGCONT);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        send(&self.0, libc::SIGCONT);
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
-fn signal(c: &Child, sig: libc::c_int) {
+/// Sends `sig` to our child `c`; one that has exited already makes it fail harmlessly.
+fn send(c: &Child, sig: libc::c_int) {
     let pid = libc::pid_t::try_from(c.id()).expect("pid fits pid_t");
     // SAFETY: kill(2) on our own child's pid; it touches no memory of ours.
-    let rc = unsafe { libc::kill(pid, sig) };
-    assert!(rc == 0 || sig == libc::SIGCONT, "kill({pid}, {sig}) failed");
+    let _ = unsafe { libc::kill(pid, sig) };
 }
 
-/// Returns once every thread of `c` is stopped: kill(2) only queues SIGSTOP, and a thread
-/// running on another core may still answer a request or two.
-fn wait_stopped(c: &Child) {
-    let tasks = format!("/proc/{}/task", c.id());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let all = std::fs::read_dir(&tasks)
-            .expect("list node 0's threads")
-            .all(|t| {
-                let stat = std::fs::read_to_string(t.expect("thread entry").path().join("stat"))
-                    .unwrap_or_default();
-                // The state follows the parenthesised command name.
-                stat.rsplit_once(") ")
-                    .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
-            });
-        if all {
-            return;
-        }
-        assert!(Instant::now() < deadline, "node 0 did not stop");
-        std::thread::yield_now();
-    }
+/// Stops `c` and returns once all of it has stopped: kill(2) only queues SIGSTOP, and the
+/// kernel reports the stop to the parent when the last of the process's threads has stopped.
+fn stop(c: &Child) {
+    send(c, libc::SIGSTOP);
+    let pid = libc::pid_t::try_from(c.id()).expect("pid fits pid_t");
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our own child, writing only to `status`, a local we own. With
+    // WUNTRACED it reports the stop without reaping the child, so `Child` still owns it.
+    let rc = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) };
+    assert_eq!(rc, pid, "waitpid on node 0");
+    assert!(
+        libc::WIFSTOPPED(status),
+        "node 0 ended instead of stopping (status {status:#x})"
+    );
 }
 
 /// One node of a three-node job (only two are started, so nobody ever gets `go`).
-fn node(rank: &str, port: &str) -> Child {
+fn node(rank: &str, port: &str) -> Node {
     let rdzv = RDZV.as_secs().to_string();
     Command::new(DISTRUN)
         .args([
@@ -83,14 +75,15 @@ fn node(rank: &str, port: &str) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Node)
         .expect("start distrun")
 }
 
 #[test]
 fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
-    let mut nodes = Nodes(vec![node("0", "0")]);
+    let mut node0 = node("0", "0");
     // `distrun: 1 rank(s) on node 0 of 3 (world size 3), store at 127.0.0.1:PORT`
-    let mut stderr0 = BufReader::new(nodes.0[0].stderr.take().expect("node 0's stderr"));
+    let mut stderr0 = BufReader::new(node0.0.stderr.take().expect("node 0's stderr"));
     let port = loop {
         let mut line = String::new();
         let n = stderr0.read_line(&mut line).expect("node 0's stderr");
@@ -99,14 +92,19 @@ fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
             break at.trim().rsplit_once(':').expect("ADDR:PORT").1.to_owned();
         }
     };
-    nodes.0.push(node("1", &port));
+    let mut node1 = node("1", &port);
     let observer = TcpStore::connect("127.0.0.1", port.parse().expect("port"), RDZV)
         .expect("the test's client of node 0's store");
+    let started = Instant::now();
     while observer
         .add("distrun/attempt_0/joined", 0)
         .expect("read the join counter")
         < 2
     {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "node 1 never joined"
+        );
         std::thread::yield_now();
     }
     // Node 1's join started before this instant, so it must end by RDZV from here.
@@ -114,13 +112,13 @@ fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
     // Stopped late in the join, so a store call made then with a timeout of its own (the
     // rendezvous timeout from the call) would overrun the join's deadline by most of that.
     std::thread::sleep(RDZV / 2);
-    signal(&nodes.0[0], libc::SIGSTOP);
-    wait_stopped(&nodes.0[0]);
+    stop(&node0.0);
 
-    let status = nodes.0[1].wait().expect("node 1's exit");
+    let status = node1.0.wait().expect("node 1's exit");
     let took = joined.elapsed();
     let mut err = String::new();
-    nodes.0[1]
+    node1
+        .0
         .stderr
         .take()
         .expect("node 1's stderr")
