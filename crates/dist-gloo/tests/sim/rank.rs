@@ -219,6 +219,22 @@ impl RankSim {
             delivered[i] = r.end;
             Ok(())
         };
+        // Reads what peer `p` has sent into this step, as a socket's reads would.
+        macro_rules! read_peer {
+            ($p:expr) => {
+                read_from(
+                    &mut self.core,
+                    net,
+                    rng,
+                    step,
+                    &mut ins,
+                    &mut on_frame,
+                    &mut self.eof,
+                    rank,
+                    $p,
+                )
+            };
+        }
         let mut moved = false;
         for p in peers_in_random_order(rng, self.eof.len(), rank) {
             loop {
@@ -233,34 +249,14 @@ impl RankSim {
                         moved = true;
                     }
                     Err(why) => {
-                        read_from(
-                            &mut self.core,
-                            net,
-                            rng,
-                            step,
-                            &mut ins,
-                            &mut on_frame,
-                            &mut self.eof,
-                            rank,
-                            p,
-                        );
+                        read_peer!(p);
                         self.core.broken(p, why);
                         moved = true;
                         break;
                     }
                 }
             }
-            moved |= read_from(
-                &mut self.core,
-                net,
-                rng,
-                step,
-                &mut ins,
-                &mut on_frame,
-                &mut self.eof,
-                rank,
-                p,
-            );
+            moved |= read_peer!(p);
         }
         let at = base + now;
         match self.core.poll(step, &outs, &mut ins, &mut on_frame, at) {
@@ -292,17 +288,7 @@ impl RankSim {
             }
             Status::Failed => {
                 for p in (0..self.eof.len()).filter(|&p| p != rank) {
-                    read_from(
-                        &mut self.core,
-                        net,
-                        rng,
-                        step,
-                        &mut ins,
-                        &mut on_frame,
-                        &mut self.eof,
-                        rank,
-                        p,
-                    );
+                    read_peer!(p);
                 }
                 let error = match self.core.finish(step, &outs, at) {
                     Err(e) => e,
