@@ -234,6 +234,18 @@ pub enum Error {
     /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A store call this rank made for a larger task (building a backend's connections)
+    /// failed: [`Error::Store`] with the rank and the task, added where the task is known.
+    #[error("rank {rank}: {context}: {source}")]
+    StoreCall {
+        /// This rank.
+        rank: usize,
+        /// What the call was for.
+        context: String,
+        /// The store's error.
+        #[source]
+        source: StoreError,
+    },
     /// Init could not work out rank, world size or store from the environment or URL.
     #[error("init: {what}")]
     Init {
@@ -254,6 +266,19 @@ pub enum Error {
 }
 
 impl Error {
+    /// This error, a bare [`Error::Store`] made into an [`Error::StoreCall`] of `rank` for
+    /// `context` (other errors name their rank already).
+    pub fn in_store_call(self, rank: usize, context: impl FnOnce() -> String) -> Self {
+        match self {
+            Error::Store(source) => Error::StoreCall {
+                rank,
+                context: context(),
+                source,
+            },
+            other => other,
+        }
+    }
+
     /// Shorthand for [`Error::InvalidArgument`].
     pub fn invalid(rank: usize, op: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidArgument {

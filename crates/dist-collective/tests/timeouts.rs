@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dist_backend::store::HashStore;
+use dist_backend::store::{HashStore, TcpStoreServer};
 use dist_backend::{Store, StoreError};
 use dist_collective::testing::{run_world_opts, run_world_with};
 use dist_collective::{Error, InitOptions, ReduceOp, new_process_group};
@@ -398,4 +398,38 @@ fn init_ends_by_its_deadline_when_the_store_was_slow_before_the_mesh() {
         "init took {took:?}: {e}"
     );
     assert!(e.to_string().contains("rank 0"), "{e}");
+}
+
+/// Init's deadline is taken when init starts, so the time the store's host takes to answer
+/// the first connection (2 s here: its server starts late on a listener bound already, as a
+/// loaded host's might) comes out of the same budget as the Gloo mesh, instead of the mesh
+/// getting a fresh timeout once the store is up. Rank 0 never comes, so rank 1 fails at
+/// init's deadline.
+#[test]
+fn init_ends_by_its_deadline_when_the_store_host_answered_late() {
+    const INIT: Duration = Duration::from_secs(3);
+    const SLOW: Duration = Duration::from_secs(2);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the store's port");
+    let port = listener.local_addr().expect("its address").port();
+    let host = std::thread::spawn(move || {
+        std::thread::sleep(SLOW);
+        TcpStoreServer::from_listener(listener).expect("the store's server")
+    });
+    let opts = InitOptions::new()
+        .backend("gloo")
+        .init_method(format!("tcp://127.0.0.1:{port}"))
+        .rank(1)
+        .world_size(2)
+        .timeout(INIT);
+    let start = Instant::now();
+    let e = new_process_group(opts).expect_err("rank 0 never joins");
+    let took = start.elapsed();
+    eprintln!("init failed after {took:?}: {e}");
+    // The server is dropped only after init has given up.
+    drop(host.join().expect("the store host thread"));
+    assert!(
+        took <= INIT + Duration::from_secs(1),
+        "init took {took:?}: {e}"
+    );
+    assert!(e.to_string().contains("rank 1"), "{e}");
 }

@@ -192,10 +192,13 @@ impl GlooBackend {
                     .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
             ),
         ]);
-        choice::publish(store, prefix, rank, &mine, deadline)?;
+        let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
+        choice::publish(store, prefix, rank, &mine, deadline)
+            .map_err(|e| e.in_store_call(rank, agreeing))?;
         let t = TcpTransport::connect_by(store, prefix, rank, world_size, &opts.mesh, deadline)?;
         // Every rank published before building its side of the mesh, so all are there now.
-        choice::check(store, prefix, rank, world_size, &mine, deadline)?;
+        choice::check(store, prefix, rank, world_size, &mine, deadline)
+            .map_err(|e| e.in_store_call(rank, agreeing))?;
         Ok(Self::over(
             Box::new(t),
             crate::transport::tcp::group_id(prefix),

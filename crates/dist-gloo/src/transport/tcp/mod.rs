@@ -55,6 +55,22 @@ impl TcpTransport {
         opts: &MeshOptions,
         deadline: Instant,
     ) -> Result<Self> {
+        Self::rendezvous(store, prefix, rank, world_size, opts, deadline).map_err(|e| {
+            e.in_store_call(rank, || {
+                format!("group {prefix}: building the connection mesh")
+            })
+        })
+    }
+
+    /// [`TcpTransport::connect_by`], whose store errors do not name the rank yet.
+    fn rendezvous(
+        store: &dyn Store,
+        prefix: &str,
+        rank: usize,
+        world_size: usize,
+        opts: &MeshOptions,
+        deadline: Instant,
+    ) -> Result<Self> {
         if let Some(why) = &opts.transport_error {
             return Err(dist_backend::Error::invalid(rank, "connect", why.clone()));
         }
