@@ -55,26 +55,17 @@ impl TcpTransport {
         opts: &MeshOptions,
         deadline: Instant,
     ) -> Result<Self> {
-        Self::rendezvous(store, prefix, rank, world_size, opts, deadline).map_err(|e| {
+        // Its store errors name the rank and the task (the stores' own name only the call).
+        let ranked = |e: dist_backend::Error| {
             e.in_store_call(rank, || {
                 format!("group {prefix}: building the connection mesh")
             })
-        })
-    }
-
-    /// [`TcpTransport::connect_by`], whose store errors do not name the rank yet.
-    fn rendezvous(
-        store: &dyn Store,
-        prefix: &str,
-        rank: usize,
-        world_size: usize,
-        opts: &MeshOptions,
-        deadline: Instant,
-    ) -> Result<Self> {
+        };
         if let Some(why) = &opts.transport_error {
             return Err(dist_backend::Error::invalid(rank, "connect", why.clone()));
         }
-        let (poll, mut conns) = mesh::build(store, prefix, rank, world_size, opts, deadline)?;
+        let (poll, mut conns) =
+            mesh::build(store, prefix, rank, world_size, opts, deadline).map_err(ranked)?;
         let rings = shm::negotiate(
             store,
             prefix,
@@ -86,7 +77,8 @@ impl TcpTransport {
                 ring_bytes: opts.shm_ring_bytes,
             },
             deadline,
-        )?;
+        )
+        .map_err(ranked)?;
         let mut local_ranks = 1;
         for (slot, rings) in conns.iter_mut().zip(rings) {
             if let Some(rings) = rings {
@@ -109,7 +101,8 @@ impl TcpTransport {
             opts.cross_memory,
             opts.cross_memory_min_bytes,
             deadline,
-        )?;
+        )
+        .map_err(ranked)?;
         Ok(TcpTransport {
             rank,
             world_size,
