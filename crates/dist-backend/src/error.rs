@@ -33,6 +33,25 @@ pub struct OpDesc {
     /// Fingerprint of the reduce op's parameter, `PremulSum`'s scale
     /// ([`ReduceOp::param_fingerprint`]), 0 when none.
     pub reduce_arg: u32,
+    /// The algorithm step the rank was in, named only when two ranks met in different
+    /// algorithms for the same call (a backend that picks them from local settings), since
+    /// every other argument then matches.
+    pub step: Option<AlgoStep>,
+}
+
+/// One step of a backend's algorithm, as its frames label it: which algorithm, which step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AlgoStep {
+    /// The backend's name of the algorithm (`"ring reduce-scatter"`).
+    pub algorithm: &'static str,
+    /// The label its frames carry (the header's `tag`), naming the step within it.
+    pub tag: u32,
+}
+
+impl fmt::Display for AlgoStep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} step {:#x}", self.algorithm, self.tag)
+    }
 }
 
 impl From<&FrameHeader> for OpDesc {
@@ -47,6 +66,7 @@ impl From<&FrameHeader> for OpDesc {
             root: (h.root != NO_ROOT).then_some(h.root as usize),
             splits: h.splits,
             reduce_arg: h.reduce_arg,
+            step: None,
         }
     }
 }
@@ -72,6 +92,9 @@ impl fmt::Display for OpDesc {
         }
         if self.reduce_arg != 0 {
             write!(f, ", scale #{:06x}", self.reduce_arg)?;
+        }
+        if let Some(step) = self.step {
+            write!(f, ", in {step}")?;
         }
         f.write_str(")")
     }
@@ -211,6 +234,18 @@ pub enum Error {
     /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A store call this rank made for a larger task (building a backend's connections)
+    /// failed: [`Error::Store`] with the rank and the task, added where the task is known.
+    #[error("rank {rank}: {context}: {source}")]
+    StoreCall {
+        /// This rank.
+        rank: usize,
+        /// What the call was for.
+        context: String,
+        /// The store's error.
+        #[source]
+        source: StoreError,
+    },
     /// Init could not work out rank, world size or store from the environment or URL.
     #[error("init: {what}")]
     Init {
@@ -231,6 +266,19 @@ pub enum Error {
 }
 
 impl Error {
+    /// This error, a bare [`Error::Store`] made into an [`Error::StoreCall`] of `rank` for
+    /// `context` (other errors name their rank already).
+    pub fn in_store_call(self, rank: usize, context: impl FnOnce() -> String) -> Self {
+        match self {
+            Error::Store(source) => Error::StoreCall {
+                rank,
+                context: context(),
+                source,
+            },
+            other => other,
+        }
+    }
+
     /// Shorthand for [`Error::InvalidArgument`].
     pub fn invalid(rank: usize, op: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidArgument {

@@ -53,5 +53,5 @@ pub mod store;
 pub use backend::{Backend, Capabilities, DEFAULT_TIMEOUT, OpOptions};
 pub use buffer::{BufMut, BufRef, DeviceBuffer};
 pub use clock::deadline_after;
-pub use error::{Error, OpDesc, Result};
+pub use error::{AlgoStep, Error, OpDesc, Result};
 pub use store::{Store, StoreError};

@@ -89,14 +89,14 @@ fn check_dtype<T: FromI64>() {
                 assert_eq!(a, sum, "all_reduce sum w={w} n={n} rank {r}");
                 assert_eq!(m, max, "all_reduce max");
                 assert_eq!(b, input::<T>(w - 1, n), "broadcast");
+                // Every rank's input in rank order: what gather and all_gather produce.
+                let gathered: Vec<T> = (0..w).flat_map(|q| input::<T>(q, n)).collect();
                 if r == 0 {
                     assert_eq!(red, sum, "reduce");
-                    let want: Vec<T> = (0..w).flat_map(|q| input::<T>(q, n)).collect();
-                    assert_eq!(gat, want, "gather");
+                    assert_eq!(gat, gathered, "gather");
                 }
-                let want: Vec<T> = (0..w).flat_map(|q| input::<T>(q, n)).collect();
-                assert_eq!(g, want, "all_gather_into");
-                assert_eq!(gl.concat(), want, "all_gather list");
+                assert_eq!(g, gathered, "all_gather_into");
+                assert_eq!(gl.concat(), gathered, "all_gather list");
                 assert_eq!(gl.len(), w);
                 let rs_want: Vec<T> = (0..n)
                     .map(|i| T::from_i64((0..w).map(|q| val(q, r * n + i)).sum()))

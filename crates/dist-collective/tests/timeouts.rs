@@ -4,9 +4,9 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dist_backend::store::HashStore;
+use dist_backend::store::{HashStore, TcpStoreServer};
 use dist_backend::{Store, StoreError};
 use dist_collective::testing::{run_world_opts, run_world_with};
 use dist_collective::{Error, InitOptions, ReduceOp, new_process_group};
@@ -234,26 +234,27 @@ fn the_first_failure_dumps_the_flight_recorder_once() {
     assert!(e[3]["finished_ms"].as_f64() >= e[3]["started_ms"].as_f64());
 }
 
-/// A store that counts the writes of progress keys.
-struct Counting {
+/// A `HashStore` that runs a hook with the keys of every write before making it: to count
+/// writes, or to play a store host that is slow to answer them.
+struct Hooked<F: Fn(&[&str]) + Send + Sync> {
     inner: HashStore,
-    progress_sets: AtomicUsize,
+    before_write: F,
 }
 
-impl Store for Counting {
+impl<F: Fn(&[&str]) + Send + Sync> Store for Hooked<F> {
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        if key.contains("progress/") {
-            self.progress_sets.fetch_add(1, Ordering::Relaxed);
-        }
+        (self.before_write)(&[key]);
         self.inner.set(key, value)
     }
     fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
         self.inner.get(key)
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        (self.before_write)(&[key]);
         self.inner.add(key, delta)
     }
     fn compare_set(&self, key: &str, exp: &[u8], want: &[u8]) -> Result<Vec<u8>, StoreError> {
+        (self.before_write)(&[key]);
         self.inner.compare_set(key, exp, want)
     }
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
@@ -269,18 +270,19 @@ impl Store for Counting {
         self.inner.num_keys()
     }
     fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        (self.before_write)(&[key]);
         self.inner.append(key, value)
     }
     fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
         self.inner.multi_get(keys)
     }
     fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), StoreError> {
-        if pairs.iter().any(|(k, _)| k.contains("progress/")) {
-            self.progress_sets.fetch_add(1, Ordering::Relaxed);
-        }
+        let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
+        (self.before_write)(&keys);
         self.inner.multi_set(pairs)
     }
     fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        (self.before_write)(&[key]);
         self.inner.queue_push(key, value)
     }
     fn queue_pop(&self, key: &str, block: bool) -> Result<Option<Vec<u8>>, StoreError> {
@@ -297,9 +299,15 @@ impl Store for Counting {
 #[test]
 fn collectives_that_keep_completing_publish_no_progress() {
     const OPS: usize = 2000;
-    let store = Arc::new(Counting {
+    let progress_sets = Arc::new(AtomicUsize::new(0));
+    let counter = progress_sets.clone();
+    let store = Arc::new(Hooked {
         inner: HashStore::new(Duration::from_secs(60)),
-        progress_sets: AtomicUsize::new(0),
+        before_write: move |keys: &[&str]| {
+            if keys.iter().any(|k| k.contains("progress/")) {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        },
     });
     std::thread::scope(|s| {
         for rank in 0..2 {
@@ -322,7 +330,7 @@ fn collectives_that_keep_completing_publish_no_progress() {
     // A publish needs the rank's state to stay unchanged for 2 s (an eighth of the timeout,
     // capped): while collectives complete back to back there is none, so only idle moments
     // (set-up, the end) publish. Per-collective publishing would make this thousands.
-    let sets = store.progress_sets.load(Ordering::Relaxed);
+    let sets = progress_sets.load(Ordering::Relaxed);
     assert!(sets <= 8, "{sets} progress writes for {OPS} collectives");
 }
 
@@ -358,4 +366,68 @@ fn a_receive_that_times_out_names_its_seq_and_peer() {
         msg.contains("rank 0") && msg.contains("#1") && msg.contains("[1]"),
         "{msg}"
     );
+}
+
+/// Init's deadline, taken when it starts, bounds the Gloo mesh too: a store slow to count the
+/// inits (2 s, as a loaded store host may be) leaves the mesh only what is left, instead of a
+/// fresh timeout of its own. Rank 1 never comes, so rank 0 fails at init's deadline.
+#[test]
+fn init_ends_by_its_deadline_when_the_store_was_slow_before_the_mesh() {
+    const INIT: Duration = Duration::from_secs(3);
+    const SLOW: Duration = Duration::from_secs(2);
+    let store = Arc::new(Hooked {
+        inner: HashStore::new(Duration::from_secs(60)),
+        before_write: |keys: &[&str]| {
+            if keys == ["dist/world_inits"] {
+                std::thread::sleep(SLOW);
+            }
+        },
+    });
+    let opts = InitOptions::new()
+        .backend("gloo")
+        .store(store)
+        .rank(0)
+        .world_size(2)
+        .timeout(INIT);
+    init_fails_in_time(opts, INIT, 0);
+}
+
+/// Runs the init `opts` of `rank`, whose other ranks never come: it must fail by `timeout`
+/// (+ 1 s) from its call, naming `rank`.
+fn init_fails_in_time(opts: InitOptions, timeout: Duration, rank: usize) {
+    let start = Instant::now();
+    let e = new_process_group(opts).expect_err("the other ranks never join");
+    let took = start.elapsed();
+    eprintln!("init failed after {took:?}: {e}");
+    assert!(
+        took <= timeout + Duration::from_secs(1),
+        "init took {took:?}: {e}"
+    );
+    assert!(e.to_string().contains(&format!("rank {rank}")), "{e}");
+}
+
+/// Init's deadline is taken when init starts, so the time the store's host takes to answer
+/// the first connection (2 s here: its server starts late on a listener bound already, as a
+/// loaded host's might) comes out of the same budget as the Gloo mesh, instead of the mesh
+/// getting a fresh timeout once the store is up. Rank 0 never comes, so rank 1 fails at
+/// init's deadline.
+#[test]
+fn init_ends_by_its_deadline_when_the_store_host_answered_late() {
+    const INIT: Duration = Duration::from_secs(3);
+    const SLOW: Duration = Duration::from_secs(2);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the store's port");
+    let port = listener.local_addr().expect("its address").port();
+    let host = std::thread::spawn(move || {
+        std::thread::sleep(SLOW);
+        TcpStoreServer::from_listener(listener).expect("the store's server")
+    });
+    let opts = InitOptions::new()
+        .backend("gloo")
+        .init_method(format!("tcp://127.0.0.1:{port}"))
+        .rank(1)
+        .world_size(2)
+        .timeout(INIT);
+    init_fails_in_time(opts, INIT, 1);
+    // The server is dropped only after init has given up.
+    drop(host.join().expect("the store host thread"));
 }

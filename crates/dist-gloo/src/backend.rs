@@ -146,13 +146,30 @@ impl std::fmt::Debug for GlooBackend {
 
 impl GlooBackend {
     /// Connects a full TCP mesh among `world_size` ranks through `store`, under the key prefix
-    /// `prefix` (one prefix per group).
+    /// `prefix` (one prefix per group), within [`MeshOptions::timeout`] from now.
     pub fn connect(
         store: &dyn Store,
         prefix: &str,
         rank: usize,
         world_size: usize,
         opts: &GlooOptions,
+    ) -> Result<Self> {
+        // One deadline for the whole rendezvous, however many store calls it makes.
+        let deadline = dist_backend::deadline_after(Instant::now(), opts.mesh.timeout);
+        Self::connect_by(store, prefix, rank, world_size, opts, deadline)
+    }
+
+    /// [`GlooBackend::connect`] ending by `deadline`, that of the call it serves (init, a
+    /// sub-group's creation), instead of a timeout of its own from now: every store call and
+    /// connection of the rendezvous ends by it. [`MeshOptions::timeout`] then only bounds how
+    /// long a closed connection lingers for its peer.
+    pub fn connect_by(
+        store: &dyn Store,
+        prefix: &str,
+        rank: usize,
+        world_size: usize,
+        opts: &GlooOptions,
+        deadline: Instant,
     ) -> Result<Self> {
         if rank >= world_size {
             return Err(Error::invalid(
@@ -161,8 +178,6 @@ impl GlooBackend {
                 format!("rank {rank} is not below world size {world_size}"),
             ));
         }
-        // One deadline for the whole rendezvous, however many store calls it makes.
-        let deadline = dist_backend::deadline_after(Instant::now(), opts.mesh.timeout);
         let mine = choice::settings(&[
             (
                 "small_bytes",
@@ -181,10 +196,13 @@ impl GlooBackend {
                     .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
             ),
         ]);
-        choice::publish(store, prefix, rank, &mine, deadline)?;
+        let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
+        choice::publish(store, prefix, rank, &mine, deadline)
+            .map_err(|e| e.in_store_call(rank, agreeing))?;
         let t = TcpTransport::connect_by(store, prefix, rank, world_size, &opts.mesh, deadline)?;
         // Every rank published before building its side of the mesh, so all are there now.
-        choice::check(store, prefix, rank, world_size, &mine, deadline)?;
+        choice::check(store, prefix, rank, world_size, &mine, deadline)
+            .map_err(|e| e.in_store_call(rank, agreeing))?;
         Ok(Self::over(
             Box::new(t),
             crate::transport::tcp::group_id(prefix),
@@ -409,12 +427,17 @@ impl GlooBackend {
             if !name.rooted() || self.world_size == 1 {
                 f(&o, &mut scratch)
             } else if self.world_size <= self.fused_agreement_max_ranks {
-                *o.agree.borrow_mut() = Some(agree::Pending::new(
-                    self.world_size,
-                    self.rank,
-                    ctx.root as usize,
-                    lazy,
-                ));
+                let mut pending =
+                    agree::Pending::new(self.world_size, self.rank, ctx.root as usize, lazy);
+                if !self
+                    .deferred
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_empty()
+                {
+                    pending.behind_deferred();
+                }
+                *o.agree.borrow_mut() = Some(pending);
                 let r = f(&o, &mut scratch)?;
                 if let Some(d) = o.finish_agreement()? {
                     let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());

@@ -9,8 +9,8 @@
 mod common;
 
 use common::{
-    DRIVERS, MakeTransports, assert_close, decode, encode, on_all, reference, tcp_world,
-    tcp_world_with, value, world,
+    DRIVERS, MakeTransports, assert_close, check_all_to_all, decode, encode, on_all, reference,
+    tcp_world, tcp_world_with, value, world,
 };
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
@@ -191,33 +191,7 @@ fn check_movement(ranks: &[GlooBackend]) {
             }
             // all_to_all with split sizes: rank s sends count + s + r elements to rank r
             let split = |s: usize, r: usize| count + s + r;
-            let block = |s: usize, r: usize| {
-                encode(
-                    d,
-                    (0..split(s, r)).map(|i| value(d, ReduceOp::Sum, s * n + r, i)),
-                )
-            };
-            let outs = on_all(ranks, |b| {
-                let me = b.rank();
-                let send_counts: Vec<usize> = (0..n).map(|r| split(me, r)).collect();
-                let recv_counts: Vec<usize> = (0..n).map(|s| split(s, me)).collect();
-                let input: Vec<u8> = (0..n).flat_map(|r| block(me, r)).collect();
-                let mut out = vec![0u8; recv_counts.iter().sum::<usize>() * d.size()];
-                b.all_to_all(
-                    BufRef::Host(&input),
-                    BufMut::Host(&mut out),
-                    d,
-                    &send_counts,
-                    &recv_counts,
-                    &opts(),
-                )
-                .unwrap();
-                out
-            });
-            for (r, o) in outs.iter().enumerate() {
-                let want: Vec<u8> = (0..n).flat_map(|s| block(s, r)).collect();
-                assert_eq!(*o, want, "all_to_all ws {n} {d} count {count} rank {r}");
-            }
+            check_all_to_all(ranks, d, split, &opts(), &format!("count {count}"));
         }
     }
     on_all(ranks, |b| b.barrier(&opts()).unwrap());

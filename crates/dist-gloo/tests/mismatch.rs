@@ -6,9 +6,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{on_all, tcp_world};
+use common::{DRIVERS, on_all, tcp_world};
 use dist_backend::{Backend, BufMut, BufRef, Error, OpDesc, OpOptions};
-use dist_gloo::GlooOptions;
+use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{CollectiveOp, DType, ReduceOp};
 
 /// Long enough that a mismatch found only by timing out is a failed test, not a slow one.
@@ -48,9 +48,9 @@ struct Outcome {
 }
 
 /// Runs `call` on every rank; a rank whose call returns Ok runs a barrier, which must fail.
-fn outcomes<F>(ranks: &[dist_gloo::GlooBackend], call: F) -> Vec<Outcome>
+fn outcomes<F>(ranks: &[GlooBackend], call: F) -> Vec<Outcome>
 where
-    F: Fn(&dist_gloo::GlooBackend) -> dist_backend::Result<()> + Sync,
+    F: Fn(&GlooBackend) -> dist_backend::Result<()> + Sync,
 {
     on_all(ranks, |b| match call(b) {
         Err(err) => Outcome {
@@ -64,6 +64,17 @@ where
             returned: true,
         },
     })
+}
+
+/// An f32 `SUM` all_reduce of `count` ones on `b`.
+fn sum_ones(b: &GlooBackend, count: usize) -> dist_backend::Result<()> {
+    let mut v = vec![1.0f32; count];
+    b.all_reduce(
+        BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+        DType::F32,
+        ReduceOp::Sum,
+        &opts(),
+    )
 }
 
 /// Every rank broadcasts `count` f32 from the root `root_of(rank)`; returns each rank's error.
@@ -183,7 +194,7 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
                             if r == odd {
                                 tweak(&mut o);
                             }
-                            dist_gloo::GlooBackend::connect(&*store, &prefix, r, n, &o)
+                            GlooBackend::connect(&*store, &prefix, r, n, &o)
                                 .expect_err("ranks that choose algorithms differently")
                                 .to_string()
                         })
@@ -204,6 +215,70 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
                         "n={n}: rank {r}: {e}"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// Backends built with `GlooBackend::over` skip the group's agreement on the settings that
+/// choose algorithms (`algo/choice.rs`), so ranks with a different `small_bytes` run different
+/// algorithms for one call. The rank that meets a foreign step must report it as a mismatch
+/// naming both ranks' algorithm steps and send the abort notice every mismatch sends, so every
+/// rank fails at once, over every driver, instead of the others waiting for their timeout.
+#[test]
+fn ranks_over_a_transport_running_different_algorithms_fail_on_every_rank_at_once() {
+    for &(driver, make) in DRIVERS {
+        for n in 2..=4 {
+            let odd = n - 1;
+            let base = GlooOptions::default();
+            let ranks: Vec<GlooBackend> = make(n, &base)
+                .into_iter()
+                .enumerate()
+                .map(|(r, t)| {
+                    let mut o = base.clone();
+                    if r == odd {
+                        // The ring where the others run recursive doubling.
+                        o.small_bytes = Some(0);
+                    }
+                    GlooBackend::over(t, 0, &o)
+                })
+                .collect();
+            let t0 = Instant::now();
+            let errs = on_all(&ranks, |b| {
+                sum_ones(b, 100).expect_err("ranks that run different algorithms must not succeed")
+            });
+            let took = t0.elapsed();
+            assert!(
+                took < opts().timeout / 2,
+                "{driver}, n={n}: took {took:?}: {errs:?}"
+            );
+            for (r, e) in errs.iter().enumerate() {
+                let msg = e.to_string();
+                let (a, b) = sides(e);
+                assert_ne!(a.rank, b.rank, "{driver}, n={n}: rank {r}: {msg}");
+                assert!(
+                    a.rank == odd || b.rank == odd,
+                    "{driver}, n={n}: rank {r} must name rank {odd}: {msg}"
+                );
+                let (Some(sa), Some(sb)) = (a.step, b.step) else {
+                    panic!("{driver}, n={n}: rank {r} must name both algorithm steps: {msg}");
+                };
+                assert_ne!(sa, sb, "{driver}, n={n}: rank {r}: {msg}");
+                assert_eq!(
+                    OpDesc { step: None, ..a },
+                    OpDesc {
+                        step: None,
+                        rank: a.rank,
+                        ..b
+                    },
+                    "{driver}, n={n}: rank {r}: only the algorithm differs: {msg}"
+                );
+                let ring = if a.rank == odd { sa } else { sb };
+                assert!(
+                    ring.algorithm.starts_with("ring"),
+                    "{driver}, n={n}: rank {r}: rank {odd} runs the ring: {msg}"
+                );
+                assert!(msg.contains(&format!("rank {r}")), "{msg}");
             }
         }
     }
@@ -407,8 +482,8 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
 /// mismatch and name two ranks whose calls differ.
 fn two_disagree_with_two(
     what: &str,
-    mismatched: impl Fn(&dist_gloo::GlooBackend) -> dist_backend::Result<()> + Sync,
-    matching: impl Fn(&dist_gloo::GlooBackend) -> dist_backend::Result<()> + Sync,
+    mismatched: impl Fn(&GlooBackend) -> dist_backend::Result<()> + Sync,
+    matching: impl Fn(&GlooBackend) -> dist_backend::Result<()> + Sync,
 ) {
     let ranks = tcp_world(4, &GlooOptions::default());
     let errs = on_all(&ranks, |b| {
@@ -447,24 +522,8 @@ fn a_count_mismatch_between_two_ranks_reaches_every_rank() {
     const COUNT: usize = 256 * 1024 / 4;
     two_disagree_with_two(
         "count",
-        |b| {
-            let mut v = vec![1.0f32; COUNT + 1 + b.rank()];
-            b.all_reduce(
-                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-                DType::F32,
-                ReduceOp::Sum,
-                &opts(),
-            )
-        },
-        |b| {
-            let mut v = vec![1.0f32; COUNT];
-            b.all_reduce(
-                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-                DType::F32,
-                ReduceOp::Sum,
-                &opts(),
-            )
-        },
+        |b| sum_ones(b, COUNT + 1 + b.rank()),
+        |b| sum_ones(b, COUNT),
     );
 }
 
@@ -481,22 +540,14 @@ fn an_op_mismatch_between_two_ranks_reaches_every_rank() {
                 &opts(),
             )
         },
-        |b| {
-            let mut v = vec![1.0f32; 4096];
-            b.all_reduce(
-                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-                DType::F32,
-                ReduceOp::Sum,
-                &opts(),
-            )
-        },
+        |b| sum_ones(b, 4096),
     );
 }
 
 #[test]
 fn reduce_op_and_dtype_mismatches_between_two_ranks_reach_every_rank() {
     let all_reduce = |dtype: DType, op: ReduceOp| {
-        move |b: &dist_gloo::GlooBackend| {
+        move |b: &GlooBackend| {
             let mut v = vec![0u8; 64];
             b.all_reduce(BufMut::Host(&mut v), dtype, op, &opts())
         }
@@ -552,7 +603,7 @@ fn premul_sum_scales_that_differ_are_a_mismatch_on_every_rank() {
                 ..GlooOptions::default()
             },
         );
-        let run = |b: &dist_gloo::GlooBackend, scale: f64| {
+        let run = |b: &GlooBackend, scale: f64| {
             let mut v = vec![1f32; 8];
             let buf = BufMut::Host(bytemuck::cast_slice_mut(&mut v));
             let op = ReduceOp::PremulSum(scale);

@@ -5,8 +5,8 @@
 
 mod common;
 
-use common::{encode, on_all, tcp_world, value};
-use dist_backend::{Backend, BufMut, BufRef, OpOptions};
+use common::{check_all_to_all, encode, on_all, tcp_world, value};
+use dist_backend::{Backend, BufMut, OpOptions};
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
 
@@ -53,7 +53,7 @@ fn check_broadcast(ranks: &[GlooBackend]) {
     }
 }
 
-fn check_all_to_all(ranks: &[GlooBackend]) {
+fn check_uneven_all_to_all(ranks: &[GlooBackend]) {
     let n = ranks.len();
     for d in [DType::U8, DType::F32] {
         for count in COUNTS {
@@ -65,33 +65,7 @@ fn check_all_to_all(ranks: &[GlooBackend]) {
                     count + s * n + r
                 }
             };
-            let block = |s: usize, r: usize| {
-                encode(
-                    d,
-                    (0..split(s, r)).map(|i| value(d, ReduceOp::Sum, s * n + r, i)),
-                )
-            };
-            let outs = on_all(ranks, |b| {
-                let me = b.rank();
-                let send_counts: Vec<usize> = (0..n).map(|r| split(me, r)).collect();
-                let recv_counts: Vec<usize> = (0..n).map(|s| split(s, me)).collect();
-                let input: Vec<u8> = (0..n).flat_map(|r| block(me, r)).collect();
-                let mut out = vec![0xA5u8; recv_counts.iter().sum::<usize>() * d.size()];
-                b.all_to_all(
-                    BufRef::Host(&input),
-                    BufMut::Host(&mut out),
-                    d,
-                    &send_counts,
-                    &recv_counts,
-                    &opts(),
-                )
-                .unwrap();
-                out
-            });
-            for (r, o) in outs.iter().enumerate() {
-                let want: Vec<u8> = (0..n).flat_map(|s| block(s, r)).collect();
-                assert!(*o == want, "all_to_all ws {n} {d} count {count} rank {r}");
-            }
+            check_all_to_all(ranks, d, split, &opts(), &format!("count {count}"));
         }
     }
 }
@@ -99,7 +73,7 @@ fn check_all_to_all(ranks: &[GlooBackend]) {
 fn over_sockets(n: usize) {
     let ranks = tcp_only_world(n);
     check_broadcast(&ranks);
-    check_all_to_all(&ranks);
+    check_uneven_all_to_all(&ranks);
     let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
     assert_eq!(
         by_ref, 0,

@@ -5,20 +5,33 @@
 //! `failed` (`<exit code>\t<what>`, first writer wins: every node stops its ranks);
 //! `finished` (counter) and `all_finished` (every node's ranks have ended). `distrun/left`
 //! counts the nodes that have read the outcome: node 0 keeps the store up until all have.
+//!
+//! Each operation (joining an attempt and waiting for `go`, reading a failure, leaving) takes
+//! one deadline when it starts and makes every store call through the `_by` forms with it, so
+//! a stopped store host fails the operation by that deadline: with the store's own timeout per
+//! call, a call made late in a wait would start a fresh timeout of its own.
 
 use std::time::{Duration, Instant};
 
+use dist_backend::deadline_after;
 use dist_backend::store::{Store, TcpStore};
 
 use crate::signals;
 
 const POLL: Duration = Duration::from_millis(20);
+/// The longest node 0 keeps the store up for the other nodes to leave (less when
+/// `--rdzv-timeout` is shorter): they leave right after reading the outcome, so waiting longer
+/// only delays node 0's exit when a node is gone.
+const LEAVE: Duration = Duration::from_secs(30);
 
 /// One node's client of the coordination keys.
 pub(crate) struct Agents {
     store: TcpStore,
     nnodes: u32,
     node_rank: u32,
+    /// `--rdzv-timeout`: the store's timeout, and the bound of each operation but `finish`'s
+    /// wait for the other nodes' ranks.
+    timeout: Duration,
 }
 
 fn key(attempt: u32, name: &str) -> String {
@@ -40,6 +53,7 @@ impl Agents {
             store,
             nnodes,
             node_rank,
+            timeout,
         })
     }
 
@@ -47,46 +61,59 @@ impl Agents {
         format!("node {}: {what}: {e}", self.node_rank)
     }
 
-    /// Waits (interruptibly) until `key` exists.
-    fn wait_key(&self, key: &str, timeout: Duration, what: &str) -> Result<(), String> {
-        let start = Instant::now();
+    /// Waits (interruptibly) until `key` exists, or fails at `deadline` (`None`: never).
+    fn wait_key(&self, key: &str, deadline: Option<Instant>, what: &str) -> Result<(), String> {
         loop {
-            if self.store.check(&[key]).map_err(|e| self.err(what, e))? {
+            // Checked before the store call: a call made with a deadline already past would
+            // fail as a store error, not as the missing nodes it is.
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                let why = format!(
+                    "not every node arrived within {:?} (--rdzv-timeout)",
+                    self.timeout
+                );
+                return Err(self.err(what, why));
+            }
+            // Each check ends by the operation's deadline; with none, by a store timeout of
+            // its own, which bounds only that check.
+            let by = deadline.unwrap_or_else(|| deadline_after(Instant::now(), self.timeout));
+            if self
+                .store
+                .check_by(&[key], by)
+                .map_err(|e| self.err(what, e))?
+            {
                 return Ok(());
             }
             if let Some(sig) = signals::pending() {
-                return Err(format!("{what}: interrupted by {}", signals::name(sig)));
-            }
-            if start.elapsed() >= timeout {
-                return Err(format!(
-                    "{what}: not every node arrived within {timeout:?} (--rdzv-timeout)"
-                ));
+                return Err(self.err(what, format!("interrupted by {}", signals::name(sig))));
             }
             std::thread::sleep(POLL);
         }
     }
 
-    /// Before attempt `attempt`: waits until every node has arrived.
-    pub(crate) fn join(&self, attempt: u32, timeout: Duration) -> Result<(), String> {
+    /// Before attempt `attempt`: waits until every node has arrived, all within the
+    /// rendezvous timeout from now.
+    pub(crate) fn join(&self, attempt: u32) -> Result<(), String> {
+        let deadline = deadline_after(Instant::now(), self.timeout);
         let what = format!("joining attempt {attempt}");
         let n = self
             .store
-            .add(&key(attempt, "joined"), 1)
+            .add_by(&key(attempt, "joined"), 1, deadline)
             .map_err(|e| self.err(&what, e))?;
         if n == i64::from(self.nnodes) {
             self.store
-                .set(&key(attempt, "go"), b"")
+                .set_by(&key(attempt, "go"), b"", deadline)
                 .map_err(|e| self.err(&what, e))?;
         }
-        self.wait_key(&key(attempt, "go"), timeout, &what)
+        self.wait_key(&key(attempt, "go"), Some(deadline), &what)
     }
 
     /// Tells every node that a rank of this one failed (the first report wins).
     pub(crate) fn report_failure(&self, attempt: u32, code: i32, what: &str) {
         let value = format!("{code}\t{what}");
-        if let Err(e) = self
-            .store
-            .compare_set(&key(attempt, "failed"), b"", value.as_bytes())
+        let deadline = deadline_after(Instant::now(), self.timeout);
+        if let Err(e) =
+            self.store
+                .compare_set_by(&key(attempt, "failed"), b"", value.as_bytes(), deadline)
         {
             eprintln!("distrun: could not tell the other nodes of the failure: {e}");
         }
@@ -94,17 +121,18 @@ impl Agents {
 
     /// The failure some node reported in `attempt`, if any: (exit code, description).
     pub(crate) fn failure(&self, attempt: u32) -> Result<Option<(i32, String)>, String> {
+        let deadline = deadline_after(Instant::now(), self.timeout);
         let k = key(attempt, "failed");
         if !self
             .store
-            .check(&[k.as_str()])
+            .check_by(&[k.as_str()], deadline)
             .map_err(|e| self.err("checking for failures", e))?
         {
             return Ok(None);
         }
         let v = self
             .store
-            .get(&k)
+            .get_by(&k, deadline)
             .map_err(|e| self.err("reading a failure", e))?;
         let v = String::from_utf8_lossy(&v);
         let (code, what) = v.split_once('\t').unwrap_or(("1", &v));
@@ -115,36 +143,34 @@ impl Agents {
     /// attempt's failure, the same on every node.
     pub(crate) fn finish(&self, attempt: u32) -> Result<Option<(i32, String)>, String> {
         let what = format!("finishing attempt {attempt}");
+        let deadline = deadline_after(Instant::now(), self.timeout);
         let n = self
             .store
-            .add(&key(attempt, "finished"), 1)
+            .add_by(&key(attempt, "finished"), 1, deadline)
             .map_err(|e| self.err(&what, e))?;
         if n == i64::from(self.nnodes) {
             self.store
-                .set(&key(attempt, "all_finished"), b"")
+                .set_by(&key(attempt, "all_finished"), b"", deadline)
                 .map_err(|e| self.err(&what, e))?;
         }
-        // Ranks of other nodes may legitimately run for days.
-        self.wait_key(
-            &key(attempt, "all_finished"),
-            Duration::from_secs(u64::MAX / 4),
-            &what,
-        )?;
+        // Ranks of other nodes may legitimately run for days: no deadline for the wait.
+        self.wait_key(&key(attempt, "all_finished"), None, &what)?;
         self.failure(attempt)
     }
 
     /// The job is over for this node; node 0 keeps the store up until every node has left.
+    /// Both end by one deadline from now: the rendezvous timeout, at most [`LEAVE`].
     pub(crate) fn leave(&self) {
-        if let Err(e) = self.store.add("distrun/left", 1) {
+        let deadline = deadline_after(Instant::now(), self.timeout.min(LEAVE));
+        if let Err(e) = self.store.add_by("distrun/left", 1, deadline) {
             eprintln!("distrun: leaving: {e}");
             return;
         }
         if self.node_rank != 0 {
             return;
         }
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(30) {
-            match self.store.add("distrun/left", 0) {
+        while Instant::now() < deadline {
+            match self.store.add_by("distrun/left", 0, deadline) {
                 Ok(n) if n >= i64::from(self.nnodes) => return,
                 Ok(_) => std::thread::sleep(POLL),
                 Err(_) => return,

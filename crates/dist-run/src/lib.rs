@@ -146,7 +146,7 @@ fn run_job(args: &Args) -> Result<i32, String> {
     let mut attempt = 0;
     loop {
         if let Some(a) = &agents {
-            a.join(attempt, args.rdzv_timeout)?;
+            a.join(attempt)?;
         }
         let att = Attempt {
             job: &job,

@@ -346,7 +346,9 @@ pub enum CloseReason {
     },
     /// The sender aborted because two ranks called different collectives (or one with
     /// different arguments): `found` is what the reporting rank called (as its frames would
-    /// have said) and `met` the frame it received, from `culprit`.
+    /// have said) and `met` the frame it received, from `culprit`. Their `tag`s are 0, or,
+    /// when the two ranks differed only in the algorithm they ran for the call, the two
+    /// algorithm steps that met.
     Mismatch {
         /// The rank whose frame disagreed with the reporter's call.
         culprit: u32,

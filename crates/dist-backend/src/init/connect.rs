@@ -2,7 +2,7 @@
 //! agent.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{InitConfig, InitInfo, init_err};
 use crate::Result;
@@ -14,6 +14,13 @@ impl InitConfig {
     /// [`agent_store`](Self::agent_store) every rank connects and the store is a
     /// [`PrefixStore`] under `/worker/attempt_<n>`.
     pub fn connect(&self, timeout: Duration) -> Result<InitInfo> {
+        self.connect_by(timeout, crate::deadline_after(Instant::now(), timeout))
+    }
+
+    /// [`connect`](Self::connect) ending by `deadline`, that of the init it serves, instead of
+    /// `timeout` from now (connecting, and rank 0's wait for every rank to join); `timeout`
+    /// stays the store's timeout for later calls.
+    pub fn connect_by(&self, timeout: Duration, deadline: Instant) -> Result<InitInfo> {
         let addr = self.master_addr.clone().ok_or_else(|| {
             init_err(format!(
                 "MASTER_ADDR is not set (launcher {}, rank {})",
@@ -27,7 +34,7 @@ impl InitConfig {
             ))
         })?;
         let Some(attempt) = self.agent_store else {
-            let store = tcp_store(&addr, port, self.rank, self.world_size, timeout)?;
+            let store = tcp_store(&addr, port, self.rank, self.world_size, timeout, deadline)?;
             return Ok(self.info(store));
         };
         // torch's `_create_c10d_store` with `TORCHELASTIC_USE_AGENT_STORE`: a client on every
@@ -40,7 +47,7 @@ impl InitConfig {
             timeout,
             wait_for_workers: true,
         };
-        let inner: Arc<dyn Store> = Arc::new(TcpStore::new(&opts)?);
+        let inner: Arc<dyn Store> = Arc::new(TcpStore::new_by(&opts, deadline)?);
         let store = PrefixStore::new(format!("/worker/attempt_{attempt}"), inner);
         Ok(self.info(Arc::new(store)))
     }
@@ -89,12 +96,15 @@ impl InitConfig {
     }
 }
 
+/// The job's TCP store at `host:port` (served by rank 0), up by `deadline`; `timeout` is its
+/// timeout for later calls.
 pub(super) fn tcp_store(
     host: &str,
     port: u16,
     rank: usize,
     world_size: usize,
     timeout: Duration,
+    deadline: Instant,
 ) -> Result<Arc<dyn Store>> {
     let opts = TcpStoreOptions {
         host: host.to_owned(),
@@ -104,5 +114,5 @@ pub(super) fn tcp_store(
         timeout,
         wait_for_workers: true,
     };
-    Ok(Arc::new(TcpStore::new(&opts)?))
+    Ok(Arc::new(TcpStore::new_by(&opts, deadline)?))
 }

@@ -44,7 +44,7 @@ mod slurm;
 mod url;
 
 pub use slurm::{expand_nodelist, first_host};
-pub use url::{init_from_url, init_from_url_with};
+pub use url::{init_from_url, init_from_url_by, init_from_url_with};
 
 /// Which launcher the rank information came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! The init URLs: `env://`, `tcp://host:port` and `file:///path`.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::connect::tcp_store;
 use super::env::num;
@@ -27,6 +27,34 @@ pub fn init_from_url_with(
     rank: Option<usize>,
     world_size: Option<usize>,
     timeout: Duration,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<InitInfo> {
+    let deadline = crate::deadline_after(Instant::now(), timeout);
+    init_url(url, rank, world_size, timeout, deadline, env)
+}
+
+/// [`init_from_url`] ending by `deadline`, that of the init it serves, instead of `timeout`
+/// from now: connecting to the store and waiting for the other ranks to join it end by it, so
+/// the time the store takes to come up is not added to the rest of that init. `timeout` stays
+/// the store's timeout for later calls.
+pub fn init_from_url_by(
+    url: &str,
+    rank: Option<usize>,
+    world_size: Option<usize>,
+    timeout: Duration,
+    deadline: Instant,
+) -> Result<InitInfo> {
+    init_url(url, rank, world_size, timeout, deadline, &|k| {
+        std::env::var(k).ok()
+    })
+}
+
+fn init_url(
+    url: &str,
+    rank: Option<usize>,
+    world_size: Option<usize>,
+    timeout: Duration,
+    deadline: Instant,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<InitInfo> {
     let (scheme, rest) = url.split_once("://").ok_or_else(|| {
@@ -68,12 +96,12 @@ pub fn init_from_url_with(
                 cfg.master_addr = Some(h);
                 cfg.master_port = Some(p);
             }
-            cfg.connect(timeout)
+            cfg.connect_by(timeout, deadline)
         }
         "tcp" => {
             let (host, port) = host_port(body, url)?;
             let cfg = explicit(env, rank, world_size, url)?;
-            let store = tcp_store(&host, port, cfg.rank, cfg.world_size, timeout)?;
+            let store = tcp_store(&host, port, cfg.rank, cfg.world_size, timeout, deadline)?;
             Ok(cfg.info(store))
         }
         "file" => {

@@ -18,17 +18,19 @@ use crate::p2p;
 use crate::progress::{self, Progress};
 use crate::{Error, Result};
 
+/// The group's backends under `prefix`, connected by `deadline`, the creation's.
 fn connect_backend(
     cfg: &GroupConfig,
     prefix: &str,
     rank: usize,
     world_size: usize,
+    deadline: Instant,
 ) -> Result<Box<dyn Backend>> {
     let spec = BackendSpec::parse(&cfg.backend)?;
     spec.check_available(&cfg.backend, AVAILABLE_BACKENDS)?;
     let host = match spec.host {
         // Host backends keep the group's own prefix (their store keys predate dispatch).
-        Some(e) => Some(connect_engine(e, cfg, prefix, rank, world_size)?),
+        Some(e) => Some(connect_engine(e, cfg, prefix, rank, world_size, deadline)?),
         None => None,
     };
     let device = match spec.device {
@@ -38,6 +40,7 @@ fn connect_backend(
             &format!("{prefix}/cuda"),
             rank,
             world_size,
+            deadline,
         )?),
         None => None,
     };
@@ -58,8 +61,9 @@ fn connect_device(
     prefix: &str,
     rank: usize,
     world_size: usize,
+    deadline: Instant,
 ) -> Result<Box<dyn Backend>> {
-    let b = connect_engine(engine, cfg, prefix, rank, world_size)?;
+    let b = connect_engine(engine, cfg, prefix, rank, world_size, deadline)?;
     if engine == Engine::Nccl {
         return Ok(b);
     }
@@ -79,25 +83,30 @@ fn connect_device(
     }
 }
 
+/// One backend. Gloo builds its mesh by `deadline`; NCCL makes no store call here (its
+/// communicator is created at the first operation on a device, by that operation's timeout).
 fn connect_engine(
     engine: Engine,
     cfg: &GroupConfig,
     prefix: &str,
     rank: usize,
     world_size: usize,
+    deadline: Instant,
 ) -> Result<Box<dyn Backend>> {
-    let _ = (prefix, rank, world_size);
+    let _ = (prefix, rank, world_size, deadline);
     match engine {
         #[cfg(feature = "gloo")]
         Engine::Gloo => {
             let mut o = dist_gloo::GlooOptions::from_env();
+            // The mesh's own timeout is then only how long its connections linger at close.
             o.mesh.timeout = cfg.timeout;
-            Ok(Box::new(dist_gloo::GlooBackend::connect(
+            Ok(Box::new(dist_gloo::GlooBackend::connect_by(
                 &*cfg.root_store,
                 prefix,
                 rank,
                 world_size,
                 &o,
+                deadline,
             )?))
         }
         #[cfg(feature = "nccl")]
@@ -159,8 +168,9 @@ impl ProcessGroup {
         deadline: Instant,
     ) -> Result<ProcessGroup> {
         let world_size = global_ranks.len();
-        let coll = connect_backend(&cfg, &format!("{prefix}/coll"), rank, world_size)?;
-        let p2p_backend = connect_backend(&cfg, &format!("{prefix}/p2p"), rank, world_size)?;
+        let coll = connect_backend(&cfg, &format!("{prefix}/coll"), rank, world_size, deadline)?;
+        let p2p_backend =
+            connect_backend(&cfg, &format!("{prefix}/p2p"), rank, world_size, deadline)?;
         let store: Arc<dyn Store> =
             Arc::new(PrefixStore::new(prefix.clone(), cfg.root_store.clone()));
         agree_connected(&*store, rank, world_size, deadline)?;

@@ -13,18 +13,29 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
     // A bad or uncompiled backend fails here, before any rendezvous.
     crate::backend_spec::BackendSpec::parse(&opts.backend)?
         .check_available(&opts.backend, crate::group::AVAILABLE_BACKENDS)?;
+    // One deadline for the whole init, taken before the store is made: the time the store
+    // takes to come up (rank 0 waits for every rank to connect) comes out of the same budget
+    // as the count of inits, the backends' meshes and the connected agreement below.
+    let deadline = dist_backend::deadline_after(std::time::Instant::now(), opts.timeout);
     let (rank, world_size, store) = match &opts.method {
         InitMethod::Env => {
-            let i = dist_backend::init::init_from_url(
+            let i = dist_backend::init::init_from_url_by(
                 "env://",
                 opts.rank,
                 opts.world_size,
                 opts.timeout,
+                deadline,
             )?;
             (i.rank, i.world_size, i.store)
         }
         InitMethod::Url(u) => {
-            let i = dist_backend::init::init_from_url(u, opts.rank, opts.world_size, opts.timeout)?;
+            let i = dist_backend::init::init_from_url_by(
+                u,
+                opts.rank,
+                opts.world_size,
+                opts.timeout,
+                deadline,
+            )?;
             (i.rank, i.world_size, i.store)
         }
         InitMethod::Store(s) => {
@@ -44,9 +55,8 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
     // Each init over one store gets its own namespace, so a job may destroy and re-create its
     // world: every rank of one generation increments the counter before any rank can start
     // the next (the mesh of the first needs them all).
-    // Bounded by the init's timeout, not the store's own (an explicit store may have another);
-    // the group's connected agreement below keeps the same deadline.
-    let deadline = dist_backend::deadline_after(std::time::Instant::now(), opts.timeout);
+    // Bounded by the init's deadline, not the store's own timeout (an explicit store may have
+    // another).
     let n = store
         .add_by("dist/world_inits", 1, deadline)
         .map_err(|e| Error::store(rank, "init_process_group: counting inits", e))?;

@@ -84,6 +84,9 @@ pub(crate) struct Pending {
     /// This rank is the root and leaves the frames of the peers it does not receive from to a
     /// later operation ([`Deferred`]) instead of reading them before it returns.
     lazy_root: bool,
+    /// Earlier operations' deferred frames are still queued ahead of this one's on the
+    /// connections ([`Pending::behind_deferred`]).
+    behind_deferred: bool,
 }
 
 impl Pending {
@@ -95,7 +98,16 @@ impl Pending {
             sent: false,
             unread: (0..n).map(|p| rank == root && p != rank).collect(),
             lazy_root,
+            behind_deferred: false,
         }
+    }
+
+    /// Notes that a lazy root's earlier deferred frames are still unread: they come first on
+    /// their connections, so this operation's own frames cannot be read before them (a
+    /// failure then keeps the notice it heard rather than read the wrong frame for its own
+    /// first-hand cause; the deferred ones are judged at the next operation or at close).
+    pub(crate) fn behind_deferred(&mut self) {
+        self.behind_deferred = true;
     }
 
     /// Whether every frame has been sent and read.
@@ -243,7 +255,9 @@ pub(crate) fn fused_step(
         },
     );
     match res {
-        Err(e @ Error::MismatchReported { .. }) => Err(first_hand(o, &pending.unread).unwrap_or(e)),
+        Err(e @ Error::MismatchReported { .. }) if !pending.behind_deferred => {
+            Err(first_hand(o, &pending.unread).unwrap_or(e))
+        }
         res => res,
     }
 }
@@ -393,6 +407,7 @@ pub(crate) fn rooted_args(o: &Op<'_>) -> Result<()> {
             root: (other.root != NO_ROOT).then_some(other.root as usize),
             splits: other.splits,
             reduce_arg: other.reduce_arg,
+            step: None,
         },
     })
 }

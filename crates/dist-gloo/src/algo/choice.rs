@@ -3,11 +3,12 @@
 //! Why: each rank picks an operation's algorithm from the buffer size and its own settings
 //! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`).
 //! Ranks whose settings differ would run different algorithms for the same call; the frames'
-//! step tags catch that, but
-//! only on the ranks that meet a foreign frame, as an error the others never hear of (they
-//! wait for their timeout or see a rank vanish). Every rank compares every rank's settings
-//! through the store instead, so every rank refuses the group at once, naming the setting and
-//! a rank that differs.
+//! step tags catch that (a mismatch naming both ranks' algorithm steps, passed to every rank
+//! by the abort notice, which is all a backend built with `GlooBackend::over` gets), but only
+//! at the first call whose size the settings split differently, which may be hours into a
+//! job. Every rank compares every rank's settings through the store when the group is built
+//! instead, so every rank refuses the group at once, naming the setting and a rank that
+//! differs.
 
 use std::time::Instant;
 

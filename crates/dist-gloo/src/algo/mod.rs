@@ -33,6 +33,27 @@ pub(crate) mod tags {
     pub(crate) const GATHER: u32 = 10 << 16;
     pub(crate) const AGREE: u32 = 11 << 16;
     pub(crate) const SCATTER: u32 = 12 << 16;
+
+    /// The step a frame's `tag` labels, with its algorithm's name, for the error of ranks
+    /// that met in different algorithms (and for reading the tags of another build's notice).
+    pub(crate) fn step(tag: u32) -> dist_backend::AlgoStep {
+        let algorithm = match tag & !0xffff {
+            RING_RS => "ring reduce-scatter",
+            RING_AG => "ring all-gather",
+            RD_FOLD => "recursive doubling (fold)",
+            RD_STEP => "recursive doubling",
+            RD_UNFOLD => "recursive doubling (unfold)",
+            TREE => "binomial tree",
+            CHAIN => "pipelined chain",
+            DIRECT => "pairwise exchange",
+            BARRIER => "dissemination barrier",
+            GATHER => "direct gather",
+            AGREE => "argument agreement",
+            SCATTER => "scatter + all-gather",
+            _ => "an unknown algorithm",
+        };
+        dist_backend::AlgoStep { algorithm, tag }
+    }
 }
 
 /// Everything an algorithm needs about the operation it runs.

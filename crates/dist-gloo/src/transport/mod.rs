@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 use dist_backend::{Error, OpDesc, Result};
 use dist_wire::{CloseReason, CollectiveOp, DType, FrameHeader, NO_ROOT};
 
+use crate::algo::tags;
+
 pub mod mem;
 pub mod shm;
 pub mod tcp;
@@ -296,16 +298,20 @@ pub(crate) fn judge(
     if h.op != ctx.op || h.seq != ctx.seq || !same_args {
         return Err(ctx.mismatch(h, want_count));
     }
+    // Same call, different algorithm: ranks whose settings choose differently (a backend
+    // built with `GlooBackend::over` skips the group's agreement on them). A mismatch like
+    // any other, so every rank hears of it through the abort notice.
     if h.tag != want_tag {
-        return Err(Error::invalid(
-            ctx.rank,
-            ctx.op.name(),
-            format!(
-                "{} (step {want_tag:#x}) met {theirs} (step {:#x}): the ranks run different algorithms (is DIST_GLOO_SMALL_BYTES or DIST_GLOO_SEGMENT_BYTES the same on every rank?)",
-                ctx.desc(want_count),
-                h.tag
-            ),
-        ));
+        return Err(Error::Mismatch {
+            ours: OpDesc {
+                step: Some(tags::step(want_tag)),
+                ..ctx.desc(want_count)
+            },
+            theirs: OpDesc {
+                step: Some(tags::step(h.tag)),
+                ..theirs
+            },
+        });
     }
     let end = got as u64 + h.payload_len;
     if h.offset != got as u64 || end > len as u64 {
@@ -396,8 +402,8 @@ pub(crate) fn closed_error_at(
             op: ctx.op,
             seq: ctx.seq,
             reporter: peer,
-            found: OpDesc::from(&found),
-            met: OpDesc::from(&met),
+            found: notice_desc(&found),
+            met: notice_desc(&met),
         },
         _ => ctx.peer_lost(
             peer,
@@ -463,7 +469,16 @@ pub(crate) fn abort_reason(e: &Error) -> Option<CloseReason> {
     }
 }
 
-/// A header saying what `d` says, for a mismatch notice (read back with `OpDesc::from`).
+/// One side of a mismatch notice: what `h` (written by [`desc_header`]) says.
+fn notice_desc(h: &FrameHeader) -> OpDesc {
+    OpDesc {
+        step: (h.tag != 0).then(|| tags::step(h.tag)),
+        ..OpDesc::from(h)
+    }
+}
+
+/// A header saying what `d` says, for a mismatch notice (read back with [`notice_desc`]): its
+/// `tag` is the algorithm step when the two sides differ in that (no step's tag is 0).
 fn desc_header(d: &OpDesc) -> FrameHeader {
     FrameHeader {
         op: d.op,
@@ -474,7 +489,7 @@ fn desc_header(d: &OpDesc) -> FrameHeader {
         seq: d.seq,
         count: d.count,
         root: d.root.map_or(NO_ROOT, |r| r as u32),
-        tag: 0,
+        tag: d.step.map_or(0, |s| s.tag),
         offset: 0,
         payload_len: 0,
         flags: 0,

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dist_backend::store::HashStore;
+use dist_backend::{Backend, BufMut, BufRef, OpOptions};
 use dist_gloo::transport::Transport;
 use dist_gloo::transport::mem::MemTransport;
 use dist_gloo::transport::shm::TransportMode;
@@ -185,4 +186,46 @@ pub fn assert_close(d: DType, what: &str, i: usize, got: f64, want: f64) {
         (got - want).abs() <= tol * want.abs().max(1.0),
         "{what}: element {i}: got {got}, want {want}"
     );
+}
+
+/// Runs `all_to_all` of `d` on every rank, rank `s` sending `split(s, r)` elements to rank `r`
+/// (the [`value`]s of a block of its own), and checks that every rank received exactly the
+/// blocks meant for it, in sender order. Receive buffers start as `0xA5` bytes, so bytes the
+/// collective failed to write show. `what` names the case in a failure.
+pub fn check_all_to_all(
+    ranks: &[GlooBackend],
+    d: DType,
+    split: impl Fn(usize, usize) -> usize + Sync,
+    opts: &OpOptions,
+    what: &str,
+) {
+    let n = ranks.len();
+    let block = |s: usize, r: usize| {
+        encode(
+            d,
+            (0..split(s, r)).map(|i| value(d, ReduceOp::Sum, s * n + r, i)),
+        )
+    };
+    let outs = on_all(ranks, |b| {
+        let me = b.rank();
+        let send_counts: Vec<usize> = (0..n).map(|r| split(me, r)).collect();
+        let recv_counts: Vec<usize> = (0..n).map(|s| split(s, me)).collect();
+        let input: Vec<u8> = (0..n).flat_map(|r| block(me, r)).collect();
+        let mut out = vec![0xA5u8; recv_counts.iter().sum::<usize>() * d.size()];
+        b.all_to_all(
+            BufRef::Host(&input),
+            BufMut::Host(&mut out),
+            d,
+            &send_counts,
+            &recv_counts,
+            opts,
+        )
+        .unwrap_or_else(|e| panic!("all_to_all ws {n} {d} {what}: {e}"));
+        out
+    });
+    for (r, o) in outs.iter().enumerate() {
+        let want: Vec<u8> = (0..n).flat_map(|s| block(s, r)).collect();
+        // Not assert_eq: a large mismatch would print megabytes.
+        assert!(*o == want, "all_to_all ws {n} {d} {what}: rank {r} differs");
+    }
 }

@@ -121,28 +121,22 @@ fn plan(rng: &mut Rng, seed: u64, n: usize, seg: usize, fault: Fault) -> Vec<Vec
             let mut mine = Vec::new();
             for (s, msgs) in steps.iter().enumerate() {
                 let extra = |who: usize| usize::from(wrong(who));
-                let sends = msgs
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, m)| m.0 == r)
-                    .map(|(i, &(_, dst, tag, l))| Msg {
-                        peer: dst,
-                        len: l + extra(r),
-                        tag,
-                        data: payload(seed, o, s, r, dst, i, l + extra(r)),
-                    })
-                    .collect();
-                let mut recvs: Vec<Msg> = msgs
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, m)| m.1 == r)
-                    .map(|(i, &(src, _, tag, l))| Msg {
-                        peer: src,
-                        len: l + extra(r),
-                        tag,
-                        data: payload(seed, o, s, src, r, i, l + extra(r)),
-                    })
-                    .collect();
+                // Rank r's sends (`outgoing`) or receives of this step, each with the bytes
+                // its sender's payload has (one longer on a rank that disagrees).
+                let side = |outgoing: bool| -> Vec<Msg> {
+                    msgs.iter()
+                        .enumerate()
+                        .filter(|(_, m)| r == if outgoing { m.0 } else { m.1 })
+                        .map(|(i, &(src, dst, tag, l))| Msg {
+                            peer: if outgoing { dst } else { src },
+                            len: l + extra(r),
+                            tag,
+                            data: payload(seed, o, s, src, dst, i, l + extra(r)),
+                        })
+                        .collect()
+                };
+                let sends = side(true);
+                let mut recvs = side(false);
                 if op == CollectiveOp::SendRecv {
                     recvs.reverse();
                 }
@@ -271,7 +265,7 @@ fn check(ranks: &[RankSim], fault: Fault, n: usize, seg: usize) -> Result<String
                 error,
                 at,
                 deadline,
-            } => (error, *at, *deadline),
+            } => (&**error, *at, *deadline),
         };
         failures += 1;
         let bad = |why: &str| {

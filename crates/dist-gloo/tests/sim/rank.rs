@@ -44,7 +44,8 @@ pub(crate) enum Fate {
     Done(Duration),
     /// A step failed with this error at this time, in an operation due by the deadline.
     Failed {
-        error: Error,
+        /// Boxed: a mismatch's two sides make `Error` the bulk of the enum.
+        error: Box<Error>,
         at: Duration,
         deadline: Duration,
     },
@@ -218,6 +219,22 @@ impl RankSim {
             delivered[i] = r.end;
             Ok(())
         };
+        // Reads what peer `p` has sent into this step, as a socket's reads would.
+        macro_rules! read_peer {
+            ($p:expr) => {
+                read_from(
+                    &mut self.core,
+                    net,
+                    rng,
+                    step,
+                    &mut ins,
+                    &mut on_frame,
+                    &mut self.eof,
+                    rank,
+                    $p,
+                )
+            };
+        }
         let mut moved = false;
         for p in peers_in_random_order(rng, self.eof.len(), rank) {
             loop {
@@ -232,34 +249,14 @@ impl RankSim {
                         moved = true;
                     }
                     Err(why) => {
-                        read_from(
-                            &mut self.core,
-                            net,
-                            rng,
-                            step,
-                            &mut ins,
-                            &mut on_frame,
-                            &mut self.eof,
-                            rank,
-                            p,
-                        );
+                        read_peer!(p);
                         self.core.broken(p, why);
                         moved = true;
                         break;
                     }
                 }
             }
-            moved |= read_from(
-                &mut self.core,
-                net,
-                rng,
-                step,
-                &mut ins,
-                &mut on_frame,
-                &mut self.eof,
-                rank,
-                p,
-            );
+            moved |= read_peer!(p);
         }
         let at = base + now;
         match self.core.poll(step, &outs, &mut ins, &mut on_frame, at) {
@@ -291,17 +288,7 @@ impl RankSim {
             }
             Status::Failed => {
                 for p in (0..self.eof.len()).filter(|&p| p != rank) {
-                    read_from(
-                        &mut self.core,
-                        net,
-                        rng,
-                        step,
-                        &mut ins,
-                        &mut on_frame,
-                        &mut self.eof,
-                        rank,
-                        p,
-                    );
+                    read_peer!(p);
                 }
                 let error = match self.core.finish(step, &outs, at) {
                     Err(e) => e,
@@ -310,7 +297,7 @@ impl RankSim {
                 drop(ins);
                 self.cur = None;
                 self.fate = Fate::Failed {
-                    error,
+                    error: Box::new(error),
                     at: now,
                     deadline: self.op_started + TIMEOUT,
                 };

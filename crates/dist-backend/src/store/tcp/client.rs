@@ -200,8 +200,19 @@ impl TcpStore {
     /// `timeout`. Does not touch the `init/` counter. The first connection is made here, so
     /// that an unreachable server is reported at once; the others are opened when needed.
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self, StoreError> {
+        Self::connect_until(host, port, timeout, optional_deadline(timeout))
+    }
+
+    /// [`connect`](Self::connect), retrying until `deadline` (`None`: forever) rather than
+    /// `timeout` from now; `timeout` stays the store's timeout for later calls.
+    fn connect_until(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Self, StoreError> {
         let addr = format!("{host}:{port}");
-        let conn = connect_with_retry(host, port, &addr, optional_deadline(timeout))?;
+        let conn = connect_with_retry(host, port, &addr, deadline)?;
         Ok(TcpStore {
             addr,
             host: host.to_owned(),
@@ -223,11 +234,23 @@ impl TcpStore {
     /// the server when `is_master`, connects, and with `wait_for_workers` and a world size,
     /// increments `init/` and (on the master) waits until `world_size` clients have.
     pub fn new(opts: &TcpStoreOptions) -> Result<Self, StoreError> {
+        Self::new_until(opts, optional_deadline(opts.timeout))
+    }
+
+    /// [`new`](Self::new) ending by `deadline`, that of the call it serves (init's), instead
+    /// of `opts.timeout` from now: connecting and waiting for the workers end by it, so the
+    /// time the store takes to come up is not added to the rest of that call. `opts.timeout`
+    /// stays the store's timeout for later calls.
+    pub fn new_by(opts: &TcpStoreOptions, deadline: Instant) -> Result<Self, StoreError> {
+        Self::new_until(opts, Some(deadline))
+    }
+
+    fn new_until(opts: &TcpStoreOptions, deadline: Option<Instant>) -> Result<Self, StoreError> {
         if opts.is_master {
-            return TcpStore::with_server(TcpStoreServer::start(opts.port)?, opts);
+            return TcpStore::with_server_until(TcpStoreServer::start(opts.port)?, opts, deadline);
         }
-        let store = TcpStore::connect(&opts.host, opts.port, opts.timeout)?;
-        store.join(opts)?;
+        let store = TcpStore::connect_until(&opts.host, opts.port, opts.timeout, deadline)?;
+        store.join(opts, deadline)?;
         Ok(store)
     }
 
@@ -237,35 +260,55 @@ impl TcpStore {
     /// server's port (`opts.port` and `opts.is_master` are not used), owns the server, and
     /// waits for workers as [`new`](Self::new) does.
     pub fn with_server(server: TcpStoreServer, opts: &TcpStoreOptions) -> Result<Self, StoreError> {
-        let mut store = TcpStore::connect(&opts.host, server.port(), opts.timeout)?;
+        Self::with_server_until(server, opts, optional_deadline(opts.timeout))
+    }
+
+    /// [`with_server`](Self::with_server) ending by `deadline` (see [`new_by`](Self::new_by)).
+    pub fn with_server_by(
+        server: TcpStoreServer,
+        opts: &TcpStoreOptions,
+        deadline: Instant,
+    ) -> Result<Self, StoreError> {
+        Self::with_server_until(server, opts, Some(deadline))
+    }
+
+    fn with_server_until(
+        server: TcpStoreServer,
+        opts: &TcpStoreOptions,
+        deadline: Option<Instant>,
+    ) -> Result<Self, StoreError> {
+        let mut store = TcpStore::connect_until(&opts.host, server.port(), opts.timeout, deadline)?;
         store.server = Some(server);
-        store.join(opts)?;
+        store.join(opts, deadline)?;
         Ok(store)
     }
 
-    /// With `wait_for_workers` and a world size, joins the `init/` counter.
-    fn join(&self, opts: &TcpStoreOptions) -> Result<(), StoreError> {
+    /// With `wait_for_workers` and a world size, joins the `init/` counter by `deadline`.
+    fn join(&self, opts: &TcpStoreOptions, deadline: Option<Instant>) -> Result<(), StoreError> {
         if opts.wait_for_workers
             && let Some(world) = opts.world_size
         {
-            self.wait_for_workers(world)?;
+            self.wait_for_workers(world, deadline)?;
         }
         Ok(())
     }
 
     /// Increments `init/`; on the master, polls it every 10 ms until `world_size` clients have.
     /// Every request of the join shares one deadline, so that a server that stops answering
-    /// midway fails the join within the timeout, not one timeout per poll.
-    fn wait_for_workers(&self, world_size: usize) -> Result<(), StoreError> {
+    /// midway fails the join by it, not one timeout per poll.
+    fn wait_for_workers(
+        &self,
+        world_size: usize,
+        deadline: Option<Instant>,
+    ) -> Result<(), StoreError> {
         let start = Instant::now();
-        let deadline = optional_deadline(self.timeout);
         let mut joined = self.add_raw("wait_for_workers", INIT_KEY, 1, deadline)?;
         if self.server.is_none() {
             return Ok(());
         }
         while joined < world_size as i64 {
             let waited = start.elapsed();
-            if waited >= self.timeout {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(StoreError::WorkersMissing {
                     addr: self.addr.clone(),
                     joined,

@@ -19,7 +19,11 @@ const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"DSTH");
 pub struct MeshOptions {
     /// Address to listen on and publish; `None` picks one (see [`dist_backend::net::local_ip`]).
     pub ip: Option<IpAddr>,
-    /// Deadline for the whole mesh.
+    /// How long building the mesh may take, from [`TcpTransport::connect`]'s call (the `_by`
+    /// forms take the caller's deadline instead), and how long closing it lingers for each
+    /// peer to read what it was sent.
+    ///
+    /// [`TcpTransport::connect`]: super::TcpTransport::connect
     pub timeout: Duration,
     /// Largest frame payload.
     pub segment_bytes: usize,

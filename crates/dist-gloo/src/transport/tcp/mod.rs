@@ -46,6 +46,7 @@ impl TcpTransport {
     /// [`TcpTransport::connect`] within `deadline`: every store call of the rendezvous (the
     /// addresses, the shared-memory and single-copy negotiations) ends by it, so building the
     /// mesh never takes longer than the call it serves, however many store calls it makes.
+    /// `opts.timeout` still bounds the linger of each connection when the mesh is closed.
     pub fn connect_by(
         store: &dyn Store,
         prefix: &str,
@@ -54,10 +55,17 @@ impl TcpTransport {
         opts: &MeshOptions,
         deadline: Instant,
     ) -> Result<Self> {
+        // Its store errors name the rank and the task (the stores' own name only the call).
+        let ranked = |e: dist_backend::Error| {
+            e.in_store_call(rank, || {
+                format!("group {prefix}: building the connection mesh")
+            })
+        };
         if let Some(why) = &opts.transport_error {
             return Err(dist_backend::Error::invalid(rank, "connect", why.clone()));
         }
-        let (poll, mut conns) = mesh::build(store, prefix, rank, world_size, opts, deadline)?;
+        let (poll, mut conns) =
+            mesh::build(store, prefix, rank, world_size, opts, deadline).map_err(ranked)?;
         let rings = shm::negotiate(
             store,
             prefix,
@@ -69,7 +77,8 @@ impl TcpTransport {
                 ring_bytes: opts.shm_ring_bytes,
             },
             deadline,
-        )?;
+        )
+        .map_err(ranked)?;
         let mut local_ranks = 1;
         for (slot, rings) in conns.iter_mut().zip(rings) {
             if let Some(rings) = rings {
@@ -92,7 +101,8 @@ impl TcpTransport {
             opts.cross_memory,
             opts.cross_memory_min_bytes,
             deadline,
-        )?;
+        )
+        .map_err(ranked)?;
         Ok(TcpTransport {
             rank,
             world_size,

@@ -1,0 +1,132 @@
+//! Node 0's `distrun`, which serves the job's store, is stopped (SIGSTOP: its sockets stay
+//! open, nothing answers) while another node waits in the multi-node rendezvous. That node's
+//! join must end by the one deadline it took when it started (`--rdzv-timeout`), not by a
+//! fresh store timeout from the store call that was in flight when the host stopped.
+//!
+//! Order comes from the store itself (the test reads the join counter until both started
+//! nodes have joined; node 1's join began before that) and from `waitpid`, which reports
+//! node 0 stopped once every thread of it is.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dist_backend::Store;
+use dist_backend::store::TcpStore;
+
+const DISTRUN: &str = env!("CARGO_BIN_EXE_distrun");
+/// `--rdzv-timeout` of every node.
+const RDZV: Duration = Duration::from_secs(4);
+const SLACK: Duration = Duration::from_secs(1);
+
+/// A node's `distrun`, resumed and killed when the test ends, however it ends.
+struct Node(Child);
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        send(&self.0, libc::SIGCONT);
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Sends `sig` to our child `c`; one that has exited already makes it fail harmlessly.
+fn send(c: &Child, sig: libc::c_int) {
+    let pid = libc::pid_t::try_from(c.id()).expect("pid fits pid_t");
+    // SAFETY: kill(2) on our own child's pid; it touches no memory of ours.
+    let _ = unsafe { libc::kill(pid, sig) };
+}
+
+/// Stops `c` and returns once all of it has stopped: kill(2) only queues SIGSTOP, and the
+/// kernel reports the stop to the parent when the last of the process's threads has stopped.
+fn stop(c: &Child) {
+    send(c, libc::SIGSTOP);
+    let pid = libc::pid_t::try_from(c.id()).expect("pid fits pid_t");
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our own child, writing only to `status`, a local we own. With
+    // WUNTRACED it reports the stop without reaping the child, so `Child` still owns it.
+    let rc = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) };
+    assert_eq!(rc, pid, "waitpid on node 0");
+    assert!(
+        libc::WIFSTOPPED(status),
+        "node 0 ended instead of stopping (status {status:#x})"
+    );
+}
+
+/// One node of a three-node job (only two are started, so nobody ever gets `go`).
+fn node(rank: &str, port: &str) -> Node {
+    let rdzv = RDZV.as_secs().to_string();
+    Command::new(DISTRUN)
+        .args([
+            "--nnodes",
+            "3",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            port,
+            "--rdzv-timeout",
+            &rdzv,
+            "--",
+            "true",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(Node)
+        .expect("start distrun")
+}
+
+#[test]
+fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
+    let mut node0 = node("0", "0");
+    // `distrun: 1 rank(s) on node 0 of 3 (world size 3), store at 127.0.0.1:PORT`
+    let mut stderr0 = BufReader::new(node0.0.stderr.take().expect("node 0's stderr"));
+    let port = loop {
+        let mut line = String::new();
+        let n = stderr0.read_line(&mut line).expect("node 0's stderr");
+        assert_ne!(n, 0, "node 0 ended before naming its store's port");
+        if let Some((_, at)) = line.split_once("store at ") {
+            break at.trim().rsplit_once(':').expect("ADDR:PORT").1.to_owned();
+        }
+    };
+    let mut node1 = node("1", &port);
+    let observer = TcpStore::connect("127.0.0.1", port.parse().expect("port"), RDZV)
+        .expect("the test's client of node 0's store");
+    let started = Instant::now();
+    while observer
+        .add("distrun/attempt_0/joined", 0)
+        .expect("read the join counter")
+        < 2
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "node 1 never joined"
+        );
+        std::thread::yield_now();
+    }
+    // Node 1's join started before this instant, so it must end by RDZV from here.
+    let joined = Instant::now();
+    // Stopped late in the join, so a store call made then with a timeout of its own (the
+    // rendezvous timeout from the call) would overrun the join's deadline by most of that.
+    std::thread::sleep(RDZV / 2);
+    stop(&node0.0);
+
+    let status = node1.0.wait().expect("node 1's exit");
+    let took = joined.elapsed();
+    let mut err = String::new();
+    node1
+        .0
+        .stderr
+        .take()
+        .expect("node 1's stderr")
+        .read_to_string(&mut err)
+        .expect("node 1's stderr");
+    eprintln!("node 1 ended {took:?} after both had joined: {err}");
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("node 1: joining attempt 0"), "{err}");
+    assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+    assert!(took <= RDZV + SLACK, "node 1's join took {took:?}: {err}");
+}
