@@ -211,6 +211,7 @@ impl Agent {
         world_size: usize,
         store: Arc<dyn Store>,
         opts: RpcOptions,
+        deadline: Instant,
     ) -> Result<Arc<Agent>> {
         let label = format!("{name} (rank {rank})");
         let invalid = |what: String| Error::InvalidArgument {
@@ -234,8 +235,8 @@ impl Agent {
         };
         // The n-th init of each rank meets the n-th init of every other under `rpc/<n>/`, so
         // a job that shuts RPC down and starts it again never reads the keys of the last one.
-        // Every store call of the init ends by the init's deadline, not a store timeout each.
-        let deadline = deadline_after(Instant::now(), opts.init_timeout);
+        // Every store call of the init ends by the init's deadline (taken by `init_rpc` before
+        // it made the store), not a store timeout each.
         let generation = store
             .add_by(&format!("rpc/inits/{rank}"), 1, deadline)
             .map_err(store_err("counting this rank's inits"))?;

@@ -339,6 +339,9 @@ pub fn init_rpc(
         Some(r) => format!("{name} (rank {r})"),
         None => name.to_owned(),
     };
+    // One deadline for the whole init: making the store (its host may answer late) comes out
+    // of the same budget as the agents' rendezvous, rather than before a fresh one.
+    let deadline = dist_backend::deadline_after(std::time::Instant::now(), options.init_timeout);
     let (rank, world_size, store) = match &options.store {
         Some(store) => match (rank, world_size) {
             (Some(r), Some(w)) if r < w => (r, w, store.clone()),
@@ -354,11 +357,12 @@ pub fn init_rpc(
             }
         },
         None => {
-            let info = dist_backend::init::init_from_url(
+            let info = dist_backend::init::init_from_url_by(
                 &options.init_method,
                 rank,
                 world_size,
                 options.init_timeout,
+                deadline,
             )
             .map_err(|source| Error::Init {
                 worker: label(rank),
@@ -367,7 +371,7 @@ pub fn init_rpc(
             (info.rank, info.world_size, info.store)
         }
     };
-    let agent = Agent::init(name, rank, world_size, store, options)?;
+    let agent = Agent::init(name, rank, world_size, store, options, deadline)?;
     Ok(Rpc { agent })
 }
 

@@ -425,3 +425,34 @@ fn a_dropped_future_and_a_shutdown_inside_a_handler_do_not_hang_shutdown() {
     // w1 served block, release and shutdown_inside: the dropped call ran to its end.
     assert_eq!(out, vec![0, 3]);
 }
+
+/// Init's deadline is taken when `init_rpc` starts, so the time the store's host takes to
+/// answer (2 s here: its server starts late on a listener bound already, as a loaded host's
+/// might) comes out of the same budget as the workers' rendezvous instead of coming before a
+/// fresh `init_timeout`. Worker 0 never comes, so worker 1 fails by init's deadline.
+#[test]
+fn init_ends_by_its_deadline_when_the_store_host_answered_late() {
+    const INIT: Duration = Duration::from_secs(3);
+    const SLOW: Duration = Duration::from_secs(2);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the store's port");
+    let port = listener.local_addr().expect("its address").port();
+    let host = std::thread::spawn(move || {
+        std::thread::sleep(SLOW);
+        dist_backend::store::TcpStoreServer::from_listener(listener).expect("the store's server")
+    });
+    let opts = RpcOptions::new()
+        .init_method(format!("tcp://127.0.0.1:{port}"))
+        .init_timeout(INIT);
+    let start = Instant::now();
+    let Err(e) = dist_rpc::init_rpc("w1", Some(1), Some(2), opts) else {
+        panic!("worker 0 never comes, so init must fail");
+    };
+    let took = start.elapsed();
+    assert!(
+        took <= INIT + Duration::from_secs(1),
+        "init took {took:?}: {e}"
+    );
+    assert!(e.to_string().contains("w1"), "{e}");
+    // The server is dropped only after init has given up.
+    drop(host.join().expect("the store host thread"));
+}
