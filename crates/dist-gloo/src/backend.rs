@@ -10,7 +10,7 @@ use dist_backend::{
 };
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
-use crate::algo::{Op, agree, allreduce, bcast, blocks_of, choice, ring, rooted};
+use crate::algo::{Op, agree, allgather, allreduce, bcast, blocks_of, choice, ring, rooted};
 use crate::transport::mem::MemTransport;
 use crate::transport::tcp::{MeshOptions, TcpTransport};
 use crate::transport::{StepCtx, Transport};
@@ -630,7 +630,11 @@ impl Backend for GlooBackend {
             |o, _| {
                 let blocks = blocks_of(counts, dtype.size());
                 output[blocks[self.rank].clone()].copy_from_slice(input);
-                ring::all_gather(o, output, &blocks)
+                if output.len() <= self.small_bytes {
+                    allgather::direct(o, output, &blocks)
+                } else {
+                    ring::all_gather(o, output, &blocks)
+                }
             },
         )
     }

@@ -13,6 +13,7 @@ use dist_wire::{DType, ReduceOp};
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
 
 pub(crate) mod agree;
+pub(crate) mod allgather;
 pub(crate) mod allreduce;
 pub(crate) mod bcast;
 pub(crate) mod choice;

@@ -1,0 +1,32 @@
+//! all_gather: one direct exchange for small buffers (latency-bound), the ring for large ones
+//! (bandwidth-bound, [`super::ring::all_gather`]).
+
+use std::ops::Range;
+
+use dist_backend::Result;
+
+use super::{Op, split_blocks, tags};
+
+/// Given that every rank holds its own block `rank` of `data`, fills in every other block in
+/// one step: each rank sends its block to every other and receives theirs in place. One
+/// round instead of the ring's n − 1, each rank still sending and receiving (n − 1)/n of the
+/// buffer; for buffers small enough that the rounds' wake-ups, not the bytes, bound the time
+/// (Open MPI uses recursive doubling or Bruck there for the same reason). The lists are
+/// staggered as in `all_to_all`, so that no receiver is fed by every sender at once.
+pub(crate) fn direct(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Result<()> {
+    let (n, r) = (o.n(), o.rank());
+    if n == 1 {
+        return Ok(());
+    }
+    let mut parts: Vec<Option<&mut [u8]>> =
+        split_blocks(data, blocks).into_iter().map(Some).collect();
+    let own: &[u8] = parts[r].take().unwrap_or_default();
+    let sends: Vec<_> = (1..n)
+        .map(|k| o.send((r + k) % n, own, tags::DIRECT))
+        .collect();
+    let mut recvs: Vec<_> = (1..n)
+        .map(|k| (r + n - k) % n)
+        .filter_map(|p| parts[p].take().map(|buf| o.recv(p, buf, tags::DIRECT)))
+        .collect();
+    o.step(&sends, &mut recvs)
+}
