@@ -10,7 +10,9 @@ use dist_backend::{
 };
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
-use crate::algo::{Op, agree, allgather, allreduce, bcast, blocks_of, choice, ring, rooted};
+use crate::algo::{
+    Op, agree, allgather, allreduce, bcast, blocks_of, choice, reducescatter, ring, rooted,
+};
 use crate::transport::mem::MemTransport;
 use crate::transport::tcp::{MeshOptions, TcpTransport};
 use crate::transport::{StepCtx, Transport};
@@ -665,13 +667,20 @@ impl Backend for GlooBackend {
             opts,
             |o, scratch| {
                 let blocks = blocks_of(counts, dtype.size());
+                let run = |input: &[u8], output: &mut [u8], scratch: &mut Vec<u64>| {
+                    if input.len() <= self.small_bytes {
+                        reducescatter::direct(o, input, output, &blocks, op, scratch)
+                    } else {
+                        ring::reduce_scatter_into(o, input, output, &blocks, op, scratch)
+                    }
+                };
                 if let ReduceOp::PremulSum(_) = op {
                     // The scale must be applied to a copy: the input is the caller's.
                     let mut work = input.to_vec();
                     self.prepare(o, op, &mut work)?;
-                    ring::reduce_scatter_into(o, &work, output, &blocks, op, scratch)?;
+                    run(&work, output, scratch)?;
                 } else {
-                    ring::reduce_scatter_into(o, input, output, &blocks, op, scratch)?;
+                    run(input, output, scratch)?;
                 }
                 self.finalize(o, op, output)
             },

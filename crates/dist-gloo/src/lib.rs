@@ -11,9 +11,9 @@
 //! * all_reduce: recursive doubling up to [`GlooOptions::small_bytes`], a segmented ring
 //!   (1 MiB segments, reduction of one segment overlapping the transfer of the next) above it;
 //! * broadcast: binomial tree / pipelined chain; reduce: binomial tree / ring reduce-scatter +
-//!   gather; all_gather (equal and uneven): one direct exchange up to `small_bytes`, ring
-//!   above; reduce_scatter (equal and uneven): ring; all_to_all, gather, scatter: direct, all
-//!   transfers in flight at once; barrier: dissemination.
+//!   gather; all_gather and reduce_scatter (equal and uneven): one direct exchange up to
+//!   `small_bytes`, ring above; all_to_all, gather, scatter: direct, all transfers in flight
+//!   at once; barrier: dissemination.
 //!
 //! Every frame carries a [`dist_wire::FrameHeader`]; ranks that call different operations (or
 //! pass different arguments, the root included: rooted operations agree on them first) fail

@@ -17,6 +17,7 @@ pub(crate) mod allgather;
 pub(crate) mod allreduce;
 pub(crate) mod bcast;
 pub(crate) mod choice;
+pub(crate) mod reducescatter;
 pub(crate) mod ring;
 pub(crate) mod rooted;
 
