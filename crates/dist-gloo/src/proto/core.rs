@@ -10,7 +10,7 @@ use super::parse::process;
 use super::step::{Status, Step};
 use crate::transport::{
     Incoming, OnFrame, Outgoing, StepCtx, abort_reason, closed_error_at, stalled_on,
-    stashed_conflict,
+    stashed_conflict, step_count,
 };
 
 /// One rank's protocol state with each of its peers: no sockets, threads or clocks.
@@ -276,11 +276,7 @@ impl Core {
         }
         // A frame of this operation whose arguments differ from ours, from a peer the step
         // does not wait for (see `stashed_conflict`): the ranks disagree.
-        let count = recvs
-            .first()
-            .map(|r| r.count)
-            .or_else(|| sends.first().map(|s| s.count))
-            .unwrap_or(0);
+        let count = step_count(sends, recvs);
         let conflict = self
             .conns
             .iter()

@@ -329,6 +329,16 @@ pub(crate) fn judge(
     Ok(Verdict::Expected)
 }
 
+/// The operation's element count as this step's messages carry it (for errors only): the
+/// first receive's, else the first send's, else 0.
+pub(crate) fn step_count(sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> u64 {
+    recvs
+        .first()
+        .map(|r| r.count)
+        .or_else(|| sends.first().map(|s| s.count))
+        .unwrap_or(0)
+}
+
 /// A frame `peer` sent in this very operation (same group and sequence number) that the
 /// step does not wait for, judged as it arrives: `Some` when its operation or arguments
 /// differ from this rank's. Why: a rank waits only on the peers its algorithm names, and

@@ -13,7 +13,7 @@ use super::conn::{Conn, Io, Payload, PeerState};
 use super::linger;
 use crate::transport::{
     Incoming, OnFrame, Outgoing, StepCtx, Verdict, abort_reason, closed_error, frames, judge,
-    stalled_on, stashed_conflict,
+    stalled_on, stashed_conflict, step_count,
 };
 
 /// The longest an aborted mesh spends, when it is closed, delivering its abort notices and
@@ -364,11 +364,7 @@ impl Engine {
                 }
                 continue;
             }
-            let count = recvs
-                .first()
-                .map(|r| r.count)
-                .or_else(|| sends.first().map(|s| s.count))
-                .unwrap_or(0);
+            let count = step_count(sends, recvs);
             self.wait(ctx, recvs, rx, count, ctx.deadline - now)?;
         }
     }
