@@ -23,6 +23,8 @@ pub(crate) struct ShmLink {
     eof: bool,
     /// Reads that found the ring empty since it last had bytes.
     idle: u32,
+    /// The last write found the ring full: the engine waits for room.
+    write_blocked: bool,
 }
 
 /// Bytes of doorbells read per call.
@@ -41,6 +43,7 @@ impl ShmLink {
             rings,
             eof: false,
             idle: 0,
+            write_blocked: false,
         }
     }
 
@@ -72,15 +75,19 @@ impl ShmLink {
     }
 
     /// Before the engine sleeps: raises this side's flags (the reader's always, the writer's
-    /// when its ring is full) and reports whether the rings changed meanwhile, in which case
-    /// it must not sleep. See [`super::ring`] for why no wake-up is lost.
+    /// when its last write found the ring full) and reports whether the rings changed since
+    /// the engine last looked, in which case it must not sleep. See [`super::ring`] for why no
+    /// wake-up is lost.
     pub(crate) fn arm(&mut self) -> io::Result<bool> {
         // The doorbells that woke the last sleep are read here, so that the next doorbell
         // makes the connection readable again; an end found here is news for the engine.
         let was_open = !self.eof;
         let ended = !self.read_doorbells()?;
         let mut ready = self.rings.rx.arm()? || (was_open && ended);
-        if self.rings.tx.full()? {
+        // Keyed on the failed write, not on the ring being full now: room the reader freed
+        // between that write and this call came without a doorbell (the flag was down), so
+        // the engine must try again rather than sleep on it.
+        if self.write_blocked {
             ready |= self.rings.tx.arm()?;
         }
         Ok(ready)
@@ -183,8 +190,10 @@ impl Write for ShmLink {
             self.ring_doorbell();
         }
         if w.n > 0 || bufs.iter().all(|b| b.is_empty()) {
+            self.write_blocked = false;
             return Ok(w.n);
         }
+        self.write_blocked = true;
         if self.read_doorbells()? {
             Err(io::ErrorKind::WouldBlock.into())
         } else {
@@ -194,5 +203,72 @@ impl Write for ShmLink {
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use memmap2::MmapRaw;
+
+    use super::*;
+    use crate::transport::shm::ring::{CONTROL_BYTES, RxRing, TxRing};
+
+    /// Two links joined by a pair of `cap`-byte rings in one anonymous mapping and a loopback
+    /// connection.
+    fn pair(cap: usize) -> (ShmLink, ShmLink) {
+        let map = Arc::new(
+            memmap2::MmapOptions::new()
+                .len(2 * (CONTROL_BYTES + cap))
+                .map_anon()
+                .map(MmapRaw::from)
+                .expect("map"),
+        );
+        let second = CONTROL_BYTES + cap;
+        let ring = |at| {
+            (
+                TxRing::new(map.clone(), at, cap).expect("tx"),
+                RxRing::new(map.clone(), at, cap).expect("rx"),
+            )
+        };
+        let ((a_tx, b_rx), (b_tx, a_rx)) = (ring(0), ring(second));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let a =
+            std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (b, _) = listener.accept().expect("accept");
+        let stream = |s: std::net::TcpStream| {
+            s.set_nonblocking(true).expect("nonblocking");
+            mio::net::TcpStream::from_std(s)
+        };
+        (
+            ShmLink::new(stream(a), Rings { rx: a_rx, tx: a_tx }),
+            ShmLink::new(stream(b), Rings { rx: b_rx, tx: b_tx }),
+        )
+    }
+
+    /// The lost wake-up that stalled large two-way exchanges for the engine's 100 ms sleep
+    /// cap: the writer's ring is full, the reader frees room before the writer arms (so no
+    /// flag is up and no doorbell comes), and the writer must not sleep on it.
+    #[test]
+    fn room_freed_before_the_writer_arms_keeps_it_awake() {
+        let (mut a, mut b) = pair(256);
+        let data = [7u8; 300];
+        assert_eq!(a.write(&data).expect("write"), 256);
+        let full = a.write(&data[256..]).expect_err("the ring is full");
+        assert_eq!(full.kind(), io::ErrorKind::WouldBlock);
+        let mut got = [0u8; 100];
+        assert_eq!(b.read(&mut got).expect("read"), 100);
+        assert!(
+            a.arm().expect("arm"),
+            "room is there: the writer must retry, not sleep"
+        );
+        a.disarm();
+        assert_eq!(a.write(&data[256..]).expect("write"), 44);
+        assert!(
+            !a.arm().expect("arm"),
+            "nothing to read, no write waiting: sleep"
+        );
+        a.disarm();
     }
 }
