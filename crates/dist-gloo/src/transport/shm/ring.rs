@@ -229,11 +229,6 @@ impl TxRing {
     pub(crate) fn disarm(&self) {
         self.ring.u32_at(WRITER_WAITING).store(0, Ordering::Relaxed);
     }
-
-    /// Whether the ring is full as far as this side knows.
-    pub(crate) fn full(&mut self) -> io::Result<bool> {
-        Ok(self.space()? == 0)
-    }
 }
 
 impl RxRing {
@@ -341,7 +336,6 @@ mod tests {
     fn a_full_ring_takes_nothing_and_an_empty_one_gives_nothing() {
         let (mut tx, mut rx) = pair(16);
         assert_eq!(tx.write(&[IoSlice::new(&[7u8; 40])]).expect("write").n, 16);
-        assert!(tx.full().expect("full"));
         assert_eq!(tx.write(&[IoSlice::new(&[1u8])]).expect("write").n, 0);
         let mut out = [0u8; 40];
         assert_eq!(rx.read(&mut out).expect("read").0, 16);
