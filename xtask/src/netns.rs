@@ -390,7 +390,9 @@ fn collectives(hosts: &Hosts, bin: &Path) -> Result<(), String> {
         "-c",
         "1",
     ];
-    let nodes = launch_pair(hosts, &prog, &args, &[])?;
+    // Large messages over the rings go by reference only when a host's ranks outnumber its
+    // CPUs: ask for it, so that where single-copy transfers may go is checked on any machine.
+    let nodes = launch_pair(hosts, &prog, &args, &[("DIST_GLOO_CMA_OVER_SHM", "1")])?;
     let deadline = Instant::now() + JOB_DEADLINE;
     let done = nodes.map(|n| n.finish(deadline));
     for (i, f) in done.iter().enumerate() {

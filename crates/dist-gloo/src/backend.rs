@@ -71,6 +71,7 @@ impl GlooOptions {
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
     /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning), `DIST_GLOO_CMA`
     /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
+    /// `DIST_GLOO_CMA_OVER_SHM` (`0` or `1`; unset decides by the host's CPUs),
     /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
     /// `DIST_GLOO_BUSY_SPIN_NS` and `DIST_GLOO_SHM_RING_BYTES`.
     pub fn from_env() -> Self {
@@ -95,6 +96,9 @@ impl GlooOptions {
         }
         if let Some(v) = var("DIST_GLOO_CMA_MIN_BYTES") {
             o.mesh.cross_memory_min_bytes = v;
+        }
+        if let Some(v) = var("DIST_GLOO_CMA_OVER_SHM") {
+            o.mesh.cross_memory_over_rings = Some(v != 0);
         }
         if let Ok(v) = std::env::var("DIST_GLOO_TRANSPORT") {
             match v.parse() {

@@ -10,7 +10,7 @@ mod common;
 
 use common::{
     DRIVERS, MakeTransports, assert_close, check_all_to_all, decode, encode, on_all, reference,
-    tcp_world, tcp_world_with, value, world,
+    shm_rings_transports, tcp_world, tcp_world_with, value, world,
 };
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
@@ -238,18 +238,19 @@ fn over(driver: &str, make: MakeTransports, n: usize) {
     check_p2p(&ranks);
     // Threads of one process read each other wherever the system call is allowed: then the
     // big counts went single-copy (only the TCP mesh, over sockets or rings, offers by
-    // reference).
+    // reference, and over rings only when told to).
     let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
     assert_eq!(
         by_ref > 0,
-        driver != "mem" && n > 1 && cross_memory_available(),
+        !matches!(driver, "mem" | "shm-rings") && n > 1 && cross_memory_available(),
         "{driver} ws {n}: {by_ref} messages sent by reference"
     );
 }
 
-/// [`over`] for every driver.
+/// [`over`] for every driver, and for shared memory with large messages through the rings.
 fn over_every_driver(n: usize) {
-    for &(driver, make) in DRIVERS {
+    let rings: (&str, MakeTransports) = ("shm-rings", shm_rings_transports);
+    for &(driver, make) in DRIVERS.iter().chain([&rings]) {
         over(driver, make, n);
     }
 }
@@ -301,6 +302,8 @@ fn a_rank_without_cross_memory_mixes_with_ranks_that_have_it() {
     let ranks = tcp_world_with(3, |r| {
         let mut o = gloo_opts();
         o.mesh.cross_memory = r != 1;
+        // Over the rings too, however many CPUs this host has.
+        o.mesh.cross_memory_over_rings = Some(true);
         o
     });
     let n = ranks.len();

@@ -65,7 +65,10 @@ fn a_late_peer_cannot_copy_a_buffer_whose_sender_gave_up() {
         eprintln!("skipped: this sandbox forbids cross-memory attach, nothing goes by reference");
         return;
     }
-    let ranks = tcp_world(2, &GlooOptions::default());
+    // Over shared-memory rings a host with a CPU per rank sends nothing by reference.
+    let mut opts = GlooOptions::default();
+    opts.mesh.cross_memory_over_rings = Some(true);
+    let ranks = tcp_world(2, &opts);
     let timeout = Duration::from_millis(400);
     let out = on_all(&ranks, |b| {
         let mut v = vec![1u8; 4 << 20];

@@ -67,8 +67,24 @@ pub fn tcp_only_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transpor
     tcp_transports(n, &with_mode(opts, TransportMode::Tcp))
 }
 
-/// [`tcp_transports`] with every pair on shared-memory rings (checked).
+/// [`tcp_transports`] with every pair on shared-memory rings (checked), large messages going
+/// by reference where the ranks can read each other (as on a host with fewer CPUs than ranks).
 pub fn shm_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
+    let mut o = opts.clone();
+    o.mesh.cross_memory_over_rings = Some(true);
+    rings(n, &o)
+}
+
+/// [`shm_transports`] with every message through the rings (as on a host with a CPU per
+/// rank).
+pub fn shm_rings_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
+    let mut o = opts.clone();
+    o.mesh.cross_memory_over_rings = Some(false);
+    rings(n, &o)
+}
+
+/// Every pair on shared-memory rings (checked).
+fn rings(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
     let ts = tcp_transports(n, &with_mode(opts, TransportMode::Shm));
     for t in &ts {
         let want: Vec<bool> = (0..n).map(|p| p != t.rank()).collect();

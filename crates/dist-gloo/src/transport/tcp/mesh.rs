@@ -45,6 +45,11 @@ pub struct MeshOptions {
     pub cross_memory: bool,
     /// Smallest message sent that way.
     pub cross_memory_min_bytes: usize,
+    /// Whether large messages to a peer reached through shared-memory rings go that way too
+    /// (broadcast and scatter never do). `None` decides by whether this host's ranks of the
+    /// group outnumber its CPUs: the rings' two copies run at once on two cores and beat one
+    /// copy by reference, unless the ranks must share cores (see `Engine::single_copy_pays`).
+    pub cross_memory_over_rings: Option<bool>,
     /// Shared-memory rings between ranks on one host, TCP between hosts, or one of the two
     /// for every pair (see [`crate::transport::shm`]).
     pub transport: TransportMode,
@@ -70,6 +75,7 @@ impl Default for MeshOptions {
             socket_buffer: None,
             cross_memory: true,
             cross_memory_min_bytes: 256 << 10,
+            cross_memory_over_rings: None,
             transport: TransportMode::Auto,
             shm_ring_bytes: crate::transport::shm::DEFAULT_RING_BYTES,
             host_id: None,

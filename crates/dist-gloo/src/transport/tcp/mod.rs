@@ -86,6 +86,9 @@ impl TcpTransport {
                 local_ranks += 1;
             }
         }
+        let single_copy_over_rings = opts
+            .cross_memory_over_rings
+            .unwrap_or_else(|| shm::online_cpus().is_some_and(|n| local_ranks > n));
         let busy_spin = opts.busy_spin.unwrap_or_else(|| {
             if local_ranks > 1 && shm::online_cpus().is_some_and(|n| local_ranks <= n) {
                 opts.spin
@@ -116,6 +119,7 @@ impl TcpTransport {
                 cma,
                 linger: opts.timeout,
                 aborted: false,
+                single_copy_over_rings,
             }),
         })
     }
