@@ -45,7 +45,18 @@ pub struct GlooOptions {
     /// picks [`GlooOptions::auto_broadcast_scatter_bytes`]; `DIST_GLOO_BCAST_SCATTER_BYTES`
     /// sets it. Every rank must use the same value (checked when the group is built).
     pub broadcast_scatter_bytes: Option<usize>,
+    /// all_reduce buffers of more than [`HALVING_DOUBLING_MIN_BYTES`] and up to this many bytes
+    /// run recursive halving and doubling (Rabenseifner) instead of recursive doubling or the
+    /// ring. `None` picks [`GlooOptions::auto_halving_doubling_bytes`]; `0` turns it off;
+    /// `DIST_GLOO_HALVING_DOUBLING_BYTES` sets it. Every rank must use the same value (checked
+    /// when the group is built).
+    pub halving_doubling_bytes: Option<usize>,
 }
+
+/// all_reduce buffers up to this size never run recursive halving and doubling: its 2·log2 n
+/// steps cost more than recursive doubling's log2 n while latency dominates (4 ranks over
+/// TCP: 16 KiB took 92 us against 83-89 us; from 32 KiB it is ahead).
+pub const HALVING_DOUBLING_MIN_BYTES: usize = 16 << 10;
 
 /// The default of [`GlooOptions::fused_agreement_max_ranks`].
 pub const FUSED_AGREEMENT_MAX_RANKS: usize = agree::FUSED_MAX_RANKS;
@@ -58,6 +69,17 @@ impl GlooOptions {
     /// about 256 KiB, where the ring's 2(n-1) latency-bound steps stop dominating.
     pub fn auto_small_bytes(world_size: usize) -> usize {
         if world_size <= 2 { 16 << 10 } else { 256 << 10 }
+    }
+
+    /// The default of [`GlooOptions::halving_doubling_bytes`], measured with
+    /// `cargo xtask bench all_reduce` on a 2-core host, alternating against recursive doubling
+    /// and the ring: at 4 ranks over TCP (`DIST_GLOO_CMA=0 DIST_GLOO_TRANSPORT=tcp`) it took
+    /// 0.56-0.72x their time from 64 KiB to 1 MiB, even at 2 MiB, 1.1-1.3x from 8 MiB (the
+    /// ring's pipelining wins); over shared memory 0.47-0.8x from 16 KiB to 4 MiB. With 2 or 3
+    /// ranks (one exchange pair, the third folded in) it has nothing to halve and loses
+    /// (1.2-1.3x at 3 ranks up to 256 KiB): off.
+    pub fn auto_halving_doubling_bytes(world_size: usize) -> usize {
+        if world_size >= 4 { 2 << 20 } else { 0 }
     }
 
     /// The default of [`GlooOptions::broadcast_scatter_bytes`]: never (`usize::MAX`) until a
@@ -73,7 +95,8 @@ impl GlooOptions {
     /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
     /// `DIST_GLOO_CMA_OVER_SHM` (`0` or `1`; unset decides by the host's CPUs),
     /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
-    /// `DIST_GLOO_BUSY_SPIN_NS` and `DIST_GLOO_SHM_RING_BYTES`.
+    /// `DIST_GLOO_BUSY_SPIN_NS`, `DIST_GLOO_SHM_RING_BYTES` and
+    /// `DIST_GLOO_HALVING_DOUBLING_BYTES` ([`GlooOptions::halving_doubling_bytes`]).
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -82,6 +105,7 @@ impl GlooOptions {
             small_bytes: var("DIST_GLOO_SMALL_BYTES"),
             lazy_root_verification: var("DIST_GLOO_EAGER_ROOT").map(|v| v == 0),
             broadcast_scatter_bytes: var("DIST_GLOO_BCAST_SCATTER_BYTES"),
+            halving_doubling_bytes: var("DIST_GLOO_HALVING_DOUBLING_BYTES"),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {
@@ -124,6 +148,7 @@ pub struct GlooBackend {
     transport: Box<dyn Transport>,
     small_bytes: usize,
     broadcast_scatter_bytes: usize,
+    halving_doubling_bytes: usize,
     fused_agreement_max_ranks: usize,
     /// Whether this rank, as a rooted op's root, verifies the others' agreement frames
     /// lazily ([`GlooOptions::lazy_root_verification`]).
@@ -201,6 +226,11 @@ impl GlooBackend {
                 opts.broadcast_scatter_bytes
                     .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
             ),
+            (
+                "halving_doubling_bytes",
+                opts.halving_doubling_bytes
+                    .unwrap_or_else(|| GlooOptions::auto_halving_doubling_bytes(world_size)),
+            ),
         ]);
         let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
         choice::publish(store, prefix, rank, &mine, deadline)
@@ -230,6 +260,9 @@ impl GlooBackend {
             broadcast_scatter_bytes: opts
                 .broadcast_scatter_bytes
                 .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
+            halving_doubling_bytes: opts
+                .halving_doubling_bytes
+                .unwrap_or_else(|| GlooOptions::auto_halving_doubling_bytes(world_size)),
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
                 .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
@@ -532,7 +565,12 @@ impl Backend for GlooBackend {
             opts,
             |o, scratch| {
                 self.prepare(o, op, data)?;
-                if data.len() <= self.small_bytes || count < self.world_size {
+                if data.len() > HALVING_DOUBLING_MIN_BYTES
+                    && data.len() <= self.halving_doubling_bytes
+                    && count >= self.world_size
+                {
+                    allreduce::halving_doubling(o, data, op, scratch)
+                } else if data.len() <= self.small_bytes || count < self.world_size {
                     allreduce::recursive_doubling(o, data, op, scratch)?;
                     self.finalize(o, op, data)
                 } else {

@@ -49,4 +49,6 @@ mod backend;
 pub mod proto;
 pub mod transport;
 
-pub use backend::{FUSED_AGREEMENT_MAX_RANKS, GlooBackend, GlooOptions};
+pub use backend::{
+    FUSED_AGREEMENT_MAX_RANKS, GlooBackend, GlooOptions, HALVING_DOUBLING_MIN_BYTES,
+};

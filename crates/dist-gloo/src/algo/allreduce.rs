@@ -1,10 +1,10 @@
-//! all_reduce: recursive doubling for small buffers (latency-bound), the ring for large ones
-//! (bandwidth-bound).
+//! all_reduce: recursive doubling for small buffers (latency-bound), recursive halving and
+//! doubling (Rabenseifner) for mid-sized ones, the ring for large ones (bandwidth-bound).
 
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{Op, even_blocks, ring, tags};
+use super::{Op, even_blocks, ring, split_pair, tags};
 
 /// Reduces `data` in place across all ranks with recursive doubling: ⌈log2 n⌉ exchanges of the
 /// whole buffer. A non-power-of-two rank count first folds the extra ranks into the lowest ones
@@ -24,16 +24,9 @@ pub(crate) fn recursive_doubling(
         scratch.resize(data.len().div_ceil(8), 0);
     }
     let tmp = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
-    let p2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    let extra = n - p2;
-    if r >= p2 {
-        o.step(&[o.send(r - p2, data, tags::RD_FOLD)], &mut [])?;
-        return o.step(&[], &mut [o.recv(r - p2, data, tags::RD_UNFOLD)]);
-    }
-    if r < extra {
-        o.step(&[], &mut [o.recv(r + p2, tmp, tags::RD_FOLD)])?;
-        o.combine(op, data, tmp)?;
-    }
+    let Some((p2, extra)) = fold(o, data, op, tmp)? else {
+        return Ok(());
+    };
     let mut mask = 1;
     let mut step = 0;
     while mask < p2 {
@@ -53,6 +46,116 @@ pub(crate) fn recursive_doubling(
         mask <<= 1;
         step += 1;
     }
+    unfold(o, data, p2, extra)
+}
+
+/// Rabenseifner's all_reduce: a reduce-scatter by recursive halving (in round k each rank
+/// swaps half of the blocks it still holds with the rank 2^(m-1-k) away and reduces the half it
+/// keeps), then an all-gather by recursive doubling (the same pairs in reverse order, each
+/// round doubling the blocks a rank holds). 2·log2 n steps moving 2(n − 1)/n of the buffer,
+/// as the ring does in 2(n − 1) steps, where recursive doubling moves log2(n) whole buffers.
+/// A non-power-of-two rank count folds as [`recursive_doubling`] does. Each block is reduced
+/// on one rank and copied to the others, so every rank ends with identical bits.
+pub(crate) fn halving_doubling(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
+    let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
+    if n == 1 {
+        return dist_wire::finalize(op, o.dtype(), data, n).map_err(|e| o.wire(e));
+    }
+    if scratch.len() * 8 < data.len() {
+        scratch.resize(data.len().div_ceil(8), 0);
+    }
+    let tmp = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
+    let Some((p2, extra)) = fold(o, data, op, tmp)? else {
+        return Ok(());
+    };
+    let blocks = even_blocks(data.len() / elem, p2, elem);
+    // The byte range of blocks lo..hi (consecutive, so one range).
+    let span = |lo: usize, hi: usize| blocks[lo].start..blocks[hi - 1].end;
+    // Blocks lo..hi are those this rank still reduces; each round keeps the half on this
+    // rank's side of the partner, so rank r ends with block r.
+    let (mut lo, mut hi) = (0, p2);
+    let mut mask = p2 / 2;
+    let mut step = 0;
+    while mask > 0 {
+        let partner = r ^ mask;
+        let mid = lo + (hi - lo) / 2;
+        let (keep, give) = if r & mask == 0 {
+            ((lo, mid), (mid, hi))
+        } else {
+            ((mid, hi), (lo, mid))
+        };
+        let (kept, given) = (span(keep.0, keep.1), span(give.0, give.1));
+        let (out, acc) = split_pair(data, given, kept.clone());
+        let incoming = &mut tmp[..kept.len()];
+        let tag = tags::RH_RS | step;
+        o.step(
+            &[o.send(partner, out, tag)],
+            &mut [o.recv(partner, incoming, tag)],
+        )?;
+        o.combine(op, acc, incoming)?;
+        (lo, hi) = keep;
+        mask >>= 1;
+        step += 1;
+    }
+    let own = blocks[r].clone();
+    dist_wire::finalize(op, o.dtype(), &mut data[own], n).map_err(|e| o.wire(e))?;
+    let mut mask = 1;
+    let mut step = 0;
+    while mask < p2 {
+        let partner = r ^ mask;
+        // The partner holds the sibling of this rank's run of blocks.
+        let width = hi - lo;
+        let theirs = if r & mask == 0 {
+            (hi, hi + width)
+        } else {
+            (lo - width, lo)
+        };
+        let (out, into) = split_pair(data, span(lo, hi), span(theirs.0, theirs.1));
+        let tag = tags::RD_AG | step;
+        o.step(
+            &[o.send(partner, out, tag)],
+            &mut [o.recv(partner, into, tag)],
+        )?;
+        (lo, hi) = (lo.min(theirs.0), hi.max(theirs.1));
+        mask <<= 1;
+        step += 1;
+    }
+    unfold(o, data, p2, extra)
+}
+
+/// Folds a group whose size is not a power of two onto its largest power of two `p2`: rank
+/// `p2 + i` hands its data to rank `i`, which combines it, and gets the result back from
+/// [`unfold`]. Returns `(p2, extra)` on the ranks that go on, `None` on a folded-out rank once
+/// it holds the result.
+fn fold(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    tmp: &mut [u8],
+) -> Result<Option<(usize, usize)>> {
+    let (n, r) = (o.n(), o.rank());
+    let p2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let extra = n - p2;
+    if r >= p2 {
+        o.step(&[o.send(r - p2, data, tags::RD_FOLD)], &mut [])?;
+        o.step(&[], &mut [o.recv(r - p2, data, tags::RD_UNFOLD)])?;
+        return Ok(None);
+    }
+    if r < extra {
+        o.step(&[], &mut [o.recv(r + p2, tmp, tags::RD_FOLD)])?;
+        o.combine(op, data, tmp)?;
+    }
+    Ok(Some((p2, extra)))
+}
+
+/// Sends the result to the rank [`fold`] folded into this one.
+fn unfold(o: &Op<'_>, data: &[u8], p2: usize, extra: usize) -> Result<()> {
+    let r = o.rank();
     if r < extra {
         o.step(&[o.send(r + p2, data, tags::RD_UNFOLD)], &mut [])?;
     }

@@ -35,6 +35,8 @@ pub(crate) mod tags {
     pub(crate) const GATHER: u32 = 10 << 16;
     pub(crate) const AGREE: u32 = 11 << 16;
     pub(crate) const SCATTER: u32 = 12 << 16;
+    pub(crate) const RH_RS: u32 = 13 << 16;
+    pub(crate) const RD_AG: u32 = 14 << 16;
 
     /// The step a frame's `tag` labels, with its algorithm's name, for the error of ranks
     /// that met in different algorithms (and for reading the tags of another build's notice).
@@ -52,6 +54,8 @@ pub(crate) mod tags {
             GATHER => "direct gather",
             AGREE => "argument agreement",
             SCATTER => "scatter + all-gather",
+            RH_RS => "recursive halving (reduce-scatter)",
+            RD_AG => "recursive doubling (all-gather)",
             _ => "an unknown algorithm",
         };
         dist_backend::AlgoStep { algorithm, tag }
