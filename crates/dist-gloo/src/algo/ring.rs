@@ -67,7 +67,11 @@ pub(crate) fn all_gather(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -
 
 /// Reduce-scatter from an input buffer that must not be modified into `output` (block `rank`):
 /// the same ring as [`reduce_scatter`], but partial results live in two alternating carry
-/// buffers of one block each, so no copy of the whole input is made.
+/// buffers of one block each, so no copy of the whole input is made. Each step receives the
+/// left neighbour's partial result straight into the carry (or `output`) it produces and
+/// combines this rank's input block into it there, frame by frame: one pass over the block
+/// besides the receive, where receiving into scratch and combining into a copy of the input
+/// block took three.
 pub(crate) fn reduce_scatter_into(
     o: &Op<'_>,
     input: &[u8],
@@ -83,17 +87,16 @@ pub(crate) fn reduce_scatter_into(
     }
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
     let largest = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
-    let words = largest.div_ceil(8);
-    if scratch.len() < 3 * words {
-        scratch.resize(3 * words, 0);
+    // Two ranks need no carry: their one step produces into `output`.
+    let words = if n > 2 { largest.div_ceil(8) } else { 0 };
+    if scratch.len() < 2 * words {
+        scratch.resize(2 * words, 0);
     }
-    let (tmp, carries) = scratch.split_at_mut(words);
-    let (carry_a, carry_b) = carries.split_at_mut(words);
+    let (carry_a, carry_b) = scratch[..2 * words].split_at_mut(words);
     let mut carry: [&mut [u8]; 2] = [
         bytemuck::cast_slice_mut(carry_a),
         bytemuck::cast_slice_mut(carry_b),
     ];
-    let tmp: &mut [u8] = bytemuck::cast_slice_mut(tmp);
     for s in 0..n - 1 {
         let send_b = (r + 2 * n - 1 - s) % n;
         let recv_b = (r + 2 * n - 2 - s) % n;
@@ -118,13 +121,13 @@ pub(crate) fn reduce_scatter_into(
         };
         let mine = &input[blocks[recv_b].clone()];
         let tag = tags::RING_RS | s as u32;
+        // Combining this rank's block into the received partial, rather than the other way
+        // round, gives the same value: every combiner is commutative (min and max may pick
+        // the other of two equal zeros or two NaNs), and one rank alone computes each block.
         o.step_with(
             &[o.send(right, out, tag)],
-            &mut [o.recv(left, &mut tmp[..rlen], tag)],
-            &mut |_, range, bytes| {
-                dst[range.clone()].copy_from_slice(&mine[range.clone()]);
-                o.combine(op, &mut dst[range], bytes)
-            },
+            &mut [o.recv(left, &mut dst[..rlen], tag)],
+            &mut |_, range, bytes| o.combine(op, bytes, &mine[range]),
         )?;
     }
     Ok(())

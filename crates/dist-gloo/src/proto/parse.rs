@@ -70,7 +70,7 @@ pub(super) fn process(
                 let r = st.got..st.got + flen;
                 st.got = r.end;
                 st.first = false;
-                if let Err(e) = on_frame(i, r.clone(), &inc.buf[r]) {
+                if let Err(e) = on_frame(i, r.clone(), &mut inc.buf[r]) {
                     step.fail(e);
                 }
                 continue;
@@ -91,7 +91,7 @@ pub(super) fn process(
                         inc.buf[r.clone()].copy_from_slice(&payload);
                         st.got = r.end;
                         st.first = false;
-                        if let Err(e) = on_frame(i, r.clone(), &inc.buf[r]) {
+                        if let Err(e) = on_frame(i, r.clone(), &mut inc.buf[r]) {
                             step.fail(e);
                         }
                     }

@@ -75,7 +75,7 @@ fn a_message_cut_at_every_byte_arrives_whole_frame_by_frame() {
         let mut sa = a.begin(c, &sends, &[]);
         let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
         let mut frames = Vec::new();
-        let mut on_frame = |i: usize, r: Range<usize>, _: &[u8]| {
+        let mut on_frame = |i: usize, r: Range<usize>, _: &mut [u8]| {
             frames.push((i, r));
             Ok(())
         };
@@ -157,7 +157,7 @@ fn an_abort_notice_follows_the_rest_of_a_half_written_frame_and_sticks() {
     let notice = CloseReason::Lost { culprit: 2 }.encode(0);
     assert_eq!(rest.len(), 64 - 10 + notice.len());
     assert_eq!(&rest[64 - 10..], &notice[..]);
-    let mut noop = |_: usize, _: Range<usize>, _: &[u8]| Ok(());
+    let mut noop = |_: usize, _: Range<usize>, _: &mut [u8]| Ok(());
     for bytes in [&first[..], &rest[..]] {
         for &byte in bytes {
             let buf = b.read_buf(&idle, &mut [], 0);
@@ -181,7 +181,7 @@ fn an_abort_notice_follows_the_rest_of_a_half_written_frame_and_sticks() {
     }];
     let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
     let mut delivered = Vec::new();
-    let mut seen = |_: usize, r: Range<usize>, _: &[u8]| {
+    let mut seen = |_: usize, r: Range<usize>, _: &mut [u8]| {
         delivered.push(r);
         Ok(())
     };
@@ -230,7 +230,7 @@ fn a_message_for_another_tag_waits_in_the_stash() {
         tag: 11,
     }];
     let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
-    let mut noop = |_: usize, _: Range<usize>, _: &[u8]| Ok(());
+    let mut noop = |_: usize, _: Range<usize>, _: &mut [u8]| Ok(());
     pump(
         &mut a, &mut sa, &sends, &mut b, &mut sb, &mut recvs, 5, &mut noop,
     );

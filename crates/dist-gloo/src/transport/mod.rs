@@ -199,8 +199,10 @@ pub struct Incoming<'a> {
 }
 
 /// Called as each received frame lands: index of the [`Incoming`], the byte range of the frame
-/// within its buffer, and those bytes.
-pub type OnFrame<'f> = dyn FnMut(usize, Range<usize>, &[u8]) -> Result<()> + 'f;
+/// within its buffer, and those bytes, which the callback may rewrite in place (a reduction
+/// that receives a peer's partial result where its own result goes combines it there, with
+/// no copy).
+pub type OnFrame<'f> = dyn FnMut(usize, Range<usize>, &mut [u8]) -> Result<()> + 'f;
 
 /// A transport between the ranks of one group.
 pub trait Transport: Send + Sync {

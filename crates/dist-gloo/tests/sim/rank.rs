@@ -205,7 +205,7 @@ impl RankSim {
         } = self.cur.as_mut().expect("set above");
         let outs = outgoing(sends);
         let mut ins = incoming(recv_plan, bufs);
-        let mut on_frame = |i: usize, r: Range<usize>, _: &[u8]| -> dist_backend::Result<()> {
+        let mut on_frame = |i: usize, r: Range<usize>, _: &mut [u8]| -> dist_backend::Result<()> {
             if r.start != delivered[i] {
                 return Err(Error::invalid(
                     rank,

@@ -726,7 +726,7 @@ impl Engine {
                     moved |= k > 0;
                     if done + k == flen {
                         let r = st.got..st.got + flen;
-                        on_frame(idx, r.clone(), &inc.buf[r])?;
+                        on_frame(idx, r.clone(), &mut inc.buf[r])?;
                         st.got += flen;
                         st.first = false;
                         st.cur = None;
@@ -862,7 +862,7 @@ fn deliver(
     if st.by_ref && st.got == inc.buf.len() {
         c.queue_ack(h);
     }
-    on_frame(idx, r.clone(), &inc.buf[r])
+    on_frame(idx, r.clone(), &mut inc.buf[r])
 }
 
 /// Copies a frame `peer` sent by reference; a failure means the peer is gone or gave up.
