@@ -379,7 +379,9 @@ impl Engine {
     /// through a ring that stays in cache and with no pages to pin, so while this host's ranks
     /// fit its CPUs the rings win: `cargo xtask bench all` at 2 ranks from 256 KiB to 64 MiB,
     /// rings against by reference, took 0.25-0.7x the time for broadcast, 0.4-0.95x for
-    /// all_gather, all_to_all and all_reduce (the one loss: reduce_scatter from 4 MiB, 1.3-1.5x).
+    /// all_gather, all_to_all and all_reduce. The exception is reduce_scatter from 4 MiB
+    /// (1.3-1.5x; about 1.35x after it learnt to combine where it receives), not worth a rule
+    /// of its own on figures this noisy.
     /// When the ranks outnumber the cores the two copies cannot run at once, and by reference
     /// wins (4 ranks on 2 cores: all_to_all 0.55-0.88x), except for broadcast and scatter,
     /// whose one-way pipelines keep the rings ahead there too (0.6-0.85x).
