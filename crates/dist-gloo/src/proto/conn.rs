@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use dist_wire::{CloseReason, FrameHeader};
+use dist_wire::{CloseReason, FrameHeader, PayloadRef};
 
 /// Receive staging size: headers and small frames are parsed out of it, many per read.
 pub(super) const STAGING: usize = 64 << 10;
@@ -24,6 +24,16 @@ pub enum PeerState {
     /// The peer aborted the group and said why in its `Close` (never
     /// [`CloseReason::Goodbye`]).
     Aborted(CloseReason),
+}
+
+/// The payload of a stashed frame.
+#[derive(Debug)]
+pub(super) enum Payload {
+    /// The bytes, as read.
+    Inline(Vec<u8>),
+    /// Where the bytes lie in the sender's memory (a [`FrameHeader::REMOTE`] frame): copied
+    /// by the driver's [`super::CopyIn`] once a receive wants them.
+    Remote(PayloadRef),
 }
 
 /// Where the bytes of the driver's next read go (decided by `read_buf`, honoured by
@@ -50,8 +60,17 @@ pub(super) struct Conn {
     pub(super) partial: Option<(FrameHeader, Vec<u8>, usize)>,
     /// Payload bytes of a frame a failed step was reading, to be dropped.
     pub(super) skip: usize,
-    pub(super) stash: VecDeque<(FrameHeader, Vec<u8>)>,
+    pub(super) stash: VecDeque<(FrameHeader, Payload)>,
     pub(super) state: PeerState,
+    /// Messages this rank sent by reference on this connection, and how many of them the
+    /// peer acknowledged (acknowledgements arrive in order).
+    pub(super) offered: u64,
+    pub(super) acked: u64,
+    /// A copy by reference from the peer failed, for this reason: its offer was withdrawn
+    /// (it gave up on the step) or its memory is gone. Nothing more is delivered from it; the
+    /// stream is still read, since the peer's abort notice, which says whom to blame, follows
+    /// on it, or the end of the stream does.
+    pub(super) suspect: Option<String>,
     /// A `Close` frame was read or the input ended: nothing more is parsed.
     pub(super) input_done: bool,
     /// The peer aborted the group and no step has failed on it yet.
@@ -82,6 +101,9 @@ impl Conn {
             skip: 0,
             stash: VecDeque::new(),
             state: PeerState::Open,
+            offered: 0,
+            acked: 0,
+            suspect: None,
             input_done: false,
             unreported_abort: false,
             ctl: Vec::new(),
@@ -126,6 +148,17 @@ impl Conn {
         if self.state == PeerState::Open {
             self.state = PeerState::Lost(why);
         }
+    }
+
+    /// Queues the acknowledgement of a message received by reference (`h` is its last frame),
+    /// after the control bytes already queued.
+    pub(super) fn queue_ack(&mut self, h: &FrameHeader) {
+        let ack = FrameHeader {
+            flags: FrameHeader::ACK,
+            payload_len: 0,
+            ..*h
+        };
+        self.ctl.extend_from_slice(&ack.encode());
     }
 
     /// Control bytes still to write.

@@ -3,8 +3,9 @@
 use std::time::Instant;
 
 use dist_backend::{Error, Result};
-use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN};
+use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef};
 
+use super::CopyIn;
 use super::conn::{Conn, PeerState, Target};
 use super::parse::process;
 use super::step::{Status, Step};
@@ -30,6 +31,8 @@ pub struct Core {
     conns: Vec<Option<Conn>>,
     /// A step failed (or the group was aborted from outside): closing says no goodbye.
     aborted: bool,
+    /// Copies frames peers send by reference; `None` refuses them.
+    copier: Option<Box<dyn CopyIn>>,
 }
 
 impl Core {
@@ -43,7 +46,13 @@ impl Core {
                 .map(|p| (p != rank).then(Conn::new))
                 .collect(),
             aborted: false,
+            copier: None,
         }
+    }
+
+    /// Accepts frames sent by reference from now on, copying them with `copier`.
+    pub fn set_copier(&mut self, copier: Box<dyn CopyIn>) {
+        self.copier = Some(copier);
     }
 
     /// This rank.
@@ -69,7 +78,28 @@ impl Core {
 
     /// Starts a step; pass the same `sends` and `recvs` to every call about it.
     pub fn begin(&self, ctx: StepCtx, sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> Step {
-        Step::new(ctx, self.seg, sends, recvs)
+        Step::new(ctx, self.seg, sends, recvs, 0, &|_| false)
+    }
+
+    /// [`Core::begin`], sending the messages for which `by_ref` holds by reference: each
+    /// frame carries a [`PayloadRef`] to the bytes in this process, tagged `offer`, and the
+    /// peer copies them itself. Such a send is done once the peer acknowledges the whole
+    /// message. The driver publishes `offer` to those peers before their frames go out and
+    /// withdraws it when the step ends, whatever its result, so that a late copy fails.
+    pub fn begin_by_ref(
+        &self,
+        ctx: StepCtx,
+        sends: &[Outgoing<'_>],
+        recvs: &[Incoming<'_>],
+        offer: u64,
+        by_ref: &dyn Fn(&Outgoing<'_>) -> bool,
+    ) -> Step {
+        Step::new(ctx, self.seg, sends, recvs, offer, by_ref)
+    }
+
+    /// Whether send `i` of `step` goes by reference.
+    pub fn sends_by_ref(&self, step: &Step, i: usize) -> bool {
+        step.tx.get(i).is_some_and(|t| t.by_ref)
     }
 
     /// The bytes to write to `peer` next, in order (empty when none): control bytes between
@@ -84,6 +114,12 @@ impl Core {
         let Some(Some(conn)) = self.conns.get_mut(peer) else {
             return [&[], &[]];
         };
+        // Nothing more reaches a peer whose connection broke or ended without a word: it is
+        // owed nothing (not even the acknowledgements queued for it), and the step that
+        // needs it fails in `poll`.
+        if matches!(conn.state, PeerState::Lost(_)) {
+            return [&[], &[]];
+        }
         if !conn.mid_frame && !conn.ctl_pending().is_empty() {
             return [conn.ctl_pending(), &[]];
         }
@@ -93,9 +129,19 @@ impl Core {
         let r = step.frame_range(sends, i);
         let ctx = step.ctx.expect("a live step has a context");
         let s = &sends[i];
+        let offer = step.offer;
         let tx = &mut step.tx[i];
         if tx.hdr_done == 0 && tx.payload_done == 0 {
-            tx.hdr = ctx.header(s.count, s.tag, r.start, r.len()).encode();
+            let mut h = ctx.header(s.count, s.tag, r.start, r.len());
+            if tx.by_ref {
+                h.flags = FrameHeader::REMOTE;
+                let addr = s.data[r.start..].as_ptr() as u64;
+                tx.at = PayloadRef { addr, offer }.encode();
+            }
+            tx.hdr = h.encode();
+        }
+        if tx.by_ref {
+            return [&tx.hdr[tx.hdr_done..], &tx.at[tx.payload_done..]];
         }
         [
             &tx.hdr[tx.hdr_done..],
@@ -118,8 +164,12 @@ impl Core {
         let Some(i) = step.current_send(sends, peer) else {
             return;
         };
-        let flen = step.frame_range(sends, i).len();
         let nframes = step.frame_count(sends, i);
+        let flen = if step.tx[i].by_ref {
+            PAYLOAD_REF_LEN
+        } else {
+            step.frame_range(sends, i).len()
+        };
         let tx = &mut step.tx[i];
         let h = n.min(HEADER_LEN - tx.hdr_done);
         tx.hdr_done += h;
@@ -133,7 +183,15 @@ impl Core {
             tx.hdr_done = 0;
             tx.payload_done = 0;
             conn.mid_frame = false;
-            tx.done = tx.frame >= nframes;
+            if tx.frame >= nframes {
+                tx.written = true;
+                if tx.by_ref {
+                    conn.offered += 1;
+                    tx.ack_at = conn.offered;
+                } else {
+                    tx.done = true;
+                }
+            }
         } else {
             conn.mid_frame = true;
         }
@@ -209,7 +267,7 @@ impl Core {
             Target::Discard => {}
         }
         conn.target = Target::Stage;
-        process(conn, step, recvs, peer, on_frame);
+        process(conn, self.copier.as_deref(), step, recvs, peer, on_frame);
     }
 
     /// `peer`'s input ended (EOF). Everything read before must have been fed.
@@ -254,7 +312,16 @@ impl Core {
             if let Some(conn) = self.conns[peer].as_mut()
                 && step.current_recv(recvs, peer).is_some()
             {
-                process(conn, step, recvs, peer, on_frame);
+                process(conn, self.copier.as_deref(), step, recvs, peer, on_frame);
+            }
+        }
+        // Messages sent by reference are done once the peer acknowledged them.
+        for (s, tx) in sends.iter().zip(&mut step.tx) {
+            if tx.written
+                && !tx.done
+                && matches!(self.conns.get(s.peer), Some(Some(c)) if c.acked >= tx.ack_at)
+            {
+                tx.done = true;
             }
         }
         if step.failed.is_some() {
@@ -499,12 +566,18 @@ impl Core {
             let rest = if c.mid_frame {
                 // At most one message per peer is under way (the others queue behind it).
                 (0..sends.len())
-                    .find(|&i| sends[i].peer == p && !step.tx[i].done)
+                    .find(|&i| sends[i].peer == p && !step.tx[i].written)
                     .map(|i| {
                         let tx = &step.tx[i];
                         let r = step.frame_range(sends, i);
                         let mut rest = tx.hdr[tx.hdr_done..].to_vec();
-                        rest.extend_from_slice(&sends[i].data[r.start + tx.payload_done..r.end]);
+                        if tx.by_ref {
+                            rest.extend_from_slice(&tx.at[tx.payload_done..]);
+                        } else {
+                            rest.extend_from_slice(
+                                &sends[i].data[r.start + tx.payload_done..r.end],
+                            );
+                        }
                         rest
                     })
                     .unwrap_or_default()

@@ -23,10 +23,16 @@
 //!   peer's "timed out waiting for you" moves the blame down the chain of waits;
 //! * closing says goodbye, unless the group was aborted.
 //!
+//! * a message may go by reference (single-copy): its frames carry a
+//!   [`dist_wire::PayloadRef`] to the sender's bytes, which the receiver copies through the
+//!   driver's [`CopyIn`], then acknowledges the whole message between its own frames; the
+//!   send is done only once acknowledged. A copy that fails (the sender gave up and withdrew
+//!   its offer) delivers nothing more from that peer, and waits for the notice or the end of
+//!   the stream that says why.
+//!
 //! Drivers: [`crate::transport::mem::MemTransport`] (bounded in-memory byte pipes) runs over
-//! it, and the simulation tests (`tests/sim.rs`) drive many cores through a seeded network
-//! with virtual time. Frames sent by reference (single-copy) are still the TCP engine's own:
-//! this core refuses them.
+//! it, and the simulation tests (`tests/sim/`) drive many cores through a seeded network
+//! with virtual time, by-reference messages included.
 //!
 //! Architecture invariant: nothing under `proto/` performs I/O, starts a thread or reads a
 //! clock (`cargo xtask check-layers` enforces it).
@@ -36,9 +42,28 @@ mod core;
 mod parse;
 mod step;
 
+use std::fmt;
+
+use dist_wire::PayloadRef;
+
 pub use conn::PeerState;
 pub use core::Core;
 pub use step::{Status, Step};
+
+/// How a driver copies a frame a peer sent by reference: the one piece of I/O the core asks
+/// for by callback, since where the bytes lie (another process's memory, read through
+/// `process_vm_readv`) is the driver's business.
+pub trait CopyIn: Send + Sync + fmt::Debug {
+    /// Copies the `dst.len()` bytes `peer` offers at `at` into `dst`, then checks that the
+    /// offer still stands. The error says why not, for the peer's loss.
+    fn copy_in(&self, peer: usize, at: PayloadRef, dst: &mut [u8]) -> Result<(), String>;
+}
+
+impl<T: CopyIn + ?Sized> CopyIn for std::sync::Arc<T> {
+    fn copy_in(&self, peer: usize, at: PayloadRef, dst: &mut [u8]) -> Result<(), String> {
+        (**self).copy_in(peer, at, dst)
+    }
+}
 
 #[cfg(test)]
 mod tests;

@@ -1,17 +1,23 @@
 //! The receive side of a connection: parsing staged bytes into frames, delivering the ones
 //! the step expects and stashing the others.
 
-use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN};
+use std::ops::Range;
 
-use super::conn::{Conn, MAX_STASHED_FRAME};
-use super::step::Step;
+use dist_backend::Result;
+use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef};
+
+use super::CopyIn;
+use super::conn::{Conn, MAX_STASHED_FRAME, Payload};
+use super::step::{Rx, Step};
 use crate::transport::{Incoming, OnFrame, Verdict, judge};
 
 /// Parses what `conn` has staged: delivers the frames the step expects (into their buffers,
-/// then to `on_frame`), stashes the others, notes `Close` frames and corrupt input. Stops at
-/// an incomplete frame.
+/// copying those sent by reference with `copier`, then to `on_frame`), stashes the others,
+/// counts acknowledgements, notes `Close` frames and corrupt input. Stops at an incomplete
+/// frame.
 pub(super) fn process(
     conn: &mut Conn,
+    copier: Option<&dyn CopyIn>,
     step: &mut Step,
     recvs: &mut [Incoming<'_>],
     peer: usize,
@@ -44,10 +50,15 @@ pub(super) fn process(
                 return;
             }
             let (h, v, _) = conn.partial.take().expect("checked above");
-            conn.stash.push_back((h, v));
+            conn.stash.push_back((h, Payload::Inline(v)));
             continue;
         }
-        let cur = step.current_recv(recvs, peer);
+        // Nothing more is delivered from a peer whose offer vanished under a copy.
+        let cur = if conn.suspect.is_some() {
+            None
+        } else {
+            step.current_recv(recvs, peer)
+        };
         if let Some(i) = cur {
             let ctx = step.ctx.expect("a live step has a context");
             let inc = &mut recvs[i];
@@ -68,9 +79,7 @@ pub(super) fn process(
                 }
                 st.cur = None;
                 let r = st.got..st.got + flen;
-                st.got = r.end;
-                st.first = false;
-                if let Err(e) = on_frame(i, r.clone(), &mut inc.buf[r]) {
+                if let Err(e) = deliver(conn, st, inc, i, None, r, on_frame) {
                     step.fail(e);
                 }
                 continue;
@@ -86,12 +95,24 @@ pub(super) fn process(
             if let Some(p) = stashed {
                 match judge(&ctx, &conn.stash[p].0, peer, count, tag, got, len) {
                     Ok(Verdict::Expected) => {
-                        let (_, payload) = conn.stash.remove(p).expect("position is in range");
-                        let r = got..got + payload.len();
-                        inc.buf[r.clone()].copy_from_slice(&payload);
-                        st.got = r.end;
-                        st.first = false;
-                        if let Err(e) = on_frame(i, r.clone(), &mut inc.buf[r]) {
+                        let (h, payload) = conn.stash.remove(p).expect("position is in range");
+                        let r = got..got + h.payload_len as usize;
+                        let by_ref = match payload {
+                            Payload::Inline(bytes) => {
+                                inc.buf[r.clone()].copy_from_slice(&bytes);
+                                None
+                            }
+                            Payload::Remote(at) => {
+                                match copy(copier, peer, at, &mut inc.buf[r.clone()]) {
+                                    Ok(()) => Some(h),
+                                    Err(why) => {
+                                        conn.suspect = Some(why);
+                                        continue;
+                                    }
+                                }
+                            }
+                        };
+                        if let Err(e) = deliver(conn, st, inc, i, by_ref, r, on_frame) {
                             step.fail(e);
                         }
                     }
@@ -117,11 +138,56 @@ pub(super) fn process(
                 continue;
             }
         };
-        if h.flags & (FrameHeader::ACK | FrameHeader::REMOTE) != 0 {
-            conn.lose(
-                "it sent a frame by reference (or acknowledged one), which this connection never agreed to"
-                    .into(),
-            );
+        if h.flags & FrameHeader::ACK != 0 {
+            if conn.acked >= conn.offered {
+                conn.lose("it acknowledged a message this rank never sent by reference".into());
+                continue;
+            }
+            conn.acked += 1;
+            conn.start += HEADER_LEN;
+            continue;
+        }
+        if h.flags & FrameHeader::REMOTE != 0 && h.op != CollectiveOp::Close {
+            if copier.is_none() {
+                conn.lose(
+                    "it sent a frame by reference, which this connection never agreed to".into(),
+                );
+                continue;
+            }
+            // Consumed only together with its reference.
+            if conn.staged() < HEADER_LEN + PAYLOAD_REF_LEN {
+                return;
+            }
+            let body = conn.start + HEADER_LEN;
+            let at = match PayloadRef::decode(&conn.stage[body..conn.end]) {
+                Ok(at) => at,
+                Err(e) => {
+                    conn.lose(format!("its frame by reference is corrupt: {e}"));
+                    continue;
+                }
+            };
+            conn.start += HEADER_LEN + PAYLOAD_REF_LEN;
+            match verdict(step, recvs, cur, &h, peer) {
+                Some(Ok(Verdict::Expected)) => {
+                    let i = cur.expect("a verdict needs a receive");
+                    let (inc, st) = (&mut recvs[i], &mut step.rx[i]);
+                    let r = st.got..st.got + h.payload_len as usize;
+                    if let Err(why) = copy(copier, peer, at, &mut inc.buf[r.clone()]) {
+                        conn.suspect = Some(why);
+                        continue;
+                    }
+                    if let Err(e) = deliver(conn, st, inc, i, Some(h), r, on_frame) {
+                        step.fail(e);
+                    }
+                }
+                Some(Err(e)) => {
+                    conn.stash.push_back((h, Payload::Remote(at)));
+                    step.fail(e);
+                }
+                Some(Ok(Verdict::Stash | Verdict::Closed)) | None => {
+                    conn.stash.push_back((h, Payload::Remote(at)));
+                }
+            }
             continue;
         }
         if h.op == CollectiveOp::Close {
@@ -141,20 +207,7 @@ pub(super) fn process(
             continue;
         }
         conn.start += HEADER_LEN;
-        let verdict = cur.map(|i| {
-            let ctx = step.ctx.expect("a live step has a context");
-            let inc = &recvs[i];
-            judge(
-                &ctx,
-                &h,
-                peer,
-                inc.count,
-                inc.tag,
-                step.rx[i].got,
-                inc.buf.len(),
-            )
-        });
-        match verdict {
+        match verdict(step, recvs, cur, &h, peer) {
             Some(Ok(Verdict::Expected)) => {
                 let i = cur.expect("a verdict needs a receive");
                 step.rx[i].cur = Some((h.payload_len as usize, 0));
@@ -166,6 +219,58 @@ pub(super) fn process(
             }
             Some(Ok(Verdict::Stash | Verdict::Closed)) | None => begin_stash(conn, h),
         }
+    }
+}
+
+/// How the header `h` from `peer` fits receive `cur` of the step, if it has one.
+fn verdict(
+    step: &Step,
+    recvs: &[Incoming<'_>],
+    cur: Option<usize>,
+    h: &FrameHeader,
+    peer: usize,
+) -> Option<Result<Verdict>> {
+    let i = cur?;
+    let ctx = step.ctx.expect("a live step has a context");
+    let inc = &recvs[i];
+    let got = step.rx[i].got;
+    Some(judge(&ctx, h, peer, inc.count, inc.tag, got, inc.buf.len()))
+}
+
+/// Hands the frame now whole in `inc.buf[r]` (receive `i`) to `on_frame`. `by_ref` is the
+/// header of a frame that came by reference: once such a message is whole, its
+/// acknowledgement is queued so that the sender may reuse its buffer.
+fn deliver(
+    conn: &mut Conn,
+    st: &mut Rx,
+    inc: &mut Incoming<'_>,
+    i: usize,
+    by_ref: Option<FrameHeader>,
+    r: Range<usize>,
+    on_frame: &mut OnFrame<'_>,
+) -> Result<()> {
+    st.got = r.end;
+    st.first = false;
+    st.by_ref |= by_ref.is_some();
+    if st.by_ref
+        && st.got == inc.buf.len()
+        && let Some(h) = by_ref
+    {
+        conn.queue_ack(&h);
+    }
+    on_frame(i, r.clone(), &mut inc.buf[r])
+}
+
+/// Copies a frame `peer` sent by reference.
+fn copy(
+    copier: Option<&dyn CopyIn>,
+    peer: usize,
+    at: PayloadRef,
+    dst: &mut [u8],
+) -> std::result::Result<(), String> {
+    match copier {
+        Some(c) => c.copy_in(peer, at, dst),
+        None => Err("it sent a frame by reference, which this rank never agreed to".into()),
     }
 }
 

@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use dist_backend::Error;
-use dist_wire::HEADER_LEN;
+use dist_wire::{HEADER_LEN, PAYLOAD_REF_LEN};
 
 use crate::transport::{Incoming, Outgoing, StepCtx, frames};
 
@@ -15,6 +15,15 @@ pub(super) struct Tx {
     pub(super) hdr: [u8; HEADER_LEN],
     pub(super) hdr_done: usize,
     pub(super) payload_done: usize,
+    /// Sent by reference: each frame's body is a [`dist_wire::PayloadRef`] to the data.
+    pub(super) by_ref: bool,
+    /// The body of the by-reference frame being written.
+    pub(super) at: [u8; PAYLOAD_REF_LEN],
+    /// Every frame is written.
+    pub(super) written: bool,
+    /// For a message sent by reference: the peer's acknowledgement count that covers it.
+    pub(super) ack_at: u64,
+    /// Written and, when sent by reference, acknowledged.
     pub(super) done: bool,
 }
 
@@ -26,6 +35,8 @@ pub(super) struct Rx {
     /// Payload length and bytes in of the frame being received.
     pub(super) cur: Option<(usize, usize)>,
     pub(super) first: bool,
+    /// Some frame came by reference: the message is acknowledged once whole.
+    pub(super) by_ref: bool,
     pub(super) done: bool,
 }
 
@@ -51,6 +62,8 @@ pub enum Status {
 pub struct Step {
     pub(super) ctx: Option<StepCtx>,
     pub(super) seg: usize,
+    /// The offer id this step's by-reference frames carry.
+    pub(super) offer: u64,
     pub(super) tx: Vec<Tx>,
     pub(super) rx: Vec<Rx>,
     pub(super) failed: Option<Error>,
@@ -64,6 +77,7 @@ impl Step {
         Step {
             ctx: None,
             seg: 1,
+            offer: 0,
             tx: Vec::new(),
             rx: Vec::new(),
             failed: None,
@@ -76,12 +90,18 @@ impl Step {
         seg: usize,
         sends: &[Outgoing<'_>],
         recvs: &[Incoming<'_>],
+        offer: u64,
+        by_ref: &dyn Fn(&Outgoing<'_>) -> bool,
     ) -> Self {
-        let tx = Tx {
+        let tx = |s: &Outgoing<'_>| Tx {
             frame: 0,
             hdr: [0; HEADER_LEN],
             hdr_done: 0,
             payload_done: 0,
+            by_ref: !s.data.is_empty() && by_ref(s),
+            at: [0; PAYLOAD_REF_LEN],
+            written: false,
+            ack_at: 0,
             done: false,
         };
         let rx = |r: &Incoming<'_>| Rx {
@@ -89,12 +109,14 @@ impl Step {
             got: 0,
             cur: None,
             first: true,
+            by_ref: false,
             done: false,
         };
         Step {
             ctx: Some(ctx),
             seg,
-            tx: vec![tx; sends.len()],
+            offer,
+            tx: sends.iter().map(tx).collect(),
             rx: recvs.iter().map(rx).collect(),
             failed: None,
             finished: false,
@@ -115,10 +137,11 @@ impl Step {
         }
     }
 
-    /// The message to `peer` now going out: messages to one peer go out whole, in list order.
+    /// The message to `peer` now going out: messages to one peer go out whole, in list order
+    /// (one sent by reference need not be acknowledged before the next starts).
     pub(super) fn current_send(&self, sends: &[Outgoing<'_>], peer: usize) -> Option<usize> {
         self.live()?;
-        (0..sends.len()).find(|&i| sends[i].peer == peer && !self.tx[i].done)
+        (0..sends.len()).find(|&i| sends[i].peer == peer && !self.tx[i].written)
     }
 
     /// The message from `peer` now coming in: messages from one peer arrive in list order.

@@ -3,7 +3,10 @@
 //! simulated network with virtual time that reorders deliveries between connections, delays
 //! them, cuts byte streams at random boundaries and fills bounded windows, while at most one
 //! rank is killed (a FIN or a reset), stalls, leaves early, or calls with a different count,
-//! at a random point of its run. Each run must end, in virtual time, with every step that
+//! at a random point of its run. In a third of the runs every message goes by reference, in
+//! another third those over two frames do: receivers copy them out of a registry of what each
+//! rank offers, which loses a rank's entry when its step ends or it dies, as a withdrawn offer
+//! or a dead process's memory would. Each run must end, in virtual time, with every step that
 //! completed holding the right bytes, and every surviving rank either done or failed with the
 //! right culprit and cause, before its operation's deadline.
 //!
@@ -186,10 +189,18 @@ fn run_with(seed: u64, fault: Option<Fault>) -> Result<String, String> {
         f => f,
     };
     let mut net = Net::new(n, &mut rng);
+    // Half the runs send messages by reference from some size up (the same on every rank, as
+    // a mesh agrees it), the rest inline.
+    let by_ref_min = match rng.range(0, 3) {
+        0 => Some(1),
+        1 => Some(seg * 2),
+        _ => None,
+    };
+    let offers = rank::Offers::shared(n);
     let mut ranks: Vec<RankSim> = plans
         .into_iter()
         .enumerate()
-        .map(|(r, p)| RankSim::new(r, n, seg, p))
+        .map(|(r, p)| RankSim::new(r, n, seg, p, offers.clone(), by_ref_min))
         .collect();
     match fault {
         Fault::Kill(k, at, reset) => ranks[k].kill_at = Some((at, reset)),

@@ -3,12 +3,13 @@
 //! lingering until its owed bytes are out; or killed, or stalled, when the seed says so.
 
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dist_backend::Error;
-use dist_gloo::proto::{Core, Status, Step};
+use dist_gloo::proto::{CopyIn, Core, Status, Step};
 use dist_gloo::transport::{Incoming, OnFrame, Outgoing, StepCtx};
-use dist_wire::{CollectiveOp, DType};
+use dist_wire::{CollectiveOp, DType, PayloadRef};
 
 use crate::net::{Got, Net, Rng};
 
@@ -69,6 +70,63 @@ impl std::fmt::Display for Fate {
     }
 }
 
+/// What each rank offers by reference now, as a process's memory would hold it: per rank,
+/// the step's offer id and, per message, the address of its bytes and the bytes. A rank's
+/// entry goes when its step ends (its offer is withdrawn) or it is killed (its memory is gone).
+#[derive(Debug, Default)]
+pub(crate) struct Offers {
+    by_rank: Vec<Option<(u64, Vec<Offered>)>>,
+    next: u64,
+}
+
+/// One message offered by reference: the address of its bytes, and the bytes.
+type Offered = (u64, Vec<u8>);
+
+/// Shared between the ranks of one run, as the host's memory is.
+pub(crate) type SharedOffers = Arc<Mutex<Offers>>;
+
+impl Offers {
+    /// A registry for `n` ranks.
+    pub(crate) fn shared(n: usize) -> SharedOffers {
+        Arc::new(Mutex::new(Offers {
+            by_rank: vec![None; n],
+            next: 1,
+        }))
+    }
+}
+
+fn lock(o: &SharedOffers) -> std::sync::MutexGuard<'_, Offers> {
+    o.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A rank's copier: reads a peer's offered bytes out of the registry, failing as
+/// `process_vm_readv` plus the offer-word check would once the peer withdrew.
+#[derive(Debug)]
+struct Copier(SharedOffers);
+
+impl CopyIn for Copier {
+    fn copy_in(&self, peer: usize, at: PayloadRef, dst: &mut [u8]) -> Result<(), String> {
+        let o = lock(&self.0);
+        let Some(Some((offer, msgs))) = o.by_rank.get(peer) else {
+            return Err("its memory is gone, or it withdrew its offer".into());
+        };
+        if *offer != at.offer {
+            return Err(format!("it withdrew its offer {} (now {offer})", at.offer));
+        }
+        let src = msgs.iter().find_map(|(addr, bytes)| {
+            let off = at.addr.checked_sub(*addr)? as usize;
+            bytes.get(off..off + dst.len())
+        });
+        match src {
+            Some(src) => {
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+            None => Err(format!("no offered bytes at {:#x}", at.addr)),
+        }
+    }
+}
+
 struct Cur {
     step: Step,
     sends: Vec<Msg>,
@@ -100,13 +158,26 @@ pub(crate) struct RankSim {
     pub(crate) leave_before: Option<usize>,
     /// A completed step delivered wrong data.
     pub(crate) violation: Option<String>,
+    /// Where ranks offer messages by reference, and the smallest message this rank sends so
+    /// (`None`: every message goes inline).
+    offers: SharedOffers,
+    by_ref_min: Option<usize>,
 }
 
 impl RankSim {
-    pub(crate) fn new(rank: usize, n: usize, seg: usize, plan: Vec<OpPlan>) -> Self {
+    pub(crate) fn new(
+        rank: usize,
+        n: usize,
+        seg: usize,
+        plan: Vec<OpPlan>,
+        offers: SharedOffers,
+        by_ref_min: Option<usize>,
+    ) -> Self {
+        let mut core = Core::new(rank, n, seg);
+        core.set_copier(Box::new(Copier(Arc::clone(&offers))));
         RankSim {
             rank,
-            core: Core::new(rank, n, seg),
+            core,
             plan,
             op_i: 0,
             step_i: 0,
@@ -122,7 +193,14 @@ impl RankSim {
             stall_at: None,
             leave_before: None,
             violation: None,
+            offers,
+            by_ref_min,
         }
+    }
+
+    /// Withdraws this rank's offer: its step ended, or it died.
+    fn withdraw(&self) {
+        lock(&self.offers).by_rank[self.rank] = None;
     }
 
     /// Whether it still has work: running, or closing with bytes owed.
@@ -153,6 +231,7 @@ impl RankSim {
         if matches!(self.fate, Fate::Running) {
             if self.kill_at.is_some_and(|(at, _)| self.pumps >= at) {
                 net.kill(self.rank, self.kill_at.is_some_and(|(_, reset)| reset));
+                self.withdraw();
                 self.fate = Fate::Killed;
                 self.owed.fill(false);
                 return true;
@@ -186,8 +265,21 @@ impl RankSim {
             let outs: Vec<Outgoing<'_>> = outgoing(&sends);
             let mut bufs: Vec<Vec<u8>> = recvs.iter().map(|m| vec![0xEE; m.len]).collect();
             let ins = incoming(&recvs, &mut bufs);
-            let step = self.core.begin(ctx, &outs, &ins);
+            let min = self.by_ref_min;
+            let by_ref = |o: &Outgoing<'_>| min.is_some_and(|m| o.data.len() >= m);
+            let offer = {
+                let mut o = lock(&self.offers);
+                o.next += 1;
+                o.next
+            };
+            let step = self.core.begin_by_ref(ctx, &outs, &ins, offer, &by_ref);
             drop(ins);
+            let offered: Vec<Offered> = (0..outs.len())
+                .filter(|&i| self.core.sends_by_ref(&step, i))
+                .map(|i| (outs[i].data.as_ptr() as u64, outs[i].data.to_vec()))
+                .collect();
+            drop(outs);
+            lock(&self.offers).by_rank[self.rank] = Some((offer, offered));
             self.cur = Some(Cur {
                 step,
                 sends,
@@ -268,6 +360,7 @@ impl RankSim {
                 if let Err(e) = self.core.finish(step, &outs, at) {
                     self.violation = Some(format!("a step that was done failed: {e}"));
                 }
+                lock(&self.offers).by_rank[rank] = None;
                 drop(ins);
                 for (i, m) in recv_plan.iter().enumerate() {
                     if bufs[i] != m.data || delivered[i] != m.len {
@@ -294,6 +387,7 @@ impl RankSim {
                     Err(e) => e,
                     Ok(()) => Error::invalid(rank, "sim", "a failed step finished Ok"),
                 };
+                lock(&self.offers).by_rank[rank] = None;
                 drop(ins);
                 self.cur = None;
                 self.fate = Fate::Failed {
