@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use dist_wire::{CloseReason, FrameHeader, PayloadRef};
+use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef};
 
 /// Receive staging size: headers and small frames are parsed out of it, many per read.
 pub(super) const STAGING: usize = 64 << 10;
@@ -83,6 +83,8 @@ pub(super) struct Conn {
     /// An abort notice was queued: a driver closing the connection must deliver it first.
     pub(super) notified: bool,
     pub(super) target: Target,
+    /// Staging reads stop at the end of the next header (see `Core::set_exact_reads`).
+    pub(super) exact: bool,
 }
 
 impl Conn {
@@ -111,11 +113,31 @@ impl Conn {
             mid_frame: false,
             notified: false,
             target: Target::Stage,
+            exact: false,
         }
     }
 
     pub(super) fn staged(&self) -> usize {
         self.end - self.start
+    }
+
+    /// How many more bytes the staging buffer needs before the parser can take its next
+    /// step: the rest of a skipped payload, of a header, or of a close frame or reference that
+    /// is read whole with its header. At least 1.
+    pub(super) fn unit_rest(&self) -> usize {
+        let staged = self.staged();
+        if self.skip > 0 {
+            return self.skip.saturating_sub(staged).max(1);
+        }
+        if staged < HEADER_LEN {
+            return HEADER_LEN - staged;
+        }
+        let unit = match FrameHeader::decode(&self.stage[self.start..self.end]) {
+            Ok(h) if h.op == CollectiveOp::Close => HEADER_LEN + h.payload_len as usize,
+            Ok(h) if h.flags & FrameHeader::REMOTE != 0 => HEADER_LEN + PAYLOAD_REF_LEN,
+            _ => HEADER_LEN,
+        };
+        unit.saturating_sub(staged).max(1)
     }
 
     /// Moves the staged bytes to the front, so that the free end of the staging buffer is

@@ -6,7 +6,7 @@ use dist_backend::{Error, Result};
 use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_LEN, PayloadRef};
 
 use super::CopyIn;
-use super::conn::{Conn, PeerState, Target};
+use super::conn::{Conn, PeerState, STAGING, Target};
 use super::parse::process;
 use super::step::{Status, Step};
 use crate::transport::{
@@ -95,6 +95,52 @@ impl Core {
         by_ref: &dyn Fn(&Outgoing<'_>) -> bool,
     ) -> Step {
         Step::new(ctx, self.seg, sends, recvs, offer, by_ref)
+    }
+
+    /// Messages sent by reference to `peer` so far.
+    pub fn offered(&self, peer: usize) -> u64 {
+        self.conns
+            .get(peer)
+            .and_then(Option::as_ref)
+            .map_or(0, |c| c.offered)
+    }
+
+    /// Whether `step` waits for input from `peer`: a message from it, or its acknowledgement
+    /// of one sent by reference. A driver that reads only some connections eagerly reads
+    /// these (and the others when they signal).
+    pub fn awaits(
+        &self,
+        step: &Step,
+        sends: &[Outgoing<'_>],
+        recvs: &[Incoming<'_>],
+        peer: usize,
+    ) -> bool {
+        step.live().is_some()
+            && (recvs
+                .iter()
+                .zip(&step.rx)
+                .any(|(r, s)| r.peer == peer && !s.done)
+                || sends
+                    .iter()
+                    .zip(&step.tx)
+                    .any(|(s, t)| s.peer == peer && t.written && !t.done))
+    }
+
+    /// Makes [`Core::read_buf`] for `peer` ask, between payloads, only for the bytes that
+    /// complete the next header (or close frame, or reference): for a driver whose reads cost
+    /// a copy rather than a system call (a shared-memory ring), so that a payload that
+    /// follows goes straight into its destination instead of through the staging buffer.
+    pub fn set_exact_reads(&mut self, peer: usize) {
+        if let Some(Some(c)) = self.conns.get_mut(peer) {
+            c.exact = true;
+        }
+    }
+
+    /// Whether `step` failed on something learnt from another rank's notice (rather than seen
+    /// by this rank), so that what the peers said since may name a better culprit: then the
+    /// driver reads them before [`Core::finish`].
+    pub fn failed_second_hand(&self, step: &Step) -> bool {
+        step.failed.as_ref().is_some_and(|e| self.second_hand(e))
     }
 
     /// Whether send `i` of `step` goes by reference.
@@ -229,13 +275,18 @@ impl Core {
             conn.compact();
         }
         let end = conn.end;
+        let want = if conn.exact {
+            end + conn.unit_rest()
+        } else {
+            STAGING
+        };
         match (conn.target, &mut conn.partial, direct) {
             (Target::Discard, ..) => &mut conn.stage[..],
             (Target::Partial, Some((_, v, filled)), _) => &mut v[*filled..],
             (Target::Direct(i), _, Some((_, at, flen, done))) => {
                 &mut recvs[i].buf[at + done..at + flen]
             }
-            _ => &mut conn.stage[end..],
+            _ => &mut conn.stage[end..want.min(STAGING)],
         }
     }
 
@@ -330,15 +381,33 @@ impl Core {
         if step.finished {
             return Status::Done;
         }
-        let missing = step.missing(sends, recvs);
-        for &peer in &missing {
-            if let Err(e) = self.usable(&ctx, peer, now, &missing) {
+        let mut missing = std::mem::take(&mut step.missing);
+        step.missing_into(sends, recvs, &mut missing);
+        let status = self.check(&ctx, step, sends, recvs, &missing, now);
+        step.missing = missing;
+        status
+    }
+
+    /// The rest of [`Core::poll`], for a live step waiting for `missing`.
+    fn check(
+        &mut self,
+        ctx: &StepCtx,
+        step: &mut Step,
+        sends: &[Outgoing<'_>],
+        recvs: &[Incoming<'_>],
+        missing: &[usize],
+        now: Instant,
+    ) -> Status {
+        for &peer in missing {
+            if let Err(e) = self.usable(ctx, peer, now, missing) {
                 step.fail(e);
                 return Status::Failed;
             }
         }
-        // A step whose every message moved is done, whatever arrived after.
-        if missing.is_empty() {
+        // A step whose every message moved is done, whatever arrived after, once the
+        // acknowledgements it owes are out: their senders wait for them.
+        let owes = |c: &Conn| c.state == PeerState::Open && !c.ctl_pending().is_empty();
+        if missing.is_empty() && !self.conns.iter().flatten().any(owes) {
             return Status::Done;
         }
         // A frame of this operation whose arguments differ from ours, from a peer the step
@@ -349,7 +418,7 @@ impl Core {
             .iter()
             .flatten()
             .flat_map(Conn::stashed_headers)
-            .find_map(|h| stashed_conflict(&ctx, h, count));
+            .find_map(|h| stashed_conflict(ctx, h, count));
         if let Some(e) = conflict {
             step.fail(e);
             return Status::Failed;
@@ -360,13 +429,18 @@ impl Core {
             if let Some(c) = self.conns[peer].as_mut()
                 && std::mem::take(&mut c.unreported_abort)
             {
-                let e = self.peer_error(&ctx, now, peer, &missing);
+                let e = self.peer_error(ctx, now, peer, missing);
                 step.fail(e);
                 return Status::Failed;
             }
         }
         if now >= ctx.deadline {
-            step.fail(ctx.timeout_at(now, step.missing(sends, recvs)));
+            // Peers that did not take the acknowledgements owed to them stalled too.
+            let mut late = missing.to_vec();
+            late.extend(
+                (0..self.conns.len()).filter(|&p| self.conns[p].as_ref().is_some_and(owes)),
+            );
+            step.fail(ctx.timeout_at(now, late));
             return Status::Failed;
         }
         Status::Pending {

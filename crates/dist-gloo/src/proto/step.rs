@@ -68,6 +68,8 @@ pub struct Step {
     pub(super) rx: Vec<Rx>,
     pub(super) failed: Option<Error>,
     pub(super) finished: bool,
+    /// Scratch for [`Step::missing_into`], kept so that polling allocates nothing.
+    pub(super) missing: Vec<usize>,
 }
 
 impl Step {
@@ -82,6 +84,7 @@ impl Step {
             rx: Vec::new(),
             failed: None,
             finished: true,
+            missing: Vec::new(),
         }
     }
 
@@ -120,7 +123,20 @@ impl Step {
             rx: recvs.iter().map(rx).collect(),
             failed: None,
             finished: false,
+            missing: Vec::with_capacity(sends.len() + recvs.len()),
         }
+    }
+
+    /// Whether the step failed (and [`crate::proto::Core::finish`] has not yet taken the
+    /// error): a driver stops reading, so as not to drain peers blocked on this rank.
+    pub fn has_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    /// Whether a frame's payload from `peer` was coming straight into a receive buffer when
+    /// the step stopped: reading on would skip the rest of it and parse what follows.
+    pub fn mid_payload_from(&self, peer: usize) -> bool {
+        self.rx.iter().any(|r| r.peer == peer && r.cur.is_some())
     }
 
     /// The step's context while it still moves data.
@@ -162,23 +178,30 @@ impl Step {
         frames(sends[i].data.len(), self.seg).len()
     }
 
-    /// Peers this step still waits for: receives not delivered and sends not transmitted.
-    pub(super) fn missing(&self, sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> Vec<usize> {
-        let mut m: Vec<usize> = recvs
-            .iter()
-            .zip(&self.rx)
-            .filter(|(_, s)| !s.done)
-            .map(|(r, _)| r.peer)
-            .chain(
-                sends
-                    .iter()
-                    .zip(&self.tx)
-                    .filter(|(_, s)| !s.done)
-                    .map(|(s, _)| s.peer),
-            )
-            .collect();
+    /// Into `m` (its allocation reused), the peers this step still waits for: receives not
+    /// delivered and sends not transmitted (or, by reference, not acknowledged).
+    pub(super) fn missing_into(
+        &self,
+        sends: &[Outgoing<'_>],
+        recvs: &[Incoming<'_>],
+        m: &mut Vec<usize>,
+    ) {
+        m.clear();
+        m.extend(
+            recvs
+                .iter()
+                .zip(&self.rx)
+                .filter(|(_, s)| !s.done)
+                .map(|(r, _)| r.peer)
+                .chain(
+                    sends
+                        .iter()
+                        .zip(&self.tx)
+                        .filter(|(_, s)| !s.done)
+                        .map(|(s, _)| s.peer),
+                ),
+        );
         m.sort_unstable();
         m.dedup();
-        m
     }
 }

@@ -374,13 +374,8 @@ pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Op
     conflict.then(|| ctx.mismatch(h, count))
 }
 
-/// The error for a step that met `peer`'s `Close` frame giving `reason` (or whose connection to
-/// `peer` was already closed for it).
-pub(crate) fn closed_error(ctx: &StepCtx, peer: usize, reason: &CloseReason) -> Error {
-    closed_error_at(ctx, Instant::now(), peer, reason)
-}
-
-/// [`closed_error`] as seen at `now`.
+/// The error, at `now`, for a step that met `peer`'s `Close` frame giving `reason` (or whose
+/// connection to `peer` was already closed for it).
 pub(crate) fn closed_error_at(
     ctx: &StepCtx,
     now: Instant,

@@ -29,6 +29,8 @@ use std::time::Instant;
 use dist_backend::{Result, Store};
 use dist_wire::PayloadRef;
 
+use crate::proto::CopyIn;
+
 /// Where to read one peer's memory.
 #[derive(Clone, Copy, Debug)]
 struct Source {
@@ -152,10 +154,12 @@ impl Cma {
     pub(super) fn withdrawal(&self) -> Withdrawal {
         Withdrawal(self.offers.clone())
     }
+}
 
+impl CopyIn for Cma {
     /// Copies a frame `peer` offered by reference into `dst`, then checks the offer still
     /// stands. The error says why, for a `PeerLost`.
-    pub(super) fn copy_in(
+    fn copy_in(
         &self,
         peer: usize,
         at: PayloadRef,

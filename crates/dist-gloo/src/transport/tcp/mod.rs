@@ -7,7 +7,7 @@ mod linger;
 mod link;
 mod mesh;
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dist_backend::{Result, Store};
@@ -18,6 +18,7 @@ pub use mesh::MeshOptions;
 pub(crate) use mesh::group_id;
 
 use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, shm};
+use crate::proto::Core;
 use engine::Engine;
 
 /// A full TCP mesh between the ranks of one group.
@@ -106,19 +107,29 @@ impl TcpTransport {
             deadline,
         )
         .map_err(ranked)?;
+        let cma = cma.map(Arc::new);
+        let mut core = Core::new(rank, world_size, opts.segment_bytes);
+        if let Some(cma) = &cma {
+            core.set_copier(Box::new(Arc::clone(cma)));
+        }
+        for (peer, c) in conns.iter().enumerate() {
+            if c.as_ref().is_some_and(conn::Conn::is_shm) {
+                core.set_exact_reads(peer);
+            }
+        }
         Ok(TcpTransport {
             rank,
             world_size,
-            segment: opts.segment_bytes.max(8) / 8 * 8,
+            segment: core.segment_bytes(),
             engine: Mutex::new(Engine {
                 poll,
                 events: mio::Events::with_capacity(64),
+                core,
                 conns,
                 spin: opts.spin,
                 busy_spin,
                 cma,
                 linger: opts.timeout,
-                aborted: false,
                 single_copy_over_rings,
             }),
         })
@@ -151,7 +162,7 @@ impl Transport for TcpTransport {
         on_frame: &mut OnFrame<'_>,
     ) -> Result<()> {
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
-        eng.run(ctx, self.segment, sends, recvs, on_frame)
+        eng.run(ctx, sends, recvs, on_frame)
     }
 
     fn probe(&self, peer: usize, tag: u32) -> bool {
@@ -171,17 +182,15 @@ impl Transport for TcpTransport {
 
     fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
-        eng.conns
-            .iter()
-            .map(|c| c.as_ref().map_or(0, |c| c.offered))
-            .collect()
+        (0..self.world_size).map(|p| eng.core.offered(p)).collect()
     }
 
     fn abort(&self) {
         self.engine
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .aborted = true;
+            .core
+            .abort();
     }
 
     fn close(&self) {
