@@ -358,9 +358,11 @@ impl Core {
         let Some(ctx) = step.ctx else {
             return Status::Done;
         };
-        // Frames stashed before the step began (or before a receive became current).
+        // Frames stashed (or bytes staged) before the step began, or before a receive became
+        // current; frames that arrive later are parsed as they are received.
         for peer in 0..self.conns.len() {
             if let Some(conn) = self.conns[peer].as_mut()
+                && (!conn.stash.is_empty() || conn.staged() > 0 || conn.partial.is_some())
                 && step.current_recv(recvs, peer).is_some()
             {
                 process(conn, self.copier.as_deref(), step, recvs, peer, on_frame);

@@ -187,20 +187,16 @@ impl Step {
         m: &mut Vec<usize>,
     ) {
         m.clear();
-        m.extend(
-            recvs
-                .iter()
-                .zip(&self.rx)
-                .filter(|(_, s)| !s.done)
-                .map(|(r, _)| r.peer)
-                .chain(
-                    sends
-                        .iter()
-                        .zip(&self.tx)
-                        .filter(|(_, s)| !s.done)
-                        .map(|(s, _)| s.peer),
-                ),
-        );
+        for (r, st) in recvs.iter().zip(&self.rx) {
+            if !st.done {
+                m.push(r.peer);
+            }
+        }
+        for (s, st) in sends.iter().zip(&self.tx) {
+            if !st.done {
+                m.push(s.peer);
+            }
+        }
         m.sort_unstable();
         m.dedup();
     }

@@ -90,13 +90,16 @@ impl Engine {
         let peers = self.conns.len();
         let mut spin_until: Option<Instant> = None;
         let mut idle_since: Option<Instant> = None;
+        // Read again only after a pass that moved nothing: while bytes flow, the deadline
+        // cannot pass (a step that progresses does not time out), and reading the clock each
+        // pass was a tenth of a 4-byte all-reduce's time.
+        let mut now = Instant::now();
         loop {
             let mut progress = false;
             for peer in 0..peers {
                 progress |= self.write(&mut step, sends, recvs, on_frame, peer);
                 progress |= self.read(&mut step, sends, recvs, on_frame, peer);
             }
-            let now = Instant::now();
             match self.core.poll(&mut step, sends, recvs, on_frame, now) {
                 Status::Done => return self.core.finish(&mut step, sends, now),
                 Status::Failed => return self.fail(&mut step, sends, recvs, on_frame, now),
@@ -106,6 +109,7 @@ impl Engine {
                         idle_since = None;
                         continue;
                     }
+                    now = Instant::now();
                     let until =
                         *spin_until.get_or_insert(dist_backend::deadline_after(now, self.spin));
                     if now < until {
@@ -261,6 +265,12 @@ impl Engine {
         let Some(Some(c)) = self.conns.get_mut(peer) else {
             return false;
         };
+        // A peer the step waits for is read only while it does: what follows is for a later
+        // step, which reads it then. Draining it now (its poller event still pending) would
+        // copy every message of a stream such as the ring's through the stash.
+        if self.core.awaits(step, sends, recvs, peer) {
+            c.readable = false;
+        }
         let mut moved = false;
         while !c.ended && reads > 0 && (c.readable || self.core.awaits(step, sends, recvs, peer)) {
             reads -= 1;
