@@ -284,13 +284,16 @@ fn ranks_over_a_transport_running_different_algorithms_fail_on_every_rank_at_onc
     }
 }
 
-/// A large broadcast on 4 ranks (the pipelined chain, by reference where possible) whose
-/// ranks disagree on the count fails on every rank as a mismatch, long before the timeout.
+/// A large broadcast on 4 ranks (the pipelined chain) whose ranks disagree on the count fails
+/// on every rank as a mismatch, long before the timeout. The root, lazy, only sends: it may
+/// return when the ranks downstream took its whole message before the failure reached it (a
+/// chain's first hop keeps reading ahead while its next hop is blocked), and must then fail at
+/// its next operation; every other rank fails in the broadcast itself.
 #[test]
 fn a_large_chain_broadcast_with_a_count_mismatch_fails_on_every_rank() {
     let ranks = tcp_world(4, &GlooOptions::default());
     let t0 = Instant::now();
-    let errs = on_all(&ranks, |b| {
+    let outs = outcomes(&ranks, |b| {
         let count = if b.rank() == 2 {
             (4 << 20) + 1
         } else {
@@ -303,9 +306,10 @@ fn a_large_chain_broadcast_with_a_count_mismatch_fails_on_every_rank() {
             0,
             &opts(),
         )
-        .expect_err("ranks that disagree on the count must not succeed")
     });
-    for (r, e) in errs.iter().enumerate() {
+    for (r, o) in outs.iter().enumerate() {
+        let e = &o.err;
+        assert!(!o.returned || r == 0, "rank {r} returned: {e}");
         let (ours, theirs) = sides(e);
         assert_ne!(ours.count, theirs.count, "rank {r}: {e}");
         assert!(ours.rank == 2 || theirs.rank == 2, "rank {r}: {e}");
