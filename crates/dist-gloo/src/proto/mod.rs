@@ -30,9 +30,12 @@
 //!   its offer) delivers nothing more from that peer, and waits for the notice or the end of
 //!   the stream that says why.
 //!
-//! Drivers: [`crate::transport::mem::MemTransport`] (bounded in-memory byte pipes) runs over
-//! it, and the simulation tests (`tests/sim/`) drive many cores through a seeded network
-//! with virtual time, by-reference messages included.
+//! One protocol, three drivers: [`crate::transport::mem::MemTransport`] (bounded in-memory
+//! byte pipes), the TCP transport's engine ([`crate::transport::tcp::TcpTransport`]: sockets,
+//! and shared-memory rings between ranks on one host, with the cross-memory copy as its
+//! [`CopyIn`]), and the simulation tests (`tests/sim/`), which drive many cores through a
+//! seeded network with virtual time, by-reference messages included. A driver moves bytes and
+//! reports EOF, errors and the time; it never parses a header or decides whom to blame.
 //!
 //! Architecture invariant: nothing under `proto/` performs I/O, starts a thread or reads a
 //! clock (`cargo xtask check-layers` enforces it).
@@ -57,12 +60,6 @@ pub trait CopyIn: Send + Sync + fmt::Debug {
     /// Copies the `dst.len()` bytes `peer` offers at `at` into `dst`, then checks that the
     /// offer still stands. The error says why not, for the peer's loss.
     fn copy_in(&self, peer: usize, at: PayloadRef, dst: &mut [u8]) -> Result<(), String>;
-}
-
-impl<T: CopyIn + ?Sized> CopyIn for std::sync::Arc<T> {
-    fn copy_in(&self, peer: usize, at: PayloadRef, dst: &mut [u8]) -> Result<(), String> {
-        (**self).copy_in(peer, at, dst)
-    }
 }
 
 #[cfg(test)]

@@ -7,9 +7,9 @@
 //! while segment `k + 1` is still on the wire.
 //!
 //! Algorithms know nothing of sockets: [`tcp::TcpTransport`] runs them over a full TCP mesh and
-//! [`mem::MemTransport`] over bounded in-memory byte pipes (for tests), the latter by driving
-//! the sans-IO peer protocol in [`crate::proto`]; between ranks on one host the TCP mesh
-//! carries its frames through shared-memory rings instead ([`shm`]).
+//! [`mem::MemTransport`] over bounded in-memory byte pipes (for tests), both by driving the
+//! sans-IO peer protocol in [`crate::proto`]; between ranks on one host the TCP mesh carries
+//! its frames through shared-memory rings instead ([`shm`]).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};

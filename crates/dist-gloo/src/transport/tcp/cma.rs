@@ -156,7 +156,8 @@ impl Cma {
     }
 }
 
-impl CopyIn for Cma {
+/// The engine keeps the mesh's `Cma` for its offers while the core copies through it.
+impl CopyIn for Arc<Cma> {
     /// Copies a frame `peer` offered by reference into `dst`, then checks the offer still
     /// stands. The error says why, for a `PeerLost`.
     fn copy_in(

@@ -1,4 +1,10 @@
 //! The TCP transport: one connection per pair of ranks, set up through the store.
+//!
+//! `mesh.rs` connects the pairs; `engine.rs` drives the peer protocol's [`Core`] over them
+//! (or over the shared-memory rings a pair on one host moves onto, `link.rs`); `cma.rs` is the
+//! single-copy path between processes on one host, which the core asks for through
+//! [`crate::proto::CopyIn`]; `linger.rs` reads each connection after closing until the peer
+//! closes its end.
 
 mod cma;
 mod conn;
