@@ -22,7 +22,11 @@ COMM = MPI.COMM_WORLD
 
 def build(op, size, n):
     count = max(1, size // 4)
-    zeros = lambda k: np.zeros(k, dtype=np.float32)  # noqa: E731
+    # np.zeros maps fresh pages that are never written: every read of them hits the kernel's one
+    # shared zero page, which stays in cache, so a read-only input (all_gather, all_to_all, the
+    # broadcast root, reduce_scatter) would cost Open MPI no memory traffic at all. np.full
+    # writes every page, as our benchmark fills its inputs and torch.zeros does.
+    zeros = lambda k: np.full(k, 1.0, dtype=np.float32)  # noqa: E731
     if op in ("all_reduce", "allreduce_4B"):
         buf = zeros(count if op == "all_reduce" else 1)
         return lambda: COMM.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), "Allreduce in place"
