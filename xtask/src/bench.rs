@@ -44,6 +44,10 @@ FLAGS (nccl-tests' names):
                       https://download.pytorch.org/whl/cpu` or `apt-get install
                       python3-torch`; `apt-get install openmpi-bin python3-mpi4py`.
                       DIST_PEER_PYTHON picks the interpreter (default python3)
+    --rounds <n>      with --vs: run ours and the peer n times, alternated, and compare
+                      each side's median over the rounds, with its range (default 1).
+                      This 2-core host has had windows of seconds in which everything
+                      ran 4-7x slower: a single round can put one side in such a window
 ";
 
 const OPS: [&str; 5] = [
@@ -71,6 +75,7 @@ struct Flags {
     dtype: String,
     root: String,
     backend: String,
+    rounds: usize,
 }
 
 const REDOPS: [&str; 5] = ["sum", "prod", "min", "max", "avg"];
@@ -126,6 +131,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         dtype: "float".into(),
         root: "0".into(),
         backend: "gloo".into(),
+        rounds: 1,
     };
     let mut it = rest.iter();
     while let Some(flag) = it.next() {
@@ -162,6 +168,14 @@ fn parse(args: &[String]) -> Result<Flags, String> {
             }
             "-J" | "--output_file" => fl.json = Some(val()?),
             "--vs" => fl.vs = Some(val()?),
+            "--rounds" => {
+                let v = val()?;
+                fl.rounds = v
+                    .parse()
+                    .ok()
+                    .filter(|&r| r > 0)
+                    .ok_or_else(|| format!("--rounds {v}: expected a count of at least 1"))?;
+            }
             other => return Err(format!("unknown flag `{other}`\n\n{HELP}")),
         }
     }
@@ -329,13 +343,42 @@ fn find<'a>(v: &'a Value, op: &str, size: u64) -> Option<&'a Value> {
     })
 }
 
-fn compare(fl: &Flags, n: usize, peer: &str, ours: &Value, theirs: &Value) {
+/// The row for `op` at `size` of the round whose time is the median over `runs` (the lower
+/// middle for an even count), and the range of the rounds' times.
+fn median_row<'a>(runs: &'a [Value], op: &str, size: u64) -> Option<(&'a Value, f64, f64)> {
+    let mut rows: Vec<(&Value, f64)> = runs
+        .iter()
+        .map(|v| find(v, op, size).map(|r| (r, r["median_us"].as_f64().unwrap_or(f64::NAN))))
+        .collect::<Option<_>>()?;
+    rows.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let (lo, hi) = (rows.first()?.1, rows.last()?.1);
+    Some((rows[(rows.len() - 1) / 2].0, lo, hi))
+}
+
+fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
+    let rounds = ours.len().min(theirs.len());
+    let how = if rounds > 1 {
+        format!("{rounds} alternated rounds, each side's median round; range: its rounds' times")
+    } else {
+        "same invocation".to_string()
+    };
     println!(
-        "\n# world_size {n}: dist-gloo vs {peer} (same invocation; busbw in GB/s, time = median of per-iteration max over ranks)"
+        "\n# world_size {n}: dist-gloo vs {peer} ({how}; busbw in GB/s, time = median of per-iteration max over ranks)"
     );
     println!(
-        "# {:>15} {:>10} | {:>10} {:>8} | {:>10} {:>8} | {:>8}",
-        "op", "bytes", "ours us", "busbw", "peer us", "busbw", "ratio"
+        "# {:>15} {:>10} | {:>10} {:>8} | {:>10} {:>8} | {:>8}{}",
+        "op",
+        "bytes",
+        "ours us",
+        "busbw",
+        "peer us",
+        "busbw",
+        "ratio",
+        if rounds > 1 {
+            " | ours range us | peer range us"
+        } else {
+            ""
+        }
     );
     for op in &fl.ops {
         let sizes: Vec<u64> = if LATENCY.contains(&op.as_str()) {
@@ -344,10 +387,15 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &Value, theirs: &Value) {
             fl.sizes.clone()
         };
         for s in sizes {
-            let (Some(a), Some(b)) = (find(ours, op, s), find(theirs, op, s)) else {
+            let (Some((a, a_lo, a_hi)), Some((b, b_lo, b_hi))) =
+                (median_row(ours, op, s), median_row(theirs, op, s))
+            else {
                 println!(
                     "  {op:>15} {s:>10} | (missing on one side{})",
-                    find(theirs, op, s).map_or(String::new(), |r| format!(": {}", r["note"]))
+                    theirs
+                        .iter()
+                        .find_map(|t| find(t, op, s))
+                        .map_or(String::new(), |r| format!(": {}", r["note"]))
                 );
                 continue;
             };
@@ -362,8 +410,13 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &Value, theirs: &Value) {
                 _ => tb / ta,
             };
             let bw = |b: Option<f64>| b.map_or("-".to_string(), |b| format!("{b:.3}"));
+            let ranges = if rounds > 1 {
+                format!(" | {a_lo:>6.1}-{a_hi:<7.1} | {b_lo:>6.1}-{b_hi:<7.1}")
+            } else {
+                String::new()
+            };
             println!(
-                "  {op:>15} {s:>10} | {ta:>10.1} {:>8} | {tb:>10.1} {:>8} | {ratio:>7.2}x",
+                "  {op:>15} {s:>10} | {ta:>10.1} {:>8} | {tb:>10.1} {:>8} | {ratio:>7.2}x{ranges}",
                 bw(ba),
                 bw(bb)
             );
@@ -381,21 +434,35 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
     let exe = project_root().join("target/release/examples/gloo_bench");
     let tmp = std::env::temp_dir();
     for &n in &fl.world_sizes {
-        let ours_path = match &fl.json {
-            Some(j) => PathBuf::from(format!("{j}.ws{n}.json")),
-            None => tmp.join(format!("dist-bench-ours-{}-ws{n}.json", std::process::id())),
-        };
-        let ours = run_ours(&fl, n, &distrun, &exe, &ours_path)?;
-        if let Some(peer) = &fl.vs {
-            let theirs = run_peer(
-                &fl,
-                n,
-                peer,
-                &tmp.join(format!(
-                    "dist-bench-{peer}-{}-ws{n}.json",
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for round in 0..fl.rounds {
+            // One file per round when there are several, so none overwrites another.
+            let tag = if fl.rounds > 1 {
+                format!(".r{round}")
+            } else {
+                String::new()
+            };
+            let ours_path = match &fl.json {
+                Some(j) => PathBuf::from(format!("{j}.ws{n}{tag}.json")),
+                None => tmp.join(format!(
+                    "dist-bench-ours-{}-ws{n}{tag}.json",
                     std::process::id()
                 )),
-            )?;
+            };
+            ours.push(run_ours(&fl, n, &distrun, &exe, &ours_path)?);
+            if let Some(peer) = &fl.vs {
+                theirs.push(run_peer(
+                    &fl,
+                    n,
+                    peer,
+                    &tmp.join(format!(
+                        "dist-bench-{peer}-{}-ws{n}{tag}.json",
+                        std::process::id()
+                    )),
+                )?);
+            }
+        }
+        if let Some(peer) = &fl.vs {
             compare(&fl, n, peer, &ours, &theirs);
         }
     }
@@ -441,6 +508,25 @@ mod tests {
     }
 
     #[test]
+    fn rounds_compare_the_median_round_and_report_the_range() {
+        let run = |us: f64| {
+            serde_json::json!({"results": [
+                {"op": "all_reduce", "bytes_per_rank": 4096, "median_us": us, "busbw_GBps": 1.0 / us}
+            ]})
+        };
+        let runs = [run(30.0), run(10.0), run(500.0)];
+        let (row, lo, hi) = median_row(&runs, "all_reduce", 4096).unwrap();
+        assert_eq!(
+            (row["median_us"].as_f64(), lo, hi),
+            (Some(30.0), 10.0, 500.0)
+        );
+        // An even count takes the lower middle; a size missing from a round is missing.
+        let (row, ..) = median_row(&runs[..2], "all_reduce", 4096).unwrap();
+        assert_eq!(row["median_us"].as_f64(), Some(10.0));
+        assert!(median_row(&runs, "all_reduce", 8192).is_none());
+    }
+
+    #[test]
     fn nccl_tests_type_op_and_root_flags_parse_and_bad_ones_are_named() {
         let fl = parse(&args("all_reduce -d bfloat16 -o avg -r 1 -b 1K -e 4K -f 2")).unwrap();
         assert_eq!((fl.dtype.as_str(), fl.redop.as_str()), ("bfloat16", "avg"));
@@ -459,5 +545,8 @@ mod tests {
         let e = parse(&args("all_reduce --vs nccl")).unwrap_err();
         assert!(e.starts_with("--vs nccl: expected one of torch"), "{e}");
         assert!(parse(&args("all_reduce --vs mpi-shm")).is_ok());
+        assert_eq!(parse(&args("all_reduce --rounds 3")).unwrap().rounds, 3);
+        let e = parse(&args("all_reduce --rounds 0")).unwrap_err();
+        assert_eq!(e, "--rounds 0: expected a count of at least 1");
     }
 }
