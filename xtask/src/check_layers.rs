@@ -42,7 +42,7 @@ const LAYERS: &[Layer] = &[
     },
     Layer {
         name: "dist-gloo",
-        allowed: &["dist-backend", "dist-wire"],
+        allowed: &["dist-backend", "dist-wire", "dist-simd"],
         optional_only: &[],
     },
     Layer {

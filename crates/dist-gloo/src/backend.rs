@@ -13,6 +13,7 @@ use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 use crate::algo::{
     Op, agree, allgather, allreduce, bcast, blocks_of, choice, reducescatter, ring, rooted,
 };
+use crate::output_copy::copy_to_output;
 use crate::transport::mem::MemTransport;
 use crate::transport::tcp::{MeshOptions, TcpTransport};
 use crate::transport::{StepCtx, Transport};
@@ -673,7 +674,7 @@ impl Backend for GlooBackend {
             opts,
             |o, _| {
                 let blocks = blocks_of(counts, dtype.size());
-                output[blocks[self.rank].clone()].copy_from_slice(input);
+                copy_to_output(&mut output[blocks[self.rank].clone()], input);
                 if output.len() <= self.small_bytes {
                     allgather::direct(o, output, &blocks)
                 } else {

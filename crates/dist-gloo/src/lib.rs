@@ -46,6 +46,7 @@
 #![deny(unsafe_code)]
 mod algo;
 mod backend;
+mod output_copy;
 pub mod proto;
 pub mod transport;
 

@@ -295,6 +295,57 @@ fn world_size_3_over_shm_without_cross_memory() {
     assert_eq!(by_ref, 0, "every byte must have gone through the rings");
 }
 
+/// Messages from 8 MiB, which the rings copy into an all-gather's, gather's or all-to-all's
+/// output with stores that bypass the cache (as each rank's own block is copied), arrive
+/// whole at uneven lengths and offsets, on 2 and 3 ranks.
+#[test]
+fn outputs_large_enough_to_bypass_the_cache_arrive_whole_over_the_rings() {
+    let big = (8 << 20) + 5;
+    for n in [2, 3] {
+        let ranks = tcp_world(n, &{
+            let mut o = gloo_opts();
+            o.mesh.transport = TransportMode::Shm;
+            o.mesh.cross_memory = false;
+            o
+        });
+        let d = DType::U8;
+        let counts: Vec<usize> = (0..n).map(|r| big + 3 * r).collect();
+        let contrib = |r: usize| encode(d, (0..counts[r]).map(|i| value(d, ReduceOp::Sum, r, i)));
+        let want: Vec<u8> = (0..n).flat_map(contrib).collect();
+        let outs = on_all(&ranks, |b| {
+            // One byte in, so that the output's blocks start off the 16-byte boundaries.
+            let mut out = vec![0u8; want.len() + 1];
+            b.all_gather(
+                BufRef::Host(&contrib(b.rank())),
+                BufMut::Host(&mut out[1..]),
+                d,
+                &counts,
+                &opts(),
+            )
+            .unwrap();
+            out
+        });
+        for (r, o) in outs.iter().enumerate() {
+            assert!(o[1..] == want[..], "all_gather ws {n}: rank {r} differs");
+        }
+        let mine = |r: usize| contrib(r)[..big].to_vec();
+        let outs = on_all(&ranks, |b| {
+            let mut out = vec![0u8; n * big];
+            let o = (b.rank() == 0).then_some(BufMut::Host(&mut out));
+            b.gather(BufRef::Host(&mine(b.rank())), o, d, 0, &opts())
+                .unwrap();
+            out
+        });
+        assert!(
+            outs[0] == (0..n).flat_map(mine).collect::<Vec<u8>>(),
+            "gather ws {n}"
+        );
+        check_all_to_all(&ranks, d, |s, r| big + s + 2 * r, &opts(), "8 MiB blocks");
+        let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
+        assert_eq!(by_ref, 0, "every byte must have gone through the rings");
+    }
+}
+
 /// A rank that opts out of single-copy transfers neither sends nor is sent anything by
 /// reference, while the others still use it between themselves.
 #[test]

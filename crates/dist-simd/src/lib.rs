@@ -1,5 +1,6 @@
 //! Element-wise kernels over 16-bit floats (`f16`, `bf16`) stored as `u16` bits, computed in
-//! `f32`, and dispatched at run time to the widest instructions the CPU has.
+//! `f32`, and dispatched at run time to the widest instructions the CPU has; and bulk copies
+//! that keep their destination in cache ([`copy::cached`]) or bypass it ([`copy::streaming`]).
 //!
 //! `dist-wire` reduces half-precision buffers by widening each element to `f32`, combining, and
 //! rounding back once. Written portably, that costs more than the memory traffic it rides on:
@@ -110,6 +111,72 @@ format_module!(
     bf16_zip_map,
     bf16_map
 );
+
+/// Bulk copies.
+pub mod copy {
+    /// Copies `src` into `dst` by 128-byte moves through the cache, for copies whose
+    /// destination is read again soon (a shared-memory ring, a buffer reduced into next).
+    ///
+    /// `copy_from_slice` calls the C library's `memcpy`, which on x86 moves a few KiB and more
+    /// with `rep movsb`; on the AMD EPYC this project is measured on that ran at 16-20 GB/s
+    /// for 64 KiB pieces of a 16 MiB buffer in the last-level cache, where these moves ran at
+    /// 23-28 GB/s, and no slower out of memory. Short copies gain nothing: below a few hundred
+    /// bytes use `copy_from_slice`.
+    ///
+    /// # Panics
+    ///
+    /// If the slices differ in length.
+    ///
+    /// ```
+    /// let src: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+    /// let mut dst = vec![0u8; 1000];
+    /// dist_simd::copy::cached(&mut dst, &src);
+    /// assert_eq!(dst, src);
+    /// ```
+    pub fn cached(dst: &mut [u8], src: &[u8]) {
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "cached copy between slices of different lengths"
+        );
+        #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+        if crate::x86::copy_cached(dst, src) {
+            return;
+        }
+        crate::portable::copy_cached(dst, src);
+    }
+
+    /// Copies `src` into `dst` with stores that bypass the cache where the CPU has them
+    /// (non-temporal `movntdq` on x86-64), and with a plain copy elsewhere.
+    ///
+    /// For a destination larger than the caches that nothing reads again soon, such as the
+    /// output of an all-gather: a plain store first reads each destination line from memory,
+    /// so a streaming copy moves a third less. A destination read right after (reduced into,
+    /// or small enough to stay in cache) is better served by `copy_from_slice`. When this
+    /// returns, the bytes are ordered before later stores exactly as a plain copy's are.
+    ///
+    /// # Panics
+    ///
+    /// If the slices differ in length.
+    ///
+    /// ```
+    /// let src: Vec<u8> = (0..100u8).collect();
+    /// let mut dst = vec![0u8; 100];
+    /// dist_simd::copy::streaming(&mut dst, &src);
+    /// assert_eq!(dst, src);
+    /// ```
+    pub fn streaming(dst: &mut [u8], src: &[u8]) {
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "streaming copy between slices of different lengths"
+        );
+        #[cfg(target_arch = "x86_64")]
+        crate::x86::copy_streaming(dst, src);
+        #[cfg(not(target_arch = "x86_64"))]
+        dst.copy_from_slice(src);
+    }
+}
 
 #[cfg(test)]
 mod tests;

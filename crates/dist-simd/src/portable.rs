@@ -75,3 +75,18 @@ pub(crate) fn map(buf: &mut [u16], f: impl Fn(u16) -> u16) {
         *x = f(*x);
     }
 }
+
+/// `dst.copy_from_slice(src)` in 128-byte moves (see `copy::cached`); at whatever vector width
+/// the build targets, or AVX2's when called from a function compiled for it.
+#[inline(always)]
+pub(crate) fn copy_cached(dst: &mut [u8], src: &[u8]) {
+    let (d, d_tail) = dst.as_chunks_mut::<128>();
+    let (s, s_tail) = src.as_chunks::<128>();
+    for (d, s) in d.iter_mut().zip(s) {
+        *d = *s;
+        // LLVM would turn this loop back into one `memcpy` call; an opaque use of each chunk
+        // keeps it 128-byte moves.
+        core::hint::black_box(&*d);
+    }
+    d_tail.copy_from_slice(s_tail);
+}

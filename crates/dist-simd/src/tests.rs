@@ -208,3 +208,42 @@ fn bf16_kernels_match_half() {
 fn zip_map_rejects_slices_of_different_lengths() {
     crate::f16::zip_map(&mut [0; 3], &[0; 2], |a, b| a + b);
 }
+
+#[test]
+fn both_copies_equal_copy_from_slice_at_every_length_and_alignment() {
+    let mut rng = Rng(0x5eed);
+    let src: Vec<u8> = (0..4096 + 64).map(|_| rng.next() as u8).collect();
+    let mut dst = vec![0u8; src.len()];
+    type Copy = fn(&mut [u8], &[u8]);
+    let copies: [(&str, Copy); 2] = [
+        ("streaming", crate::copy::streaming),
+        ("cached", crate::copy::cached),
+    ];
+    for (name, copy) in copies {
+        for len in (0..300).chain([1000, 4095, 4096]) {
+            for d_off in 0..17 {
+                for s_off in [0, 1, 7, 16] {
+                    dst.fill(0xaa);
+                    copy(&mut dst[d_off..d_off + len], &src[s_off..s_off + len]);
+                    let what = format!("{name}: len {len}, offsets {d_off}/{s_off}");
+                    assert_eq!(&dst[d_off..d_off + len], &src[s_off..s_off + len], "{what}");
+                    // Nothing outside the destination moved.
+                    assert!(dst[..d_off].iter().all(|&b| b == 0xaa), "{what}");
+                    assert!(dst[d_off + len..].iter().all(|&b| b == 0xaa), "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "different lengths")]
+fn streaming_copy_rejects_slices_of_different_lengths() {
+    crate::copy::streaming(&mut [0u8; 3], &[0u8; 4]);
+}
+
+#[test]
+#[should_panic(expected = "different lengths")]
+fn cached_copy_rejects_slices_of_different_lengths() {
+    crate::copy::cached(&mut [0u8; 300], &[0u8; 299]);
+}

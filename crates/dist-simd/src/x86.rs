@@ -1,10 +1,11 @@
 //! x86 kernels, compiled for AVX2 (`bf16`) and F16C (`f16`) and entered only after the CPU
 //! has been checked for them.
 //!
-//! The `unsafe` here is exactly one kind: calling a `#[target_feature]` function, whose only
-//! precondition is that the CPU supports the features it enables. Inside those functions the
+//! The `unsafe` here is of two kinds. Calling a `#[target_feature]` function, whose only
+//! precondition is that the CPU supports the features it enables: inside those functions the
 //! intrinsics used take no pointers (safe to call there since Rust 1.87), and vectors move to
-//! and from arrays through `bytemuck` casts, so no raw pointer is dereferenced anywhere.
+//! and from arrays through `bytemuck` casts. And one non-temporal store (`copy_streaming`),
+//! whose intrinsic takes a pointer: it is given one into a `&mut` slice, aligned as it needs.
 
 #[cfg(target_arch = "x86")]
 use core::arch::x86::{
@@ -136,5 +137,49 @@ pub(crate) fn bf16_map(buf: &mut [u16], f: impl Fn(f32) -> f32) -> bool {
     }
     // SAFETY: the CPU supports AVX2 (checked just above), the one feature the callee enables.
     unsafe { bf16_map_avx2(buf, f) };
+    true
+}
+
+/// Copies `src` into `dst` (equal lengths) with `movntdq`, stores that go to memory without
+/// first reading each destination line into the cache, then `sfence`s so that the bytes are
+/// ordered before any later store, as a plain copy's are. SSE2 is part of x86-64, so there is
+/// nothing to detect.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    use core::arch::x86_64::{__m128i, _mm_sfence, _mm_stream_si128};
+    const W: usize = size_of::<__m128i>();
+    debug_assert_eq!(dst.len(), src.len());
+    // Plain copies up to the first 16-byte boundary of `dst` and after the last.
+    let head = dst.as_ptr().align_offset(W).min(dst.len());
+    let body = (dst.len() - head) / W * W;
+    let (d_head, rest) = dst.split_at_mut(head);
+    let (d_body, d_tail) = rest.split_at_mut(body);
+    let (s_head, rest) = src.split_at(head);
+    let (s_body, s_tail) = rest.split_at(body);
+    d_head.copy_from_slice(s_head);
+    for (d, s) in d_body.chunks_exact_mut(W).zip(s_body.chunks_exact(W)) {
+        let v: __m128i = bytemuck::pod_read_unaligned(s);
+        // SAFETY: `d` is 16 bytes of `dst`, which the `&mut` borrow lets us write, and starts
+        // at a 16-byte boundary (the head above ends at one), the alignment `movntdq` needs.
+        unsafe { _mm_stream_si128(d.as_mut_ptr().cast::<__m128i>(), v) };
+    }
+    d_tail.copy_from_slice(s_tail);
+    // SAFETY: `sfence` needs SSE, which every x86-64 CPU has.
+    unsafe { _mm_sfence() };
+}
+
+#[target_feature(enable = "avx2")]
+fn copy_cached_avx2(dst: &mut [u8], src: &[u8]) {
+    portable::copy_cached(dst, src);
+}
+
+/// Runs the AVX2 copy (32-byte moves) and returns `true`, or returns `false` on a CPU without
+/// AVX2.
+pub(crate) fn copy_cached(dst: &mut [u8], src: &[u8]) -> bool {
+    if !has_avx2() {
+        return false;
+    }
+    // SAFETY: the CPU supports AVX2 (checked just above), the one feature the callee enables.
+    unsafe { copy_cached_avx2(dst, src) };
     true
 }

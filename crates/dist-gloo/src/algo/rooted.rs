@@ -4,6 +4,7 @@ use dist_backend::Result;
 use dist_wire::ReduceOp;
 
 use super::{Op, blocks_of, even_blocks, ring, split_blocks, tags};
+use crate::output_copy::copy_to_output;
 
 /// Binomial-tree reduce into `root` (small buffers). Non-root buffers end up holding partial
 /// results.
@@ -68,7 +69,7 @@ pub(crate) fn gather(
     };
     let blocks = blocks_of(&vec![input.len(); n], 1);
     let mut parts = split_blocks(output, &blocks);
-    parts[r].copy_from_slice(input);
+    copy_to_output(parts[r], input);
     recv_blocks_from_all(o, &mut parts)
 }
 
@@ -96,7 +97,7 @@ pub(crate) fn scatter(
         return o.step(&[], &mut [o.recv(root, output, tags::GATHER)]);
     };
     let blocks = blocks_of(&vec![output.len(); n], 1);
-    output.copy_from_slice(&input[blocks[r].clone()]);
+    copy_to_output(output, &input[blocks[r].clone()]);
     let sends: Vec<_> = (0..n)
         .filter(|&p| p != r)
         .map(|p| o.send(p, &input[blocks[p].clone()], tags::GATHER))
@@ -124,7 +125,7 @@ pub(crate) fn all_to_all(
     let mut parts: Vec<Option<&mut [u8]>> =
         split_blocks(output, &rb).into_iter().map(Some).collect();
     if let Some(mine) = parts[r].take() {
-        mine.copy_from_slice(&input[sb[r].clone()]);
+        copy_to_output(mine, &input[sb[r].clone()]);
     }
     let sends: Vec<_> = (1..n)
         .map(|k| (r + k) % n)

@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use dist_backend::Error;
-use dist_wire::{HEADER_LEN, PAYLOAD_REF_LEN};
+use dist_wire::{CollectiveOp, HEADER_LEN, PAYLOAD_REF_LEN};
 
 use crate::transport::{Incoming, Outgoing, StepCtx, frames};
 
@@ -158,6 +158,16 @@ impl Step {
     pub(super) fn current_send(&self, sends: &[Outgoing<'_>], peer: usize) -> Option<usize> {
         self.live()?;
         (0..sends.len()).find(|&i| sends[i].peer == peer && !self.tx[i].written)
+    }
+
+    /// The operation this step belongs to (`None` between steps).
+    pub fn op(&self) -> Option<CollectiveOp> {
+        self.ctx.as_ref().map(|c| c.op)
+    }
+
+    /// The length of the message now coming in from `peer`, if the step expects one.
+    pub fn incoming_len(&self, recvs: &[Incoming<'_>], peer: usize) -> Option<usize> {
+        self.current_recv(recvs, peer).map(|i| recvs[i].buf.len())
     }
 
     /// The message from `peer` now coming in: messages from one peer arrive in list order.

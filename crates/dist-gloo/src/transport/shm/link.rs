@@ -149,11 +149,19 @@ impl Read for ShmLink {
     /// Bytes from the ring; `WouldBlock` when it is empty, `Ok(0)` once it is empty and the
     /// connection has ended.
     fn read(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        self.read_hinted(dst, false)
+    }
+}
+
+impl ShmLink {
+    /// [`Read::read`], with stores that bypass the cache when `streaming` (`dst` is not read
+    /// again soon) and the copy is large.
+    pub(crate) fn read_hinted(&mut self, dst: &mut [u8], streaming: bool) -> io::Result<usize> {
         if dst.is_empty() {
             return Ok(0);
         }
         loop {
-            let (k, wake) = self.rings.rx.read(dst)?;
+            let (k, wake) = self.rings.rx.read(dst, streaming)?;
             if wake {
                 self.ring_doorbell();
             }

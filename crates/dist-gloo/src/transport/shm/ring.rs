@@ -43,6 +43,13 @@ const TAIL: usize = 0;
 const WRITER_WAITING: usize = 8;
 const HEAD: usize = 128;
 const READER_SLEEPING: usize = 136;
+/// The smallest copy out that a streaming read makes with non-temporal stores: below it the
+/// fence that ends one costs more than the cache lines it spares.
+const STREAMING_MIN_BYTES: usize = 4096;
+/// The smallest copy out of the ring made with `dist_simd::copy::cached`'s vector moves rather
+/// than `memcpy`, whose `rep movsb` is the faster of the two only while everything stays in
+/// the core's own caches.
+const CACHED_MIN_BYTES: usize = 64 << 10;
 
 /// One ring inside a shared mapping.
 #[derive(Debug)]
@@ -96,26 +103,49 @@ impl Ring {
         let first = src.len().min(self.cap - i);
         let data = self.map.as_mut_ptr().wrapping_add(self.at + CONTROL_BYTES);
         // SAFETY: `i + first <= cap` and `src.len() - first <= i`, so both ranges lie in the
-        // data area, which `new` checked is inside the mapping. The reader does not touch
-        // these bytes: they lie between `tail` and `head + cap`, which the writer owns until it
-        // publishes `tail` (Release) after this copy. The mapping is not `src`'s memory.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(i), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), data, src.len() - first);
-        }
+        // data area, which `new` checked is inside the mapping, and they do not overlap. The
+        // reader does not touch these bytes: they lie between `tail` and `head + cap`, which
+        // the writer owns until it publishes `tail` (Release) after this copy, so these
+        // exclusive views (they end with this function) alias nothing. The mapping is not
+        // `src`'s memory.
+        let (to_end, from_start) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(data.add(i), first),
+                std::slice::from_raw_parts_mut(data, src.len() - first),
+            )
+        };
+        let (s_first, s_rest) = src.split_at(first);
+        to_end.copy_from_slice(s_first);
+        from_start.copy_from_slice(s_rest);
     }
 
-    /// Copies from position `pos` (wrapping) into `dst`.
-    fn copy_out(&self, pos: u64, dst: &mut [u8]) {
+    /// Copies from position `pos` (wrapping) into `dst`, with stores that bypass the cache
+    /// when `streaming` (see `dist_simd::copy::streaming`).
+    fn copy_out(&self, pos: u64, dst: &mut [u8], streaming: bool) {
         debug_assert!(dst.len() <= self.cap);
         let i = (pos as usize) & (self.cap - 1);
         let first = dst.len().min(self.cap - i);
         let data = self.map.as_mut_ptr().wrapping_add(self.at + CONTROL_BYTES);
         // SAFETY: as in `copy_in`, with the roles swapped: the bytes between `head` and the
-        // `tail` loaded with Acquire are the reader's until it publishes `head` (Release).
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.add(i), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(data, dst.as_mut_ptr().add(first), dst.len() - first);
+        // `tail` loaded with Acquire are the reader's until it publishes `head` (Release), so
+        // nothing writes them while these shared views live (they end with this function).
+        let (wrapped, start) = unsafe {
+            (
+                std::slice::from_raw_parts(data.add(i), first),
+                std::slice::from_raw_parts(data, dst.len() - first),
+            )
+        };
+        let cached = dst.len() >= CACHED_MIN_BYTES;
+        let (d_first, d_rest) = dst.split_at_mut(first);
+        if streaming {
+            dist_simd::copy::streaming(d_first, wrapped);
+            dist_simd::copy::streaming(d_rest, start);
+        } else if cached {
+            dist_simd::copy::cached(d_first, wrapped);
+            dist_simd::copy::cached(d_rest, start);
+        } else {
+            d_first.copy_from_slice(wrapped);
+            d_rest.copy_from_slice(start);
         }
     }
 
@@ -259,12 +289,17 @@ impl RxRing {
 
     /// Copies up to `dst.len()` bytes out and frees them. Returns the bytes copied (0 when the
     /// ring is empty) and whether the writer waits for space (then ring its doorbell).
-    pub(crate) fn read(&mut self, dst: &mut [u8]) -> io::Result<(usize, bool)> {
+    /// `streaming`: `dst` is not read again soon, so a large copy may bypass the cache.
+    pub(crate) fn read(&mut self, dst: &mut [u8], streaming: bool) -> io::Result<(usize, bool)> {
         let k = self.ready()?.min(dst.len());
         if k == 0 {
             return Ok((0, false));
         }
-        self.ring.copy_out(self.head, &mut dst[..k]);
+        self.ring.copy_out(
+            self.head,
+            &mut dst[..k],
+            streaming && k >= STREAMING_MIN_BYTES,
+        );
         self.head += k as u64;
         // Release: the copy above is done before the writer may reuse the bytes.
         self.ring.u64_at(HEAD).store(self.head, Ordering::Release);
@@ -326,7 +361,7 @@ mod tests {
                 .write(&[IoSlice::new(a), IoSlice::new(b)])
                 .expect("write")
                 .n;
-            let (k, _) = rx.read(&mut buf).expect("read");
+            let (k, _) = rx.read(&mut buf, false).expect("read");
             got.extend_from_slice(&buf[..k]);
         }
         assert_eq!(got, src);
@@ -338,8 +373,8 @@ mod tests {
         assert_eq!(tx.write(&[IoSlice::new(&[7u8; 40])]).expect("write").n, 16);
         assert_eq!(tx.write(&[IoSlice::new(&[1u8])]).expect("write").n, 0);
         let mut out = [0u8; 40];
-        assert_eq!(rx.read(&mut out).expect("read").0, 16);
-        assert_eq!(rx.read(&mut out).expect("read").0, 0);
+        assert_eq!(rx.read(&mut out, false).expect("read").0, 16);
+        assert_eq!(rx.read(&mut out, false).expect("read").0, 0);
         assert_eq!(&out[..16], &[7u8; 16]);
     }
 
@@ -348,7 +383,7 @@ mod tests {
         let (mut tx, mut rx) = pair(16);
         assert!(!tx.write(&[IoSlice::new(b"ab")]).expect("write").wake);
         let mut out = [0u8; 16];
-        rx.read(&mut out).expect("read");
+        rx.read(&mut out, false).expect("read");
         assert!(!rx.arm().expect("arm"), "nothing arrived");
         assert!(tx.write(&[IoSlice::new(b"c")]).expect("write").wake);
         assert!(
@@ -361,7 +396,10 @@ mod tests {
         // did not see.
         while tx.write(&[IoSlice::new(&[0u8; 14])]).expect("write").n > 0 {}
         assert!(!tx.arm().expect("arm"), "full");
-        assert!(rx.read(&mut out).expect("read").1, "the writer waits");
+        assert!(
+            rx.read(&mut out, false).expect("read").1,
+            "the writer waits"
+        );
         assert!(tx.arm().expect("arm"));
         tx.disarm();
     }
@@ -370,20 +408,37 @@ mod tests {
     /// empty many times: every byte arrives once and in order.
     #[test]
     fn two_threads_move_a_megabyte_through_a_small_ring() {
-        let (mut tx, mut rx) = pair(256);
+        two_threads_move_a_megabyte(256, 61, false);
+    }
+
+    /// The same with streaming reads large enough to bypass the cache, wrapping at offsets
+    /// that are not 16-byte aligned.
+    #[test]
+    fn streaming_reads_move_a_megabyte_in_order() {
+        two_threads_move_a_megabyte(1 << 14, 5003, true);
+    }
+
+    /// And with reads large enough for vector moves instead of `memcpy`.
+    #[test]
+    fn large_reads_move_a_megabyte_in_order() {
+        two_threads_move_a_megabyte(1 << 18, 100_003, false);
+    }
+
+    fn two_threads_move_a_megabyte(cap: usize, read: usize, streaming: bool) {
+        let (mut tx, mut rx) = pair(cap);
         let src: Vec<u8> = (0..1u32 << 20).map(|i| (i % 253) as u8).collect();
         std::thread::scope(|s| {
             s.spawn(|| {
                 let mut at = 0;
                 while at < src.len() {
-                    let end = (at + 97).min(src.len());
+                    let end = (at + read + 36).min(src.len());
                     at += tx.write(&[IoSlice::new(&src[at..end])]).expect("write").n;
                 }
             });
             let mut got = Vec::with_capacity(src.len());
-            let mut buf = [0u8; 61];
+            let mut buf = vec![0u8; read];
             while got.len() < src.len() {
-                let (k, _) = rx.read(&mut buf).expect("read");
+                let (k, _) = rx.read(&mut buf, streaming).expect("read");
                 got.extend_from_slice(&buf[..k]);
             }
             assert!(got == src, "bytes lost, duplicated or reordered");
@@ -394,7 +449,7 @@ mod tests {
     fn counters_out_of_bounds_are_corruption_not_an_index() {
         let (mut tx, mut rx) = pair(16);
         rx.ring.u64_at(TAIL).store(1000, Ordering::Relaxed);
-        let e = rx.read(&mut [0u8; 4]).expect_err("corrupt");
+        let e = rx.read(&mut [0u8; 4], false).expect_err("corrupt");
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
         tx.tail = 16;
         tx.ring.u64_at(HEAD).store(99, Ordering::Relaxed);

@@ -2,7 +2,7 @@
 //! and shared-memory rings. It moves bytes between each link and the core, and decides when
 //! to spin, yield or sleep in the poller; every rule of what the bytes mean is the core's.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,7 @@ use mio::{Events, Poll};
 use super::cma::Cma;
 use super::conn::Conn;
 use super::linger;
+use crate::output_copy::STREAMING_BYTES;
 use crate::proto::{Core, Status, Step};
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx};
 
@@ -25,6 +26,19 @@ const ABORT_LINGER: Duration = Duration::from_secs(10);
 /// The longest one sleep in the poller lasts, so that a lost wake-up can only cost latency,
 /// never a hang.
 const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Whether `op`'s messages from [`STREAMING_BYTES`] are copied out of a shared-memory ring
+/// with stores that bypass the cache (see `crate::output_copy`): those of the collectives that
+/// receive from several peers straight into an output nothing reads again within the step.
+/// A reduction combines into what it receives, which is cheapest while it is in cache; a
+/// broadcast's or scatter's receiver copies no faster than its one sender fills the ring (the
+/// fences cost 1.7x there); point-to-point data is the caller's to read at once.
+fn streams_output(op: CollectiveOp) -> bool {
+    matches!(
+        op,
+        CollectiveOp::AllGather | CollectiveOp::AllToAll | CollectiveOp::Gather
+    )
+}
 
 #[derive(Debug)]
 pub(super) struct Engine {
@@ -94,6 +108,15 @@ impl Engine {
         // cannot pass (a step that progresses does not time out), and reading the clock each
         // pass was a tenth of a 4-byte all-reduce's time.
         let mut now = Instant::now();
+        // Frames stashed before the step began (a lazy root's verification replies come in
+        // ahead of the step that checks them) are delivered before anything is read: the
+        // first pass would otherwise read every awaited peer, a system call each over TCP,
+        // for messages already here (at 4 ranks over TCP, three reads per broadcast).
+        match self.core.poll(&mut step, sends, recvs, on_frame, now) {
+            Status::Done => return self.core.finish(&mut step, sends, now),
+            Status::Failed => return self.fail(&mut step, sends, recvs, on_frame, now),
+            Status::Pending { .. } => {}
+        }
         loop {
             let mut progress = false;
             for peer in 0..peers {
@@ -271,11 +294,15 @@ impl Engine {
         if self.core.awaits(step, sends, recvs, peer) {
             c.readable = false;
         }
+        let streaming = step.op().is_some_and(streams_output)
+            && step
+                .incoming_len(recvs, peer)
+                .is_some_and(|len| len >= STREAMING_BYTES);
         let mut moved = false;
         while !c.ended && reads > 0 && (c.readable || self.core.awaits(step, sends, recvs, peer)) {
             reads -= 1;
             let buf = self.core.read_buf(step, recvs, peer);
-            match c.link.read(buf) {
+            match c.link.read_hinted(buf, streaming) {
                 Ok(0) => {
                     self.core.eof(peer);
                     c.ended = true;

@@ -65,6 +65,18 @@ impl Link {
     }
 }
 
+impl Link {
+    /// [`Read::read`]; `streaming` says the bytes go where nothing reads them again soon, so
+    /// that a shared-memory link may copy them out of its ring bypassing the cache (the
+    /// kernel makes a socket's copy, so TCP ignores it).
+    pub(super) fn read_hinted(&mut self, buf: &mut [u8], streaming: bool) -> io::Result<usize> {
+        match self {
+            Link::Tcp(s) => s.read(buf),
+            Link::Shm(l) => l.read_hinted(buf, streaming),
+        }
+    }
+}
+
 impl Read for Link {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
