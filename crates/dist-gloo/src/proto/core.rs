@@ -466,7 +466,7 @@ impl Core {
         let ctx = step.ctx.expect("a failed step has a context");
         self.aborted = true;
         let e = if self.second_hand(&e) {
-            self.first_hand(&ctx).unwrap_or(e)
+            self.first_hand(&ctx, now, &e).unwrap_or(e)
         } else {
             e
         };
@@ -589,16 +589,30 @@ impl Core {
         }
     }
 
-    /// After a failure learnt second-hand: a cause this rank saw itself, if it has one (the
-    /// connection of a peer that died without a goodbye), which it reports instead. A notice
-    /// is only as good as its sender's view; a rank's own EOF from the rank that died is not.
-    fn first_hand(&self, ctx: &StepCtx) -> Option<Error> {
-        self.conns.iter().enumerate().find_map(|(peer, c)| match c {
+    /// After a failure `e` learnt second-hand: a cause this rank saw itself, if it has one,
+    /// which it reports instead. A notice is only as good as its sender's view, and says only
+    /// "lost": a rank's own EOF from the rank that died is better, and so is its own goodbye
+    /// from the very rank the notice blames (the reporter met that rank's goodbye, and a rank
+    /// that left cleanly must be reported as having left on every peer, whichever of the two
+    /// messages it happened to read first). A goodbye from a rank the notice does not blame is
+    /// no cause: ranks may leave while the others go on without them.
+    fn first_hand(&self, ctx: &StepCtx, now: Instant, e: &Error) -> Option<Error> {
+        let died = self.conns.iter().enumerate().find_map(|(peer, c)| match c {
             Some(Conn {
                 state: PeerState::Lost(why),
                 ..
             }) => Some(ctx.peer_lost(peer, why.clone())),
             _ => None,
+        });
+        let blamed = match e {
+            Error::PeerLost { peer, .. } => Some(*peer),
+            _ => None,
+        };
+        died.or_else(|| {
+            let peer = blamed?;
+            let c = self.conns.get(peer)?.as_ref()?;
+            (c.state == PeerState::Left)
+                .then(|| closed_error_at(ctx, now, peer, &CloseReason::Goodbye))
         })
     }
 

@@ -254,3 +254,70 @@ fn a_message_for_another_tag_waits_in_the_stash() {
     );
     assert_eq!(got_x, [1; 20]);
 }
+
+/// Feeds `bytes` from `peer` into `core` outside any step.
+fn feed(core: &mut Core, step: &mut Step, recvs: &mut [Incoming<'_>], peer: usize, bytes: &[u8]) {
+    let mut noop = |_: usize, _: Range<usize>, _: &mut [u8]| Ok(());
+    let mut at = 0;
+    while at < bytes.len() {
+        let buf = core.read_buf(step, recvs, peer);
+        let k = buf.len().min(bytes.len() - at);
+        buf[..k].copy_from_slice(&bytes[at..at + k]);
+        core.received(step, recvs, peer, k, &mut noop);
+        at += k;
+    }
+}
+
+/// A rank that leaves cleanly is reported as having left on every peer, whichever arrives
+/// first at a peer: its own goodbye, or the notice of a rank that met the goodbye and aborted
+/// (which says only "lost"). A goodbye from a rank the notice does not blame changes nothing.
+#[test]
+fn a_goodbye_read_after_a_notice_blaming_its_sender_names_it_as_left() {
+    let t0 = Instant::now();
+    for (blamed, leaver, want) in [(2, 2, "left the group"), (3, 2, "rank 0 reported it lost")] {
+        let mut core = Core::new(1, 4, 64);
+        let (mut from0, mut from2) = ([0u8; 1], [0u8; 1]);
+        let mut recvs = [
+            Incoming {
+                peer: 0,
+                buf: &mut from0,
+                count: 1,
+                tag: 0,
+            },
+            Incoming {
+                peer: 2,
+                buf: &mut from2,
+                count: 1,
+                tag: 0,
+            },
+        ];
+        let mut step = core.begin(ctx(1, CollectiveOp::Barrier, 0, t0), &[], &recvs);
+        let notice = CloseReason::Lost {
+            culprit: blamed as u32,
+        }
+        .encode(0);
+        feed(&mut core, &mut step, &mut recvs, 0, &notice);
+        let mut noop = |_: usize, _: Range<usize>, _: &mut [u8]| Ok(());
+        assert_eq!(
+            core.poll(&mut step, &[], &mut recvs, &mut noop, t0),
+            Status::Failed
+        );
+        assert!(core.failed_second_hand(&step));
+        // What the driver reads before finishing a step failed second-hand.
+        let bye = CloseReason::Goodbye.encode(leaver as u32);
+        feed(&mut core, &mut step, &mut recvs, leaver, &bye);
+        assert_eq!(core.peer_state(leaver), Some(&PeerState::Left));
+        match core.finish(&mut step, &[], t0).unwrap_err() {
+            Error::PeerLost {
+                rank: 1,
+                peer,
+                reason,
+                ..
+            } => {
+                assert_eq!(peer, blamed, "{reason}");
+                assert!(reason.contains(want), "blamed {blamed}: {reason}");
+            }
+            other => panic!("blamed {blamed}: expected PeerLost, got {other}"),
+        }
+    }
+}
