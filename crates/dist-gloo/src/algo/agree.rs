@@ -240,6 +240,7 @@ pub(crate) fn fused_step(
         buf: &mut *x.buf,
         count: x.count,
         tag: x.tag,
+        streamed: x.streamed,
     }));
     let res = o.t.exchange(
         &o.ctx,

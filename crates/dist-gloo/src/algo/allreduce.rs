@@ -20,13 +20,13 @@ pub(crate) fn recursive_doubling(
     if n == 1 {
         return Ok(());
     }
+    let Some((p2, extra)) = fold(o, data, op, scratch)? else {
+        return Ok(());
+    };
     if scratch.len() * 8 < data.len() {
         scratch.resize(data.len().div_ceil(8), 0);
     }
     let tmp = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
-    let Some((p2, extra)) = fold(o, data, op, tmp)? else {
-        return Ok(());
-    };
     let mut mask = 1;
     let mut step = 0;
     while mask < p2 {
@@ -66,11 +66,7 @@ pub(crate) fn halving_doubling(
     if n == 1 {
         return dist_wire::finalize(op, o.dtype(), data, n).map_err(|e| o.wire(e));
     }
-    if scratch.len() * 8 < data.len() {
-        scratch.resize(data.len().div_ceil(8), 0);
-    }
-    let tmp = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
-    let Some((p2, extra)) = fold(o, data, op, tmp)? else {
+    let Some((p2, extra)) = fold(o, data, op, scratch)? else {
         return Ok(());
     };
     let blocks = even_blocks(data.len() / elem, p2, elem);
@@ -91,13 +87,12 @@ pub(crate) fn halving_doubling(
         };
         let (kept, given) = (span(keep.0, keep.1), span(give.0, give.1));
         let (out, acc) = split_pair(data, given, kept.clone());
-        let incoming = &mut tmp[..kept.len()];
         let tag = tags::RH_RS | step;
-        o.step(
+        o.step_with(
             &[o.send(partner, out, tag)],
-            &mut [o.recv(partner, incoming, tag)],
+            &mut [o.recv_streamed(partner, kept.len(), scratch, tag)],
+            &mut |_, range, bytes| o.combine(op, &mut acc[range], bytes),
         )?;
-        o.combine(op, acc, incoming)?;
         (lo, hi) = keep;
         mask >>= 1;
         step += 1;
@@ -136,7 +131,7 @@ fn fold(
     o: &Op<'_>,
     data: &mut [u8],
     op: ReduceOp,
-    tmp: &mut [u8],
+    scratch: &mut Vec<u64>,
 ) -> Result<Option<(usize, usize)>> {
     let (n, r) = (o.n(), o.rank());
     let p2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
@@ -147,8 +142,11 @@ fn fold(
         return Ok(None);
     }
     if r < extra {
-        o.step(&[], &mut [o.recv(r + p2, tmp, tags::RD_FOLD)])?;
-        o.combine(op, data, tmp)?;
+        o.step_with(
+            &[],
+            &mut [o.recv_streamed(r + p2, data.len(), scratch, tags::RD_FOLD)],
+            &mut |_, range, bytes| o.combine(op, &mut data[range], bytes),
+        )?;
     }
     Ok(Some((p2, extra)))
 }

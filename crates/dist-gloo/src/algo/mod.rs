@@ -62,6 +62,13 @@ pub(crate) mod tags {
     }
 }
 
+/// The window a `len`-byte message streams through with `seg`-byte frames: the message itself
+/// when no larger, else one frame (the core hands each frame to the callback before the next
+/// one lands, so one is enough, and it stays in the L2 cache).
+fn stream_window(len: usize, seg: usize) -> usize {
+    len.min(seg.max(8))
+}
+
 /// Everything an algorithm needs about the operation it runs.
 pub(crate) struct Op<'a> {
     pub(crate) t: &'a dyn Transport,
@@ -149,6 +156,28 @@ impl<'a> Op<'a> {
             buf,
             count: self.count,
             tag,
+            streamed: None,
+        }
+    }
+
+    /// A receive of a `len`-byte message that streams through a window taken from
+    /// `scratch` (see [`Incoming::streamed`]), for a step whose frame callback consumes each
+    /// frame: a whole message when it is no longer than the window would be.
+    pub(crate) fn recv_streamed<'b>(
+        &self,
+        peer: usize,
+        len: usize,
+        scratch: &'b mut Vec<u64>,
+        tag: u32,
+    ) -> Incoming<'b> {
+        let window = stream_window(len, self.t.segment_bytes());
+        if scratch.len() * 8 < window {
+            scratch.resize(window.div_ceil(8), 0);
+        }
+        let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..window];
+        Incoming {
+            streamed: (window < len).then_some(len),
+            ..self.recv(peer, buf, tag)
         }
     }
 

@@ -14,8 +14,8 @@ use dist_wire::ReduceOp;
 use super::{Op, split_pair, tags};
 
 /// After it returns, block `rank` of `data` holds the reduction (by `op`'s combiner) of block
-/// `rank` of every rank's `data`. Other blocks hold partial results. `scratch` is grown to the
-/// largest block.
+/// `rank` of every rank's `data`. Other blocks hold partial results. Each received frame is
+/// combined as it lands, in a window of one frame taken from `scratch`.
 pub(crate) fn reduce_scatter(
     o: &Op<'_>,
     data: &mut [u8],
@@ -28,20 +28,15 @@ pub(crate) fn reduce_scatter(
         return Ok(());
     }
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    let largest = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
-    if scratch.len() * 8 < largest {
-        scratch.resize(largest.div_ceil(8), 0);
-    }
     for s in 0..n - 1 {
         // Block indices shifted by one so that the last block received is this rank's own.
         let send_b = (r + 2 * n - 1 - s) % n;
         let recv_b = (r + 2 * n - 2 - s) % n;
         let (out, acc) = split_pair(data, blocks[send_b].clone(), blocks[recv_b].clone());
-        let tmp = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..acc.len()];
         let tag = tags::RING_RS | s as u32;
         o.step_with(
             &[o.send(right, out, tag)],
-            &mut [o.recv(left, tmp, tag)],
+            &mut [o.recv_streamed(left, acc.len(), scratch, tag)],
             &mut |_, range, bytes| o.combine(op, &mut acc[range], bytes),
         )?;
     }

@@ -144,6 +144,7 @@ pub(crate) fn all_to_all(
                 buf,
                 count: recv_counts[p] as u64,
                 tag: tags::DIRECT,
+                streamed: None,
             })
         })
         .collect();

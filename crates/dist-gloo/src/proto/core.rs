@@ -284,7 +284,7 @@ impl Core {
             (Target::Discard, ..) => &mut conn.stage[..],
             (Target::Partial, Some((_, v, filled)), _) => &mut v[*filled..],
             (Target::Direct(i), _, Some((_, at, flen, done))) => {
-                &mut recvs[i].buf[at + done..at + flen]
+                recvs[i].slot(at + done..at + flen)
             }
             _ => &mut conn.stage[end..want.min(STAGING)],
         }

@@ -62,7 +62,7 @@ pub(super) fn process(
         if let Some(i) = cur {
             let ctx = step.ctx.expect("a live step has a context");
             let inc = &mut recvs[i];
-            let len = inc.buf.len();
+            let len = inc.message_len();
             let st = &mut step.rx[i];
             if !st.first && st.got == len && st.cur.is_none() {
                 st.done = true;
@@ -71,7 +71,8 @@ pub(super) fn process(
             if let Some((flen, done)) = st.cur {
                 let k = conn.staged().min(flen - done);
                 let at = st.got + done;
-                inc.buf[at..at + k].copy_from_slice(&conn.stage[conn.start..conn.start + k]);
+                inc.slot(at..at + k)
+                    .copy_from_slice(&conn.stage[conn.start..conn.start + k]);
                 conn.start += k;
                 if done + k < flen {
                     st.cur = Some((flen, done + k));
@@ -85,25 +86,23 @@ pub(super) fn process(
                 continue;
             }
             // A frame boundary: a frame that came early may be the one wanted.
-            let (count, tag, got) = (inc.count, inc.tag, st.got);
-            let stashed = conn.stash.iter().position(|(h, _)| {
-                !matches!(
-                    judge(&ctx, h, peer, count, tag, got, len),
-                    Ok(Verdict::Stash)
-                )
-            });
+            let got = st.got;
+            let stashed = conn
+                .stash
+                .iter()
+                .position(|(h, _)| !matches!(judge(&ctx, h, peer, inc, got), Ok(Verdict::Stash)));
             if let Some(p) = stashed {
-                match judge(&ctx, &conn.stash[p].0, peer, count, tag, got, len) {
+                match judge(&ctx, &conn.stash[p].0, peer, inc, got) {
                     Ok(Verdict::Expected) => {
                         let (h, payload) = conn.stash.remove(p).expect("position is in range");
                         let r = got..got + h.payload_len as usize;
                         let by_ref = match payload {
                             Payload::Inline(bytes) => {
-                                inc.buf[r.clone()].copy_from_slice(&bytes);
+                                inc.slot(r.clone()).copy_from_slice(&bytes);
                                 None
                             }
                             Payload::Remote(at) => {
-                                match copy(copier, peer, at, &mut inc.buf[r.clone()]) {
+                                match copy(copier, peer, at, inc.slot(r.clone())) {
                                     Ok(()) => Some(h),
                                     Err(why) => {
                                         conn.suspect = Some(why);
@@ -172,7 +171,7 @@ pub(super) fn process(
                     let i = cur.expect("a verdict needs a receive");
                     let (inc, st) = (&mut recvs[i], &mut step.rx[i]);
                     let r = st.got..st.got + h.payload_len as usize;
-                    if let Err(why) = copy(copier, peer, at, &mut inc.buf[r.clone()]) {
+                    if let Err(why) = copy(copier, peer, at, inc.slot(r.clone())) {
                         conn.suspect = Some(why);
                         continue;
                     }
@@ -234,10 +233,10 @@ fn verdict(
     let ctx = step.ctx.expect("a live step has a context");
     let inc = &recvs[i];
     let got = step.rx[i].got;
-    Some(judge(&ctx, h, peer, inc.count, inc.tag, got, inc.buf.len()))
+    Some(judge(&ctx, h, peer, inc, got))
 }
 
-/// Hands the frame now whole in `inc.buf[r]` (receive `i`) to `on_frame`. `by_ref` is the
+/// Hands the frame now whole in `inc.slot(r)` (receive `i`) to `on_frame`. `by_ref` is the
 /// header of a frame that came by reference: once such a message is whole, its
 /// acknowledgement is queued so that the sender may reuse its buffer.
 fn deliver(
@@ -253,12 +252,12 @@ fn deliver(
     st.first = false;
     st.by_ref |= by_ref.is_some();
     if st.by_ref
-        && st.got == inc.buf.len()
+        && st.got == inc.message_len()
         && let Some(h) = by_ref
     {
         conn.queue_ack(&h);
     }
-    on_frame(i, r.clone(), &mut inc.buf[r])
+    on_frame(i, r.clone(), inc.slot(r))
 }
 
 /// Copies a frame `peer` sent by reference.

@@ -70,6 +70,7 @@ fn a_message_cut_at_every_byte_arrives_whole_frame_by_frame() {
             buf: &mut got,
             count: 100,
             tag: 3,
+            streamed: None,
         }];
         let c = ctx(0, CollectiveOp::AllGather, 1, t0);
         let mut sa = a.begin(c, &sends, &[]);
@@ -126,6 +127,7 @@ fn an_abort_notice_follows_the_rest_of_a_half_written_frame_and_sticks() {
         buf: &mut from2,
         count: 4,
         tag: 0,
+        streamed: None,
     }];
     let c = ctx(0, CollectiveOp::AllReduce, 4, t0);
     let mut sa = a.begin(c, &sends, &a_recvs);
@@ -178,6 +180,7 @@ fn an_abort_notice_follows_the_rest_of_a_half_written_frame_and_sticks() {
         buf: &mut buf,
         count: 200,
         tag: 0,
+        streamed: None,
     }];
     let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
     let mut delivered = Vec::new();
@@ -228,6 +231,7 @@ fn a_message_for_another_tag_waits_in_the_stash() {
         buf: &mut got_y,
         count: 3,
         tag: 11,
+        streamed: None,
     }];
     let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
     let mut noop = |_: usize, _: Range<usize>, _: &mut [u8]| Ok(());
@@ -246,6 +250,7 @@ fn a_message_for_another_tag_waits_in_the_stash() {
         buf: &mut got_x,
         count: 20,
         tag: 10,
+        streamed: None,
     }];
     let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
     assert_eq!(
@@ -283,12 +288,14 @@ fn a_goodbye_read_after_a_notice_blaming_its_sender_names_it_as_left() {
                 buf: &mut from0,
                 count: 1,
                 tag: 0,
+                streamed: None,
             },
             Incoming {
                 peer: 2,
                 buf: &mut from2,
                 count: 1,
                 tag: 0,
+                streamed: None,
             },
         ];
         let mut step = core.begin(ctx(1, CollectiveOp::Barrier, 0, t0), &[], &recvs);
@@ -318,6 +325,63 @@ fn a_goodbye_read_after_a_notice_blaming_its_sender_names_it_as_left() {
                 assert!(reason.contains(want), "blamed {blamed}: {reason}");
             }
             other => panic!("blamed {blamed}: expected PeerLost, got {other}"),
+        }
+    }
+}
+
+/// A streamed receive hands every frame of a message larger than its window to the callback,
+/// at its place in the message, reusing the window; a window that a frame would wrap (the
+/// sender cuts frames of another size) is an error naming the sender, not corruption.
+#[test]
+fn a_streamed_receive_passes_every_frame_through_its_window() {
+    let t0 = Instant::now();
+    let data: Vec<u8> = (0..100u8).collect();
+    for (window, ok) in [(16, true), (32, true), (100, true), (24, false)] {
+        let (mut a, mut b) = (Core::new(0, 2, 16), Core::new(1, 2, 16));
+        let sends = [Outgoing {
+            peer: 1,
+            data: &data,
+            count: 100,
+            tag: 3,
+        }];
+        let mut win = vec![0u8; window];
+        let mut recvs = [Incoming {
+            peer: 0,
+            buf: &mut win,
+            count: 100,
+            tag: 3,
+            streamed: Some(100),
+        }];
+        let c = ctx(0, CollectiveOp::AllReduce, 1, t0);
+        let mut sa = a.begin(c, &sends, &[]);
+        let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+        let mut got = vec![0u8; 100];
+        let mut ranges = Vec::new();
+        let mut on_frame = |_: usize, r: Range<usize>, bytes: &mut [u8]| {
+            got[r.clone()].copy_from_slice(bytes);
+            ranges.push(r);
+            Ok(())
+        };
+        pump(
+            &mut a,
+            &mut sa,
+            &sends,
+            &mut b,
+            &mut sb,
+            &mut recvs,
+            7,
+            &mut on_frame,
+        );
+        let status = b.poll(&mut sb, &[], &mut recvs, &mut on_frame, t0);
+        if ok {
+            assert_eq!(status, Status::Done, "window {window}");
+            assert_eq!(got, data, "window {window}");
+            assert_eq!(ranges.len(), 7, "window {window}");
+        } else {
+            assert_eq!(status, Status::Failed, "window {window}");
+            let e = b.finish(&mut sb, &[], t0).unwrap_err();
+            assert!(e.to_string().contains("would wrap"), "{e}");
+            assert_eq!(ranges, vec![0..16], "window {window}");
         }
     }
 }

@@ -482,6 +482,7 @@ fn incoming<'a>(plan: &[Msg], bufs: &'a mut [Vec<u8>]) -> Vec<Incoming<'a>> {
             buf: b,
             count: m.len as u64,
             tag: m.tag,
+            streamed: None,
         })
         .collect()
 }
