@@ -196,11 +196,18 @@ fn run_with(seed: u64, fault: Option<Fault>) -> Result<String, String> {
         1 => Some(seg * 2),
         _ => None,
     };
+    // Two thirds of the runs receive through windows of one or two segments, streaming the
+    // messages longer than that (see `Incoming::streamed`).
+    let window = match rng.range(0, 2) {
+        0 => Some(seg),
+        1 => Some(2 * seg),
+        _ => None,
+    };
     let offers = rank::Offers::shared(n);
     let mut ranks: Vec<RankSim> = plans
         .into_iter()
         .enumerate()
-        .map(|(r, p)| RankSim::new(r, n, seg, p, offers.clone(), by_ref_min))
+        .map(|(r, p)| RankSim::new(r, n, seg, p, offers.clone(), by_ref_min, window))
         .collect();
     match fault {
         Fault::Kill(k, at, reset) => ranks[k].kill_at = Some((at, reset)),

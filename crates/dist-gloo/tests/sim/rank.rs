@@ -133,6 +133,9 @@ struct Cur {
     /// Receive buffers, and the bytes delivered so far to `on_frame`.
     bufs: Vec<Vec<u8>>,
     delivered: Vec<usize>,
+    /// With a receive window: where each message lands (a window for those longer than it,
+    /// streamed), `on_frame` copying every frame on into `bufs`.
+    wins: Vec<Vec<u8>>,
 }
 
 pub(crate) struct RankSim {
@@ -162,6 +165,9 @@ pub(crate) struct RankSim {
     /// (`None`: every message goes inline).
     offers: SharedOffers,
     by_ref_min: Option<usize>,
+    /// Receives stream through a window of this many bytes (a multiple of the segment) when
+    /// longer (`None`: every message lands whole in its buffer).
+    window: Option<usize>,
 }
 
 impl RankSim {
@@ -172,6 +178,7 @@ impl RankSim {
         plan: Vec<OpPlan>,
         offers: SharedOffers,
         by_ref_min: Option<usize>,
+        window: Option<usize>,
     ) -> Self {
         let mut core = Core::new(rank, n, seg);
         core.set_copier(Box::new(Copier(Arc::clone(&offers))));
@@ -195,6 +202,7 @@ impl RankSim {
             violation: None,
             offers,
             by_ref_min,
+            window,
         }
     }
 
@@ -264,7 +272,14 @@ impl RankSim {
             let ctx = self.ctx(base);
             let outs: Vec<Outgoing<'_>> = outgoing(&sends);
             let mut bufs: Vec<Vec<u8>> = recvs.iter().map(|m| vec![0xEE; m.len]).collect();
-            let ins = incoming(&recvs, &mut bufs);
+            let mut wins: Vec<Vec<u8>> = match self.window {
+                Some(w) => recvs.iter().map(|m| vec![0xEE; m.len.min(w)]).collect(),
+                None => Vec::new(),
+            };
+            let ins = match self.window {
+                Some(_) => incoming(&recvs, &mut wins),
+                None => incoming(&recvs, &mut bufs),
+            };
             let min = self.by_ref_min;
             let by_ref = |o: &Outgoing<'_>| min.is_some_and(|m| o.data.len() >= m);
             let offer = {
@@ -285,6 +300,7 @@ impl RankSim {
                 sends,
                 bufs,
                 delivered: vec![0; recvs.len()],
+                wins,
             });
         }
         let rank = self.rank;
@@ -294,23 +310,32 @@ impl RankSim {
             sends,
             bufs,
             delivered,
+            wins,
         } = self.cur.as_mut().expect("set above");
         let outs = outgoing(sends);
-        let mut ins = incoming(recv_plan, bufs);
-        let mut on_frame = |i: usize, r: Range<usize>, _: &mut [u8]| -> dist_backend::Result<()> {
-            if r.start != delivered[i] {
-                return Err(Error::invalid(
-                    rank,
-                    "sim",
-                    format!(
-                        "receive {i}: frame {r:?} delivered after {} bytes",
-                        delivered[i]
-                    ),
-                ));
-            }
-            delivered[i] = r.end;
-            Ok(())
+        let (mut ins, mut copy_to) = if self.window.is_some() {
+            (incoming(recv_plan, wins), Some(&mut *bufs))
+        } else {
+            (incoming(recv_plan, bufs), None)
         };
+        let mut on_frame =
+            |i: usize, r: Range<usize>, bytes: &mut [u8]| -> dist_backend::Result<()> {
+                if r.start != delivered[i] {
+                    return Err(Error::invalid(
+                        rank,
+                        "sim",
+                        format!(
+                            "receive {i}: frame {r:?} delivered after {} bytes",
+                            delivered[i]
+                        ),
+                    ));
+                }
+                delivered[i] = r.end;
+                if let Some(bufs) = copy_to.as_mut() {
+                    bufs[i][r].copy_from_slice(bytes);
+                }
+                Ok(())
+            };
         // Reads what peer `p` has sent into this step, as a socket's reads would.
         macro_rules! read_peer {
             ($p:expr) => {
@@ -479,10 +504,10 @@ fn incoming<'a>(plan: &[Msg], bufs: &'a mut [Vec<u8>]) -> Vec<Incoming<'a>> {
         .zip(bufs.iter_mut())
         .map(|(m, b)| Incoming {
             peer: m.peer,
+            streamed: (b.len() < m.len).then_some(m.len),
             buf: b,
             count: m.len as u64,
             tag: m.tag,
-            streamed: None,
         })
         .collect()
 }
