@@ -143,6 +143,18 @@ impl Core {
         step.failed.as_ref().is_some_and(|e| self.second_hand(e))
     }
 
+    /// Whether the driver should read `peer` once more (one read, what its stream holds now)
+    /// before [`Core::finish`]ing the failed `step`. Only a failure learnt second-hand looks
+    /// further (a notice may name a better culprit, or this rank may hold the culprit's own
+    /// goodbye), and not at a peer whose payload was coming in: its notice, if any, lies behind
+    /// the rest of a message this rank no longer wants. Reading until the streams run dry would
+    /// drain the data of senders blocked on this rank and let them complete a step the group
+    /// has failed (a chain broadcast's root returned `Ok` while every other rank reported the
+    /// mismatch).
+    pub fn reads_after_failure(&self, step: &Step, peer: usize) -> bool {
+        self.failed_second_hand(step) && !step.mid_payload_from(peer)
+    }
+
     /// Whether send `i` of `step` goes by reference.
     pub fn sends_by_ref(&self, step: &Step, i: usize) -> bool {
         step.tx.get(i).is_some_and(|t| t.by_ref)

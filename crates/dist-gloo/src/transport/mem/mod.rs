@@ -112,7 +112,7 @@ impl Inner {
                 }
                 Err(why) => {
                     // The peer may have said why it left before its end went away.
-                    self.read(bells, step, recvs, on_frame, peer);
+                    self.read(bells, step, recvs, on_frame, peer, usize::MAX);
                     self.core.broken(peer, why);
                     return true;
                 }
@@ -120,7 +120,8 @@ impl Inner {
         }
     }
 
-    /// Feeds the core what the pipe from `peer` holds. Returns whether a byte moved.
+    /// Feeds the core what the pipe from `peer` holds, in at most `reads` reads. Returns
+    /// whether a byte moved.
     fn read(
         &mut self,
         bells: &[Bell],
@@ -128,12 +129,14 @@ impl Inner {
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
         peer: usize,
+        mut reads: usize,
     ) -> bool {
         let Some(pipe) = self.inp[peer].clone() else {
             return false;
         };
         let mut moved = false;
-        while !self.eof[peer] {
+        while !self.eof[peer] && reads > 0 {
+            reads -= 1;
             let buf = self.core.read_buf(step, recvs, peer);
             if buf.is_empty() {
                 break;
@@ -216,7 +219,7 @@ impl Transport for MemTransport {
             let mut moved = false;
             for peer in (0..self.world_size).filter(|&p| p != self.rank) {
                 moved |= g.write(bells, &mut step, sends, recvs, on_frame, peer);
-                moved |= g.read(bells, &mut step, recvs, on_frame, peer);
+                moved |= g.read(bells, &mut step, recvs, on_frame, peer, usize::MAX);
             }
             let now = Instant::now();
             match g.core.poll(&mut step, sends, recvs, on_frame, now) {
@@ -227,9 +230,11 @@ impl Transport for MemTransport {
                 }
                 Status::Done => return g.core.finish(&mut step, sends, now),
                 Status::Failed => {
-                    // What the peers said before the failure decides whom it blames.
+                    // What the peers said before the failure may decide whom it blames.
                     for peer in (0..self.world_size).filter(|&p| p != self.rank) {
-                        g.read(bells, &mut step, recvs, on_frame, peer);
+                        if g.core.reads_after_failure(&step, peer) {
+                            g.read(bells, &mut step, recvs, on_frame, peer, 1);
+                        }
                     }
                     let r = g.core.finish(&mut step, sends, now);
                     let mut idle = Step::idle();
@@ -248,7 +253,14 @@ impl Transport for MemTransport {
             return false;
         }
         let mut idle = Step::idle();
-        g.read(&self.bells, &mut idle, &mut [], &mut |_, _, _| Ok(()), peer);
+        g.read(
+            &self.bells,
+            &mut idle,
+            &mut [],
+            &mut |_, _, _| Ok(()),
+            peer,
+            usize::MAX,
+        );
         g.core.probe(peer, tag)
     }
 

@@ -101,7 +101,9 @@ impl ShmLink {
 
     /// Writes `pending` then `bye` into the ring, waiting (until `deadline`) for room, then
     /// shuts the connection's write side so the peer sees the end after them. Returns the
-    /// connection, to be read until the peer closes (see `linger`).
+    /// connection, to be read until the peer closes (see `linger`). While it waits it empties
+    /// (and discards) the incoming ring, so that a peer closing too, and waiting for room in
+    /// it, gets on to read this ring in turn instead of both waiting to the deadline.
     pub(crate) fn finish(
         mut self,
         pending: &[u8],
@@ -110,6 +112,7 @@ impl ShmLink {
     ) -> io::Result<std::net::TcpStream> {
         let mut stream = std::net::TcpStream::from(self.stream);
         stream.set_nonblocking(false)?;
+        let mut sink_buf = vec![0u8; 64 << 10];
         for buf in [pending, bye] {
             let mut done = 0;
             while done < buf.len() {
@@ -119,6 +122,21 @@ impl ShmLink {
                 }
                 done += w.n;
                 if w.n > 0 || self.rings.tx.arm()? {
+                    self.rings.tx.disarm();
+                    continue;
+                }
+                let mut discarded = false;
+                loop {
+                    let (k, wake) = self.rings.rx.read(&mut sink_buf, false)?;
+                    if wake {
+                        let _ = stream.write(&[1]);
+                    }
+                    if k == 0 {
+                        break;
+                    }
+                    discarded = true;
+                }
+                if discarded {
                     self.rings.tx.disarm();
                     continue;
                 }

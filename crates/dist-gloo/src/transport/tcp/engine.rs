@@ -172,20 +172,12 @@ impl Engine {
         on_frame: &mut OnFrame<'_>,
         now: Instant,
     ) -> Result<()> {
-        // Only a failure learnt second-hand looks further, and only at what each peer's
-        // stream holds now (one read), not from a peer whose payload was coming in: its
-        // notice, if any, lies behind the rest of a message this rank no longer wants. Reading
-        // until the streams run dry would drain the data of senders blocked on this rank and
-        // let them complete a step the group has failed (a chain broadcast's root returned
-        // `Ok` while every other rank reported the mismatch).
-        if self.core.failed_second_hand(step) {
-            for peer in 0..self.conns.len() {
-                if !step.mid_payload_from(peer)
-                    && let Some(Some(c)) = self.conns.get_mut(peer)
-                {
-                    c.readable = true;
-                    self.read_some(step, sends, recvs, on_frame, peer, 1);
-                }
+        for peer in 0..self.conns.len() {
+            if self.core.reads_after_failure(step, peer)
+                && let Some(Some(c)) = self.conns.get_mut(peer)
+            {
+                c.readable = true;
+                self.read_some(step, sends, recvs, on_frame, peer, 1);
             }
         }
         let r = self.core.finish(step, sends, now);
@@ -402,7 +394,7 @@ impl Engine {
         };
         let deadline = dist_backend::deadline_after(Instant::now(), linger);
         let mut idle = Step::idle();
-        let mut streams = Vec::new();
+        let mut closing = Vec::new();
         for (peer, slot) in self.conns.iter_mut().enumerate() {
             let Some(c) = slot.take() else { continue };
             let owed = self.core.owes_close(peer);
@@ -423,13 +415,12 @@ impl Engine {
             if !owed {
                 continue;
             }
-            match link.finish(&pending, &[], deadline) {
-                Ok(stream) => streams.push((peer, stream)),
-                Err(e) => {
-                    tracing::debug!(rank, peer, error = %e, "could not say goodbye to a peer");
-                }
-            }
+            closing.push(linger::Closing {
+                peer,
+                link,
+                pending,
+            });
         }
-        linger::linger(rank, streams, deadline);
+        linger::linger(rank, closing, deadline);
     }
 }
