@@ -137,9 +137,9 @@ impl Core {
     }
 
     /// Whether `step` failed on something learnt from another rank's notice (rather than seen
-    /// by this rank), so that what the peers said since may name a better culprit: then the
-    /// driver reads them before [`Core::finish`].
-    pub fn failed_second_hand(&self, step: &Step) -> bool {
+    /// by this rank), so that what the peers said since may name a better culprit (see
+    /// [`Core::reads_after_failure`]).
+    pub(super) fn failed_second_hand(&self, step: &Step) -> bool {
         step.failed.as_ref().is_some_and(|e| self.second_hand(e))
     }
 

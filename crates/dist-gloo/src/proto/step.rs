@@ -135,7 +135,7 @@ impl Step {
 
     /// Whether a frame's payload from `peer` was coming straight into a receive buffer when
     /// the step stopped: reading on would skip the rest of it and parse what follows.
-    pub fn mid_payload_from(&self, peer: usize) -> bool {
+    pub(super) fn mid_payload_from(&self, peer: usize) -> bool {
         self.rx.iter().any(|r| r.peer == peer && r.cur.is_some())
     }
 

@@ -112,7 +112,8 @@ impl ShmLink {
     ) -> io::Result<std::net::TcpStream> {
         let mut stream = std::net::TcpStream::from(self.stream);
         stream.set_nonblocking(false)?;
-        let mut sink_buf = vec![0u8; 64 << 10];
+        // Only a ring that fills up needs somewhere to discard the incoming bytes.
+        let mut sink_buf = Vec::new();
         for buf in [pending, bye] {
             let mut done = 0;
             while done < buf.len() {
@@ -126,6 +127,7 @@ impl ShmLink {
                     continue;
                 }
                 let mut discarded = false;
+                sink_buf.resize(64 << 10, 0);
                 loop {
                     let (k, wake) = self.rings.rx.read(&mut sink_buf, false)?;
                     if wake {
