@@ -28,10 +28,12 @@ fn opts() -> OpOptions {
 }
 
 /// Smaller segments than the default so that the big count crosses many frames and the ring's
-/// segment pipeline is exercised; the small-message switch is kept at its default.
+/// segment pipeline is exercised; the small-message switch is kept at its default. The ring
+/// all_reduce runs the big count in pieces of a size that divides nothing evenly.
 fn gloo_opts() -> GlooOptions {
     let mut o = GlooOptions::default();
     o.mesh.segment_bytes = 256 << 10;
+    o.ring_piece_bytes = Some(1_777_777);
     o
 }
 

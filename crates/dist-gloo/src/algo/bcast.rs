@@ -96,5 +96,5 @@ pub(crate) fn scatter_all_gather(o: &Op<'_>, data: &mut [u8], root: usize) -> Re
         let mine = blocks[r].clone();
         o.step(&[], &mut [o.recv(root, &mut data[mine], tags::SCATTER)])?;
     }
-    ring::all_gather(o, data, &blocks)
+    ring::all_gather(o, data, &blocks, 0)
 }

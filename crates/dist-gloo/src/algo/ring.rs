@@ -22,6 +22,7 @@ pub(crate) fn reduce_scatter(
     blocks: &[Range<usize>],
     op: ReduceOp,
     scratch: &mut Vec<u64>,
+    first_step: u32,
 ) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     if n == 1 {
@@ -33,7 +34,7 @@ pub(crate) fn reduce_scatter(
         let send_b = (r + 2 * n - 1 - s) % n;
         let recv_b = (r + 2 * n - 2 - s) % n;
         let (out, acc) = split_pair(data, blocks[send_b].clone(), blocks[recv_b].clone());
-        let tag = tags::RING_RS | s as u32;
+        let tag = tags::RING_RS | (first_step.wrapping_add(s as u32) & 0xffff);
         o.step_with(
             &[o.send(right, out, tag)],
             &mut [o.recv_streamed(left, acc.len(), scratch, tag)],
@@ -44,7 +45,12 @@ pub(crate) fn reduce_scatter(
 }
 
 /// Given that every rank holds its own block `rank` of `data`, fills in every other block.
-pub(crate) fn all_gather(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Result<()> {
+pub(crate) fn all_gather(
+    o: &Op<'_>,
+    data: &mut [u8],
+    blocks: &[Range<usize>],
+    first_step: u32,
+) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     if n == 1 {
         return Ok(());
@@ -54,7 +60,7 @@ pub(crate) fn all_gather(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -
         let send_b = (r + n - s) % n;
         let recv_b = (r + 2 * n - 1 - s) % n;
         let (out, into) = split_pair(data, blocks[send_b].clone(), blocks[recv_b].clone());
-        let tag = tags::RING_AG | s as u32;
+        let tag = tags::RING_AG | (first_step.wrapping_add(s as u32) & 0xffff);
         o.step(&[o.send(right, out, tag)], &mut [o.recv(left, into, tag)])?;
     }
     Ok(())

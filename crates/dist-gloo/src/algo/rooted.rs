@@ -45,7 +45,7 @@ pub(crate) fn reduce_ring(
 ) -> Result<()> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
     let blocks = even_blocks(data.len() / elem, n, elem);
-    ring::reduce_scatter(o, data, &blocks, op, scratch)?;
+    ring::reduce_scatter(o, data, &blocks, op, scratch, 0)?;
     if r != root {
         return o.step(
             &[o.send(root, &data[blocks[r].clone()], tags::GATHER)],
