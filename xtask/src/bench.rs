@@ -50,6 +50,10 @@ FLAGS (nccl-tests' names):
                       each side's median over the rounds, with its range (default 1).
                       This 2-core host has had windows of seconds in which everything
                       ran 4-7x slower: a single round can put one side in such a window
+    --interleave      with --vs: alternate ours and the peer for each op and size (the
+                      side that goes first alternating too) instead of whole runs: the
+                      host's memory bandwidth drifts by 1.5x over seconds, and a cell's two
+                      sides then meet the same drift. Starts two processes per cell
 ";
 
 const OPS: [&str; 5] = [
@@ -63,7 +67,7 @@ const OPS: [&str; 5] = [
 const PEERS: [&str; 4] = ["torch", "mpi-tcp", "mpi-shm", "mpi"];
 const LATENCY: [&str; 2] = ["barrier", "allreduce_4B"];
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Flags {
     ops: Vec<String>,
     sizes: Vec<u64>,
@@ -78,6 +82,7 @@ struct Flags {
     root: String,
     backend: String,
     rounds: usize,
+    interleave: bool,
 }
 
 const REDOPS: [&str; 5] = ["sum", "prod", "min", "max", "avg"];
@@ -134,6 +139,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         root: "0".into(),
         backend: "gloo".into(),
         rounds: 1,
+        interleave: false,
     };
     let mut it = rest.iter();
     while let Some(flag) = it.next() {
@@ -178,6 +184,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
                     .filter(|&r| r > 0)
                     .ok_or_else(|| format!("--rounds {v}: expected a count of at least 1"))?;
             }
+            "--interleave" => fl.interleave = true,
             other => return Err(format!("unknown flag `{other}`\n\n{HELP}")),
         }
     }
@@ -367,7 +374,12 @@ fn median_row<'a>(runs: &'a [Value], op: &str, size: u64) -> Option<(&'a Value, 
 fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
     let rounds = ours.len().min(theirs.len());
     let how = if rounds > 1 {
-        format!("{rounds} alternated rounds, each side's median round; range: its rounds' times")
+        let unit = if fl.interleave {
+            "rounds alternated per op and size"
+        } else {
+            "alternated rounds"
+        };
+        format!("{rounds} {unit}, each side's median round; range: its rounds' times")
     } else {
         "same invocation".to_string()
     };
@@ -444,6 +456,15 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
     let tmp = std::env::temp_dir();
     for &n in &fl.world_sizes {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        if let (true, Some(peer)) = (fl.interleave, &fl.vs) {
+            for round in 0..fl.rounds {
+                let (o, t) = interleaved_round(&fl, n, peer, round, &distrun, &exe)?;
+                ours.push(o);
+                theirs.push(t);
+            }
+            compare(&fl, n, peer, &ours, &theirs);
+            continue;
+        }
         for round in 0..fl.rounds {
             // One file per round when there are several, so none overwrites another.
             let tag = if fl.rounds > 1 {
@@ -476,6 +497,56 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// One round of `--interleave`: each op and size run alone, ours and the peer back to back
+/// (the peer first in odd rounds), the cells' rows gathered into one result per side.
+fn interleaved_round(
+    fl: &Flags,
+    n: usize,
+    peer: &str,
+    round: usize,
+    distrun: &Path,
+    exe: &Path,
+) -> Result<(Value, Value), String> {
+    let tmp = std::env::temp_dir();
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    let rows = |v: Value| v["results"].as_array().cloned().unwrap_or_default();
+    for op in &fl.ops {
+        // A latency op takes no size: one cell.
+        let sizes = if LATENCY.contains(&op.as_str()) {
+            fl.sizes[..1].to_vec()
+        } else {
+            fl.sizes.clone()
+        };
+        for s in sizes {
+            let cell = Flags {
+                ops: vec![op.clone()],
+                sizes: vec![s],
+                json: None,
+                ..fl.clone()
+            };
+            let path = |side: &str| {
+                tmp.join(format!(
+                    "dist-bench-{side}-{}-ws{n}.r{round}.{op}.{s}.json",
+                    std::process::id()
+                ))
+            };
+            let run_o = || run_ours(&cell, n, distrun, exe, &path("ours"));
+            let run_t = || run_peer(&cell, n, peer, &path(peer));
+            if round.is_multiple_of(2) {
+                ours.extend(rows(run_o()?));
+                theirs.extend(rows(run_t()?));
+            } else {
+                theirs.extend(rows(run_t()?));
+                ours.extend(rows(run_o()?));
+            }
+        }
+    }
+    Ok((
+        serde_json::json!({ "results": ours }),
+        serde_json::json!({ "results": theirs }),
+    ))
 }
 
 /// `--backend nccl`: nccl_perf once per op, its table printed as it comes.
@@ -555,6 +626,11 @@ mod tests {
         assert!(e.starts_with("--vs nccl: expected one of torch"), "{e}");
         assert!(parse(&args("all_reduce --vs mpi-shm")).is_ok());
         assert_eq!(parse(&args("all_reduce --rounds 3")).unwrap().rounds, 3);
+        assert!(
+            parse(&args("all_reduce --vs mpi --interleave"))
+                .unwrap()
+                .interleave
+        );
         let e = parse(&args("all_reduce --rounds 0")).unwrap_err();
         assert_eq!(e, "--rounds 0: expected a count of at least 1");
     }
