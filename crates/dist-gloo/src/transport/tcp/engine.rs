@@ -40,6 +40,20 @@ fn streams_output(op: CollectiveOp) -> bool {
     )
 }
 
+/// Which large messages to a peer reached through shared-memory rings go by reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum OverRings {
+    /// None (`cross_memory_over_rings: Some(false)`).
+    Never,
+    /// All but broadcast's and scatter's: set, or this host's ranks outnumber its CPUs.
+    Always,
+    /// Those of all_gather and all_to_all whose bytes lie wholly in huge pages.
+    FromHugePages,
+}
+
+/// The smallest message [`OverRings::FromHugePages`] considers: one that spans a huge page.
+const HUGE_PAGE_BYTES: usize = 2 << 20;
+
 #[derive(Debug)]
 pub(super) struct Engine {
     pub(super) poll: Poll,
@@ -56,9 +70,9 @@ pub(super) struct Engine {
     /// Single-copy transfers with the peers on this host, when they are possible (the core
     /// copies through it too).
     pub(super) cma: Option<Arc<Cma>>,
-    /// Large messages over shared-memory rings go by reference too (see
+    /// Which large messages over shared-memory rings go by reference too (see
     /// [`Engine::single_copy_pays`] and `MeshOptions::cross_memory_over_rings`).
-    pub(super) single_copy_over_rings: bool,
+    pub(super) single_copy_over_rings: OverRings,
     /// How long closing waits for each peer to close its end (the group's timeout).
     pub(super) linger: Duration,
 }
@@ -91,7 +105,7 @@ impl Engine {
         let offer = cma.map_or(0, |_| Cma::next_step_offer());
         let by_ref = |s: &Outgoing<'_>| {
             cma.is_some_and(|c| c.by_reference(s.peer, s.data.len()))
-                && self.single_copy_pays(ctx, s.peer)
+                && self.single_copy_pays(ctx, s)
         };
         let mut step = self.core.begin_by_ref(*ctx, sends, recvs, offer, &by_ref);
         if let Some(cma) = cma {
@@ -200,10 +214,25 @@ impl Engine {
     /// When the ranks outnumber the cores the two copies cannot run at once, and by reference
     /// wins (4 ranks on 2 cores: all_to_all 0.55-0.88x), except for broadcast and scatter,
     /// whose one-way pipelines keep the rings ahead there too (0.6-0.85x).
-    fn single_copy_pays(&self, ctx: &StepCtx, peer: usize) -> bool {
-        let shm = matches!(self.conns.get(peer), Some(Some(c)) if c.is_shm());
-        !shm || (self.single_copy_over_rings
-            && !matches!(ctx.op, CollectiveOp::Broadcast | CollectiveOp::Scatter))
+    /// Those figures were taken from buffers in 4 KiB pages, every one of which the kernel
+    /// pins for a copy by reference. From buffers in 2 MiB pages, at 2 ranks, by reference
+    /// took 0.82-0.89x the rings' time for all_gather and all_to_all at 4 and 16 MiB and was
+    /// even from 64 MiB (from 4 KiB pages: 1.07-1.27x), and lost for all_reduce: so those two
+    /// ops ask the page tables about each message's buffer ([`OverRings::FromHugePages`]).
+    fn single_copy_pays(&self, ctx: &StepCtx, s: &Outgoing<'_>) -> bool {
+        let shm = matches!(self.conns.get(s.peer), Some(Some(c)) if c.is_shm());
+        if !shm {
+            return true;
+        }
+        match self.single_copy_over_rings {
+            OverRings::Never => false,
+            OverRings::Always => !matches!(ctx.op, CollectiveOp::Broadcast | CollectiveOp::Scatter),
+            OverRings::FromHugePages => {
+                matches!(ctx.op, CollectiveOp::AllGather | CollectiveOp::AllToAll)
+                    && s.data.len() >= HUGE_PAGE_BYTES
+                    && super::huge_pages::in_huge_pages(s.data)
+            }
+        }
     }
 
     /// Writes what the core has for `peer` while the link takes it. Returns whether a byte

@@ -9,6 +9,15 @@
 mod cma;
 mod conn;
 mod engine;
+#[cfg(target_os = "linux")]
+mod huge_pages;
+#[cfg(not(target_os = "linux"))]
+mod huge_pages {
+    /// No page tables to ask outside Linux: never.
+    pub(super) fn in_huge_pages(_: &[u8]) -> bool {
+        false
+    }
+}
 mod linger;
 mod link;
 mod mesh;
@@ -25,7 +34,7 @@ pub(crate) use mesh::group_id;
 
 use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, shm};
 use crate::proto::Core;
-use engine::Engine;
+use engine::{Engine, OverRings};
 
 /// A full TCP mesh between the ranks of one group.
 #[derive(Debug)]
@@ -93,9 +102,12 @@ impl TcpTransport {
                 local_ranks += 1;
             }
         }
-        let single_copy_over_rings = opts
-            .cross_memory_over_rings
-            .unwrap_or_else(|| shm::online_cpus().is_some_and(|n| local_ranks > n));
+        let single_copy_over_rings = match opts.cross_memory_over_rings {
+            Some(false) => OverRings::Never,
+            Some(true) => OverRings::Always,
+            None if shm::online_cpus().is_some_and(|n| local_ranks > n) => OverRings::Always,
+            None => OverRings::FromHugePages,
+        };
         let busy_spin = opts.busy_spin.unwrap_or_else(|| {
             if local_ranks > 1 && shm::online_cpus().is_some_and(|n| local_ranks <= n) {
                 opts.spin

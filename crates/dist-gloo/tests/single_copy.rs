@@ -1,0 +1,200 @@
+//! Single copy by reference over shared-memory rings follows the sender's pages: with the
+//! ranks fitting the host's CPUs, all_to_all and all_gather send a large message by reference
+//! exactly when its bytes lie in huge pages (checked against `/proc/self/smaps`), and the
+//! results are right either way.
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use common::{on_all, tcp_world};
+use dist_backend::{Backend, BufMut, BufRef, OpOptions};
+use dist_gloo::transport::shm::{TransportMode, online_cpus};
+use dist_gloo::transport::tcp::cross_memory_available;
+use dist_gloo::{GlooBackend, GlooOptions};
+use dist_wire::DType;
+use memmap2::{Advice, MmapMut};
+
+const LEN: usize = 8 << 20;
+const HUGE: usize = 2 << 20;
+
+/// Both ranks' 8 MiB buffers, back to back from a 2 MiB boundary in one mapping advised as
+/// `advice`, every byte written. One mapping, so that the kernel cannot merge the ranks'
+/// buffers into one area of smaps (two advised alike side by side would be); 4 KiB short of
+/// 2 MiB longer than the buffers, so that its only whole 2 MiB stretches are theirs and
+/// smaps's count of its huge bytes is theirs.
+struct Buffers {
+    map: MmapMut,
+    skip: usize,
+}
+
+impl Buffers {
+    fn new(advice: Advice, fill: impl Fn(usize, usize) -> f32) -> Self {
+        let map = MmapMut::map_anon(2 * LEN + HUGE - 4096).unwrap();
+        let skip = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
+        // Advice is a hint the kernel may not take (THP `never`); the test reads what it did.
+        let _ = map.advise(advice);
+        let mut b = Buffers { map, skip };
+        for (r, buf) in b.split().into_iter().enumerate() {
+            for (i, x) in bytemuck::cast_slice_mut::<u8, f32>(buf)
+                .iter_mut()
+                .enumerate()
+            {
+                *x = fill(r, i);
+            }
+        }
+        b
+    }
+
+    /// Rank 0's buffer and rank 1's.
+    fn split(&mut self) -> Vec<&mut [u8]> {
+        let (a, b) = self.map[self.skip..self.skip + 2 * LEN].split_at_mut(LEN);
+        vec![a, b]
+    }
+
+    /// How many of the buffers' bytes smaps counts as in huge pages. The area must be the
+    /// mapping exactly (only one such mapping lives at a time, so none is merged into it).
+    fn huge_bytes(&self) -> usize {
+        let at = self.map.as_ptr() as usize;
+        let area = format!("{:x}-{:x} ", at, at + self.map.len());
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&area)).skip(1);
+        lines
+            .find_map(|l| l.strip_prefix("AnonHugePages:"))
+            .and_then(|kb| {
+                kb.trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+            })
+            .expect("smaps lists the buffers' mapping")
+            << 10
+    }
+}
+
+/// What ranks that sent `sent` messages by reference from buffers with `huge` bytes in huge
+/// pages must have done: by reference if every byte is in huge pages, through the rings if
+/// none is (buffers in part can go either way: a message may lie in either part).
+fn check_sent(what: &str, sent: &[u64], huge: usize) {
+    if huge == 2 * LEN {
+        assert!(
+            sent.iter().all(|&s| s > 0),
+            "{what}: buffers all in huge pages, sent by reference {sent:?}"
+        );
+    } else if huge == 0 {
+        assert_eq!(
+            sent,
+            [0, 0],
+            "{what}: buffers with no huge page, sent by reference"
+        );
+    }
+}
+
+fn value(rank: usize, i: usize) -> f32 {
+    (rank * 1_000_003 + i) as f32
+}
+
+fn by_reference(ranks: &[GlooBackend]) -> Vec<u64> {
+    ranks
+        .iter()
+        .map(GlooBackend::messages_by_reference)
+        .collect()
+}
+
+/// Messages each rank sent by reference since `before` ([`by_reference`]).
+fn sent_since(ranks: &[GlooBackend], before: &[u64]) -> Vec<u64> {
+    by_reference(ranks)
+        .iter()
+        .zip(before)
+        .map(|(a, b)| a - b)
+        .collect()
+}
+
+#[test]
+fn large_messages_go_by_reference_exactly_from_huge_pages() {
+    let mut o = GlooOptions::default();
+    o.mesh.transport = TransportMode::Shm;
+    o.mesh.timeout = Duration::from_secs(60);
+    let ranks = tcp_world(2, &o);
+    // With fewer CPUs than ranks every large message goes by reference: another rule.
+    let pages_decide = online_cpus().is_some_and(|n| n >= 2) && cross_memory_available();
+    let opts = OpOptions::with_timeout(Duration::from_secs(60));
+    let (count, half) = (LEN / 4, LEN / 8);
+    for advice in [Advice::NoHugePage, Advice::HugePage] {
+        // all_to_all: each rank sends one half of its input to the other.
+        let mut inputs = Buffers::new(advice, value);
+        let huge = inputs.huge_bytes();
+        if advice == Advice::NoHugePage {
+            assert_eq!(huge, 0, "advised against huge pages");
+        }
+        let ins: Vec<&[u8]> = inputs.split().into_iter().map(|b| &*b).collect();
+        let before = by_reference(&ranks);
+        let outs = on_all(&ranks, |b| {
+            let mut out = vec![0u8; LEN];
+            b.all_to_all(
+                BufRef::Host(ins[b.rank()]),
+                BufMut::Host(&mut out),
+                DType::F32,
+                &[half; 2],
+                &[half; 2],
+                &opts,
+            )
+            .unwrap();
+            out
+        });
+        for (r, out) in outs.iter().enumerate() {
+            for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
+                let (from, at) = (i / half, r * half + i % half);
+                assert_eq!(
+                    g,
+                    value(from, at),
+                    "all_to_all {advice:?}: rank {r} element {i}"
+                );
+            }
+        }
+        if pages_decide {
+            check_sent(
+                &format!("all_to_all {advice:?}"),
+                &sent_since(&ranks, &before),
+                huge,
+            );
+        }
+        drop(ins);
+        drop(inputs);
+
+        // all_gather: each rank's own block of its output goes out.
+        let mut outputs = Buffers::new(advice, |_, _| f32::NAN);
+        let huge = outputs.huge_bytes();
+        let slots: Mutex<Vec<Option<&mut [u8]>>> =
+            Mutex::new(outputs.split().into_iter().map(Some).collect());
+        let before = by_reference(&ranks);
+        on_all(&ranks, |b| {
+            let input: Vec<f32> = (0..count / 2).map(|i| value(b.rank(), i)).collect();
+            let out = slots.lock().unwrap()[b.rank()].take().unwrap();
+            b.all_gather(
+                BufRef::Host(bytemuck::cast_slice(&input)),
+                BufMut::Host(out),
+                DType::F32,
+                &[count / 2; 2],
+                &opts,
+            )
+            .unwrap();
+        });
+        for (r, out) in outputs.split().into_iter().enumerate() {
+            for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
+                let want = value(i / (count / 2), i % (count / 2));
+                assert_eq!(g, want, "all_gather {advice:?}: rank {r} element {i}");
+            }
+        }
+        if pages_decide {
+            check_sent(
+                &format!("all_gather {advice:?}"),
+                &sent_since(&ranks, &before),
+                huge,
+            );
+        }
+    }
+}
