@@ -703,14 +703,11 @@ impl Backend for GlooBackend {
             opts,
             |o, _| {
                 let blocks = blocks_of(counts, dtype.size());
-                let mine = blocks[self.rank].clone();
+                copy_to_output(&mut output[blocks[self.rank].clone()], input);
                 if output.len() <= self.small_bytes {
-                    copy_to_output(&mut output[mine], input);
                     allgather::direct(o, output, &blocks)
                 } else {
-                    ring::all_gather_from(o, input, output, &blocks)?;
-                    copy_to_output(&mut output[mine], input);
-                    Ok(())
+                    ring::all_gather(o, output, &blocks, 0)
                 }
             },
         )

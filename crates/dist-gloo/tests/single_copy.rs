@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use common::{on_all, tcp_world};
@@ -164,27 +165,27 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
         drop(ins);
         drop(inputs);
 
-        // all_gather: each rank's input goes out (the ring sends it, then copies it into the
-        // output).
-        let mut inputs = Buffers::new(advice, value);
-        let huge = inputs.huge_bytes();
-        let ins: Vec<&[u8]> = inputs.split().into_iter().map(|b| &*b).collect();
+        // all_gather: each rank's own block of its output goes out.
+        let mut outputs = Buffers::new(advice, |_, _| f32::NAN);
+        let huge = outputs.huge_bytes();
+        let slots: Mutex<Vec<Option<&mut [u8]>>> =
+            Mutex::new(outputs.split().into_iter().map(Some).collect());
         let before = by_reference(&ranks);
-        let outs = on_all(&ranks, |b| {
-            let mut out = vec![0u8; 2 * LEN];
+        on_all(&ranks, |b| {
+            let input: Vec<f32> = (0..count / 2).map(|i| value(b.rank(), i)).collect();
+            let out = slots.lock().unwrap()[b.rank()].take().unwrap();
             b.all_gather(
-                BufRef::Host(ins[b.rank()]),
-                BufMut::Host(&mut out),
+                BufRef::Host(bytemuck::cast_slice(&input)),
+                BufMut::Host(out),
                 DType::F32,
-                &[count; 2],
+                &[count / 2; 2],
                 &opts,
             )
             .unwrap();
-            out
         });
-        for (r, out) in outs.iter().enumerate() {
+        for (r, out) in outputs.split().into_iter().enumerate() {
             for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
-                let want = value(i / count, i % count);
+                let want = value(i / (count / 2), i % (count / 2));
                 assert_eq!(g, want, "all_gather {advice:?}: rank {r} element {i}");
             }
         }

@@ -51,30 +51,6 @@ pub(crate) fn all_gather(
     blocks: &[Range<usize>],
     first_step: u32,
 ) -> Result<()> {
-    gather(o, None, data, blocks, first_step)
-}
-
-/// [`all_gather`] whose first step sends this rank's block from `own` (the caller's input)
-/// instead of from `data`, whose block `rank` the ring then never reads: the caller copies
-/// `own` there afterwards. The block goes out from memory the caller wrote or read last, not
-/// from an output just written around the cache, and, sent by reference, from the input's
-/// pages.
-pub(crate) fn all_gather_from(
-    o: &Op<'_>,
-    own: &[u8],
-    data: &mut [u8],
-    blocks: &[Range<usize>],
-) -> Result<()> {
-    gather(o, Some(own), data, blocks, 0)
-}
-
-fn gather(
-    o: &Op<'_>,
-    own: Option<&[u8]>,
-    data: &mut [u8],
-    blocks: &[Range<usize>],
-    first_step: u32,
-) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     if n == 1 {
         return Ok(());
@@ -83,12 +59,8 @@ fn gather(
     for s in 0..n - 1 {
         let send_b = (r + n - s) % n;
         let recv_b = (r + 2 * n - 1 - s) % n;
+        let (out, into) = split_pair(data, blocks[send_b].clone(), blocks[recv_b].clone());
         let tag = tags::RING_AG | (first_step.wrapping_add(s as u32) & 0xffff);
-        // Step 0 sends this rank's own block; every later one forwards a received block.
-        let (out, into) = match own {
-            Some(own) if s == 0 => (own, &mut data[blocks[recv_b].clone()]),
-            _ => split_pair(data, blocks[send_b].clone(), blocks[recv_b].clone()),
-        };
         o.step(&[o.send(right, out, tag)], &mut [o.recv(left, into, tag)])?;
     }
     Ok(())
