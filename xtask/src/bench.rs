@@ -511,7 +511,11 @@ fn interleaved_round(
 ) -> Result<(Value, Value), String> {
     let tmp = std::env::temp_dir();
     let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-    let rows = |v: Value| v["results"].as_array().cloned().unwrap_or_default();
+    // Each cell's file is read once and removed: an interleaved run writes hundreds.
+    let rows = |v: Result<Value, String>, at: &Path| {
+        let _ = std::fs::remove_file(at);
+        v.map(|v| v["results"].as_array().cloned().unwrap_or_default())
+    };
     for op in &fl.ops {
         // A latency op takes no size: one cell.
         let sizes = if LATENCY.contains(&op.as_str()) {
@@ -532,14 +536,15 @@ fn interleaved_round(
                     std::process::id()
                 ))
             };
-            let run_o = || run_ours(&cell, n, distrun, exe, &path("ours"));
-            let run_t = || run_peer(&cell, n, peer, &path(peer));
+            let (ours_at, theirs_at) = (path("ours"), path(peer));
+            let run_o = || rows(run_ours(&cell, n, distrun, exe, &ours_at), &ours_at);
+            let run_t = || rows(run_peer(&cell, n, peer, &theirs_at), &theirs_at);
             if round.is_multiple_of(2) {
-                ours.extend(rows(run_o()?));
-                theirs.extend(rows(run_t()?));
+                ours.extend(run_o()?);
+                theirs.extend(run_t()?);
             } else {
-                theirs.extend(rows(run_t()?));
-                ours.extend(rows(run_o()?));
+                theirs.extend(run_t()?);
+                ours.extend(run_o()?);
             }
         }
     }

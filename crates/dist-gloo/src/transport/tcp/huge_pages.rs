@@ -58,19 +58,33 @@ pub(super) fn in_huge_pages(buf: &[u8]) -> bool {
         return false;
     };
     let at = buf.as_ptr() as u64;
+    let (start, end) = (
+        at & !(BASE_PAGE - 1),
+        (at + buf.len() as u64).next_multiple_of(BASE_PAGE),
+    );
+    // Zero regions of pages that are *not* huge (the category inverted), and the walk reached
+    // the end.
+    scan(pagemap, start, end, PAGE_IS_HUGE)
+        .is_some_and(|(regions, walked_to)| regions == 0 && walked_to >= end)
+}
+
+/// One PAGEMAP_SCAN of `start..end` (page-aligned) for at most one region of pages whose
+/// categories, with `inverted` flipped, include every bit of `inverted` (all pages when it is
+/// 0): the number of regions found and where the walk stopped, or `None` when the kernel
+/// refuses the call.
+fn scan(pagemap: &File, start: u64, end: u64, inverted: u64) -> Option<(i32, u64)> {
     let mut found = PageRegion::default();
-    // The pages that are *not* huge (the category inverted), at most one region of them.
     let mut arg = PmScanArg {
         size: size_of::<PmScanArg>() as u64,
         flags: 0,
-        start: at & !(BASE_PAGE - 1),
-        end: (at + buf.len() as u64).next_multiple_of(BASE_PAGE),
+        start,
+        end,
         walk_end: 0,
         vec: std::ptr::from_mut(&mut found) as u64,
         vec_len: 1,
         max_pages: 0,
-        category_inverted: PAGE_IS_HUGE,
-        category_mask: PAGE_IS_HUGE,
+        category_inverted: inverted,
+        category_mask: inverted,
         category_anyof_mask: 0,
         return_mask: PAGE_IS_HUGE,
     };
@@ -86,8 +100,7 @@ pub(super) fn in_huge_pages(buf: &[u8]) -> bool {
             std::ptr::from_mut(&mut arg),
         )
     };
-    // Zero regions of pages that are not huge, and the walk reached the end.
-    regions == 0 && arg.walk_end >= arg.end
+    (regions >= 0).then_some((regions, arg.walk_end))
 }
 
 #[cfg(test)]
@@ -148,24 +161,6 @@ mod tests {
         };
         let probe = [0u8; 1];
         let at = probe.as_ptr() as u64 & !(BASE_PAGE - 1);
-        let mut found = PageRegion::default();
-        let mut arg = PmScanArg {
-            size: size_of::<PmScanArg>() as u64,
-            flags: 0,
-            start: at,
-            end: at + BASE_PAGE,
-            walk_end: 0,
-            vec: std::ptr::from_mut(&mut found) as u64,
-            vec_len: 1,
-            max_pages: 0,
-            category_inverted: 0,
-            category_mask: 0,
-            category_anyof_mask: 0,
-            return_mask: PAGE_IS_HUGE,
-        };
-        // SAFETY: as in `in_huge_pages`: `arg` and `found` are live and exclusively borrowed
-        // for the call, which writes only into them.
-        let r = unsafe { libc::ioctl(f.as_raw_fd(), PAGEMAP_SCAN as libc::Ioctl, &raw mut arg) };
-        r >= 0
+        scan(&f, at, at + BASE_PAGE, 0).is_some()
     }
 }
