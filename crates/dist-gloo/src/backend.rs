@@ -54,7 +54,10 @@ pub struct GlooOptions {
     pub halving_doubling_bytes: Option<usize>,
     /// The ring all_reduce runs on consecutive pieces of about this many bytes, each a whole
     /// reduce-scatter and all-gather, so that a piece is still in cache when the all-gather
-    /// touches it again. `None` picks [`GlooOptions::auto_ring_piece_bytes`];
+    /// touches it again; the ring reduce_scatter runs on pieces of its input of this size too,
+    /// so that no step fills the shared-memory rings or socket buffers with megabytes that
+    /// leave the caches before the peer reads them. `None` picks
+    /// [`GlooOptions::auto_ring_piece_bytes`];
     /// `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs the whole buffer as one piece). Every
     /// rank must use the same value (checked when the group is built).
     pub ring_piece_bytes: Option<usize>,
@@ -743,7 +746,15 @@ impl Backend for GlooBackend {
                     if input.len() <= self.small_bytes {
                         reducescatter::direct(o, input, output, &blocks, op, scratch)
                     } else {
-                        ring::reduce_scatter_into(o, input, output, &blocks, op, scratch)
+                        reducescatter::ring_in_pieces(
+                            o,
+                            input,
+                            output,
+                            &blocks,
+                            op,
+                            scratch,
+                            self.ring_piece_bytes,
+                        )
                     }
                 };
                 if let ReduceOp::PremulSum(_) = op {

@@ -88,41 +88,62 @@ fn check_all_reduce(ranks: &[GlooBackend]) {
                         reference(d, op, n, i),
                     );
                 }
-                // reduce_scatter with uneven counts: rank r gets count + r elements
+                // reduce_scatter with uneven counts: rank r gets count + r % 2 elements, and
+                // for the big count also a skewed split (rank 0 none, rank 1 three, the
+                // others all), which the ring's pieces cut into parts some of them empty.
                 if count > 7 && (op != ReduceOp::Sum || d != DType::F32) {
                     continue;
                 }
-                let counts: Vec<usize> = (0..n).map(|r| count + r % 2).collect();
-                let total: usize = counts.iter().sum();
-                let outs = on_all(ranks, |b| {
-                    let input = encode(d, (0..total).map(|i| value(d, op, b.rank(), i)));
-                    let mut out = vec![0u8; counts[b.rank()] * d.size()];
-                    b.reduce_scatter(
-                        BufRef::Host(&input),
-                        BufMut::Host(&mut out),
-                        d,
-                        op,
-                        &counts,
-                        &opts(),
-                    )
-                    .unwrap();
-                    out
-                });
-                let mut at = 0;
-                for (r, out) in outs.iter().enumerate() {
-                    for (j, got) in decode(d, out).into_iter().enumerate() {
-                        assert_close(
-                            d,
-                            &format!("reduce_scatter ws {n} {d} {op} rank {r}"),
-                            j,
-                            got,
-                            reference(d, op, n, at + j),
-                        );
-                    }
-                    at += counts[r];
+                let mut splits = vec![(0..n).map(|r| count + r % 2).collect::<Vec<usize>>()];
+                if count > 7 && n > 1 {
+                    splits.push(
+                        (0..n)
+                            .map(|r| match r {
+                                0 => 0,
+                                1 => 3,
+                                _ => count + r,
+                            })
+                            .collect(),
+                    );
+                }
+                for counts in splits {
+                    check_reduce_scatter(ranks, d, op, &counts);
                 }
             }
         }
+    }
+}
+
+/// reduce_scatter of `counts[r]` elements to each rank r, checked against the reference.
+fn check_reduce_scatter(ranks: &[GlooBackend], d: DType, op: ReduceOp, counts: &[usize]) {
+    let n = ranks.len();
+    let total: usize = counts.iter().sum();
+    let outs = on_all(ranks, |b| {
+        let input = encode(d, (0..total).map(|i| value(d, op, b.rank(), i)));
+        let mut out = vec![0u8; counts[b.rank()] * d.size()];
+        b.reduce_scatter(
+            BufRef::Host(&input),
+            BufMut::Host(&mut out),
+            d,
+            op,
+            counts,
+            &opts(),
+        )
+        .unwrap();
+        out
+    });
+    let mut at = 0;
+    for (r, out) in outs.iter().enumerate() {
+        for (j, got) in decode(d, out).into_iter().enumerate() {
+            assert_close(
+                d,
+                &format!("reduce_scatter ws {n} {d} {op} counts {counts:?} rank {r}"),
+                j,
+                got,
+                reference(d, op, n, at + j),
+            );
+        }
+        at += counts[r];
     }
 }
 

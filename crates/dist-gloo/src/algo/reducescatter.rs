@@ -6,7 +6,7 @@ use std::ops::Range;
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{Op, tags};
+use super::{Op, even_blocks, ring, tags};
 
 /// Reduces block `rank` of every rank's `input` into `output` in one step: each rank sends
 /// block p of its input to rank p and receives its own block from every other rank, then
@@ -61,6 +61,52 @@ pub(crate) fn direct(
     output.copy_from_slice(part(0));
     for p in 1..n {
         o.combine(op, output, part(p))?;
+    }
+    Ok(())
+}
+
+/// The ring reduce-scatter ([`ring::reduce_scatter_into`]) run on pieces of about
+/// `piece_bytes` of the input one after another: piece `j` is sub-block `j` of every rank's
+/// block, so each piece's output is the `j`-th part of this rank's output.
+///
+/// Why pieces: the ring moves a whole block per step, and a step of megabytes keeps the
+/// shared-memory rings full, so the ring's bytes leave the caches before the peer copies them
+/// out; a piece's steps move little enough that they do not.
+pub(crate) fn ring_in_pieces(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    blocks: &[Range<usize>],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+    piece_bytes: usize,
+) -> Result<()> {
+    let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
+    let largest = blocks.iter().map(|b| b.len() / elem).max().unwrap_or(0);
+    let pieces = input
+        .len()
+        .div_ceil(piece_bytes.max(1))
+        .clamp(1, largest.max(1));
+    if pieces == 1 {
+        return ring::reduce_scatter_into(o, input, output, blocks, op, scratch, 0);
+    }
+    // Each block cut alike into `pieces` parts (some empty where a block is shorter).
+    let parts: Vec<Vec<Range<usize>>> = blocks
+        .iter()
+        .map(|b| {
+            even_blocks(b.len() / elem, pieces, elem)
+                .into_iter()
+                .map(|p| b.start + p.start..b.start + p.end)
+                .collect()
+        })
+        .collect();
+    let steps = (n as u32).saturating_sub(1);
+    let mine_start = blocks[r].start;
+    for j in 0..pieces {
+        let sub: Vec<Range<usize>> = parts.iter().map(|p| p[j].clone()).collect();
+        let out = sub[r].start - mine_start..sub[r].end - mine_start;
+        let first_step = (j as u32).wrapping_mul(steps);
+        ring::reduce_scatter_into(o, input, &mut output[out], &sub, op, scratch, first_step)?;
     }
     Ok(())
 }

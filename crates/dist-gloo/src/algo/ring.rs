@@ -80,6 +80,7 @@ pub(crate) fn reduce_scatter_into(
     blocks: &[Range<usize>],
     op: ReduceOp,
     scratch: &mut Vec<u64>,
+    first_step: u32,
 ) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     if n == 1 {
@@ -121,7 +122,7 @@ pub(crate) fn reduce_scatter_into(
             &mut next[..rlen]
         };
         let mine = &input[blocks[recv_b].clone()];
-        let tag = tags::RING_RS | s as u32;
+        let tag = tags::RING_RS | (first_step.wrapping_add(s as u32) & 0xffff);
         // Combining this rank's block into the received partial, rather than the other way
         // round, gives the same value: every combiner is commutative (min and max may pick
         // the other of two equal zeros or two NaNs), and one rank alone computes each block.
