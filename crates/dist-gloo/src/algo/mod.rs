@@ -210,6 +210,32 @@ pub(crate) fn even_blocks(count: usize, n: usize, elem: usize) -> Vec<Range<usiz
         .collect()
 }
 
+/// `blocks` (byte ranges of a buffer of `len` bytes) cut alike into pieces of about
+/// `piece_bytes` of the buffer: piece `j` is part `j` of every block (some parts empty where a
+/// block has fewer elements than there are pieces). One piece, `blocks` itself, when the
+/// buffer is no larger than a piece.
+pub(crate) fn pieces_of(
+    blocks: &[Range<usize>],
+    len: usize,
+    piece_bytes: usize,
+    elem: usize,
+) -> Vec<Vec<Range<usize>>> {
+    let largest = blocks.iter().map(|b| b.len() / elem).max().unwrap_or(0);
+    let pieces = len.div_ceil(piece_bytes.max(1)).clamp(1, largest.max(1));
+    let cut: Vec<Vec<Range<usize>>> = blocks
+        .iter()
+        .map(|b| {
+            even_blocks(b.len() / elem, pieces, elem)
+                .into_iter()
+                .map(|p| b.start + p.start..b.start + p.end)
+                .collect()
+        })
+        .collect();
+    (0..pieces)
+        .map(|j| cut.iter().map(|c| c[j].clone()).collect())
+        .collect()
+}
+
 /// Byte ranges of consecutive blocks of `counts[i]` elements.
 pub(crate) fn blocks_of(counts: &[usize], elem: usize) -> Vec<Range<usize>> {
     let mut at = 0;

@@ -6,7 +6,7 @@ use std::ops::Range;
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{Op, even_blocks, ring, tags};
+use super::{Op, ring, tags};
 
 /// Reduces block `rank` of every rank's `input` into `output` in one step: each rank sends
 /// block p of its input to rank p and receives its own block from every other rank, then
@@ -81,32 +81,14 @@ pub(crate) fn ring_in_pieces(
     scratch: &mut Vec<u64>,
     piece_bytes: usize,
 ) -> Result<()> {
-    let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
-    let largest = blocks.iter().map(|b| b.len() / elem).max().unwrap_or(0);
-    let pieces = input
-        .len()
-        .div_ceil(piece_bytes.max(1))
-        .clamp(1, largest.max(1));
-    if pieces == 1 {
-        return ring::reduce_scatter_into(o, input, output, blocks, op, scratch, 0);
-    }
-    // Each block cut alike into `pieces` parts (some empty where a block is shorter).
-    let parts: Vec<Vec<Range<usize>>> = blocks
-        .iter()
-        .map(|b| {
-            even_blocks(b.len() / elem, pieces, elem)
-                .into_iter()
-                .map(|p| b.start + p.start..b.start + p.end)
-                .collect()
-        })
-        .collect();
+    let (n, r) = (o.n(), o.rank());
+    let parts = super::pieces_of(blocks, input.len(), piece_bytes, o.dtype().size());
     let steps = (n as u32).saturating_sub(1);
     let mine_start = blocks[r].start;
-    for j in 0..pieces {
-        let sub: Vec<Range<usize>> = parts.iter().map(|p| p[j].clone()).collect();
+    for (j, sub) in parts.iter().enumerate() {
         let out = sub[r].start - mine_start..sub[r].end - mine_start;
         let first_step = (j as u32).wrapping_mul(steps);
-        ring::reduce_scatter_into(o, input, &mut output[out], &sub, op, scratch, first_step)?;
+        ring::reduce_scatter_into(o, input, &mut output[out], sub, op, scratch, first_step)?;
     }
     Ok(())
 }
