@@ -9,7 +9,7 @@
 //! Arguments (all optional): `--ops a,b,c` `--sizes bytes,...` `-n iters` `-w warmup`
 //! `-c 0|1` `--json path` `--budget seconds`, and nccl-tests' `-d` (int8, uint8, int32,
 //! uint32, int64, uint64, half, bfloat16, float, double), `-o` (sum, prod, min, max, avg) and
-//! `-r` (broadcast root), and `--huge-pages 0|1`: buffers from 4 MiB in memory advised to use
+//! `-r` (broadcast and reduce root), and `--huge-pages 0|1`: buffers from 4 MiB in memory advised to use
 //! transparent huge pages, as numpy (the Open MPI peer's buffers) does (see [`Buf`]).
 
 #![allow(missing_docs, reason = "an example binary")]
@@ -130,7 +130,7 @@ fn bus_factor(op: &str, n: usize) -> Option<f64> {
     match op {
         "all_reduce" => Some(2.0 * (n - 1.0) / n),
         "all_gather" | "reduce_scatter" | "all_to_all" => Some((n - 1.0) / n),
-        "broadcast" => Some(1.0),
+        "broadcast" | "reduce" => Some(1.0),
         _ => None,
     }
 }
@@ -211,6 +211,7 @@ fn run_once(pg: &GlooBackend, op: &str, c: &mut Case, args: &Args, opts: &OpOpti
         "barrier" => pg.barrier(opts),
         "all_reduce" | "allreduce_4B" => pg.all_reduce(BufMut::Host(&mut c.a), d, args.redop, opts),
         "broadcast" => pg.broadcast(BufMut::Host(&mut c.a), d, args.root, opts),
+        "reduce" => pg.reduce(BufMut::Host(&mut c.a), d, args.redop, args.root, opts),
         "all_gather" => pg.all_gather(
             BufRef::Host(&c.a),
             BufMut::Host(&mut c.b),
@@ -332,6 +333,9 @@ fn wrong(op: &str, c: &Case, n: usize, rank: usize, args: &Args) -> u64 {
     match op {
         "all_reduce" | "allreduce_4B" => count(&c.a, &|i| reduced(redop, d, n, i)),
         "broadcast" => count(&c.a, &|i| v(root, i)),
+        // Only the root's buffer holds the result; the others hold partial ones.
+        "reduce" if rank == root => count(&c.a, &|i| reduced(redop, d, n, i)),
+        "reduce" => 0,
         "all_gather" => {
             let e = c.a.len() / size;
             count(&c.b, &|i| v(i / e, i % e))

@@ -54,12 +54,12 @@ pub struct GlooOptions {
     pub halving_doubling_bytes: Option<usize>,
     /// The ring all_reduce runs on consecutive pieces of about this many bytes, each a whole
     /// reduce-scatter and all-gather, so that a piece is still in cache when the all-gather
-    /// touches it again; the ring reduce_scatter runs on pieces of its input of this size too,
-    /// so that no step fills the shared-memory rings or socket buffers with megabytes that
-    /// leave the caches before the peer reads them. `None` picks
-    /// [`GlooOptions::auto_ring_piece_bytes`];
-    /// `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs the whole buffer as one piece). Every
-    /// rank must use the same value (checked when the group is built).
+    /// touches it again; the ring reduce_scatter (on its input) and reduce run on pieces of this
+    /// size too, so that no step fills the shared-memory rings or socket buffers with megabytes
+    /// that leave the caches before the peer reads them. `None` picks
+    /// [`GlooOptions::auto_ring_piece_bytes`]; `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs
+    /// the whole buffer as one piece). Every rank must use the same value (checked when the
+    /// group is built).
     pub ring_piece_bytes: Option<usize>,
 }
 
@@ -671,7 +671,7 @@ impl Backend for GlooBackend {
                 if data.len() <= self.small_bytes || count < self.world_size {
                     rooted::reduce_tree(o, data, op, root, scratch)?;
                 } else {
-                    rooted::reduce_ring(o, data, op, root, scratch)?;
+                    rooted::reduce_ring(o, data, op, root, scratch, self.ring_piece_bytes)?;
                 }
                 if self.rank == root {
                     self.finalize(o, op, data)

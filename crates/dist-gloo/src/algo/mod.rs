@@ -210,6 +210,22 @@ pub(crate) fn even_blocks(count: usize, n: usize, elem: usize) -> Vec<Range<usiz
         .collect()
 }
 
+/// A buffer of `len` bytes cut into consecutive pieces of about `piece_bytes` for a ring of
+/// `n` ranks to run one after another (as byte ranges). Each piece keeps at least one element
+/// per rank, so that no ring block is empty.
+pub(crate) fn ring_pieces(
+    len: usize,
+    n: usize,
+    piece_bytes: usize,
+    elem: usize,
+) -> Vec<Range<usize>> {
+    let count = len / elem;
+    let pieces = len
+        .div_ceil(piece_bytes.max(1))
+        .clamp(1, (count / n).max(1));
+    even_blocks(count, pieces, elem)
+}
+
 /// `blocks` (byte ranges of a buffer of `len` bytes) cut alike into pieces of about
 /// `piece_bytes` of the buffer: piece `j` is part `j` of every block (some parts empty where a
 /// block has fewer elements than there are pieces). One piece, `blocks` itself, when the

@@ -35,24 +35,43 @@ pub(crate) fn reduce_tree(
     Ok(())
 }
 
-/// Ring reduce-scatter, then every rank sends its reduced block to `root` (large buffers).
+/// Ring reduce-scatter, then every rank sends its reduced block to `root` (large buffers),
+/// on consecutive pieces of about `piece_bytes` (see [`super::ring_pieces`]), so that no
+/// step holds megabytes in flight (as `reducescatter::ring_in_pieces`).
 pub(crate) fn reduce_ring(
     o: &Op<'_>,
     data: &mut [u8],
     op: ReduceOp,
     root: usize,
     scratch: &mut Vec<u64>,
+    piece_bytes: usize,
 ) -> Result<()> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
-    let blocks = even_blocks(data.len() / elem, n, elem);
-    ring::reduce_scatter(o, data, &blocks, op, scratch, 0)?;
-    if r != root {
-        return o.step(
-            &[o.send(root, &data[blocks[r].clone()], tags::GATHER)],
-            &mut [],
-        );
+    let steps = (n as u32).saturating_sub(1);
+    for (i, piece) in super::ring_pieces(data.len(), n, piece_bytes, elem)
+        .into_iter()
+        .enumerate()
+    {
+        let data = &mut data[piece];
+        let blocks = even_blocks(data.len() / elem, n, elem);
+        ring::reduce_scatter(
+            o,
+            data,
+            &blocks,
+            op,
+            scratch,
+            (i as u32).wrapping_mul(steps),
+        )?;
+        if r != root {
+            o.step(
+                &[o.send(root, &data[blocks[r].clone()], tags::GATHER)],
+                &mut [],
+            )?;
+        } else {
+            recv_blocks_from_all(o, &mut split_blocks(data, &blocks))?;
+        }
     }
-    recv_blocks_from_all(o, &mut split_blocks(data, &blocks))
+    Ok(())
 }
 
 /// Every rank's `input` into `root`'s `output`, rank by rank, with all receives in flight at
