@@ -229,27 +229,28 @@ pub(crate) fn ring_pieces(
 /// `blocks` (byte ranges of a buffer of `len` bytes) cut alike into pieces of about
 /// `piece_bytes` of the buffer: piece `j` is part `j` of every block (some parts empty where a
 /// block has fewer elements than there are pieces). One piece, `blocks` itself, when the
-/// buffer is no larger than a piece.
-pub(crate) fn pieces_of(
-    blocks: &[Range<usize>],
+/// buffer is no larger than a piece. The parts are computed as each piece is taken, so a tiny
+/// piece size costs steps but no table of every piece's parts.
+pub(crate) fn pieces_of<'b>(
+    blocks: &'b [Range<usize>],
     len: usize,
     piece_bytes: usize,
     elem: usize,
-) -> Vec<Vec<Range<usize>>> {
+) -> impl Iterator<Item = Vec<Range<usize>>> + 'b {
     let largest = blocks.iter().map(|b| b.len() / elem).max().unwrap_or(0);
     let pieces = len.div_ceil(piece_bytes.max(1)).clamp(1, largest.max(1));
-    let cut: Vec<Vec<Range<usize>>> = blocks
-        .iter()
-        .map(|b| {
-            even_blocks(b.len() / elem, pieces, elem)
-                .into_iter()
-                .map(|p| b.start + p.start..b.start + p.end)
-                .collect()
-        })
-        .collect();
-    (0..pieces)
-        .map(|j| cut.iter().map(|c| c[j].clone()).collect())
-        .collect()
+    (0..pieces).map(move |j| {
+        blocks
+            .iter()
+            .map(|b| {
+                // Part j of `even_blocks(b.len() / elem, pieces, elem)`, offset to the block.
+                let (q, r) = ((b.len() / elem) / pieces, (b.len() / elem) % pieces);
+                let start = (j * q + j.min(r)) * elem;
+                let part = (q + usize::from(j < r)) * elem;
+                b.start + start..b.start + start + part
+            })
+            .collect()
+    })
 }
 
 /// Byte ranges of consecutive blocks of `counts[i]` elements.
@@ -308,6 +309,25 @@ mod tests {
             assert_eq!(b.last().map(|r| r.end), Some(count * 4));
             let lens: Vec<usize> = b.iter().map(|r| r.len()).collect();
             assert!(lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 4);
+        }
+    }
+
+    #[test]
+    fn pieces_cut_every_block_alike_into_consecutive_parts() {
+        // Blocks of 0, 3, 10 and 11 four-byte elements; pieces of 8 bytes of the 96-byte
+        // buffer would be 12, capped at the largest block's 11 elements.
+        let blocks = blocks_of(&[0, 3, 10, 11], 4);
+        for (piece_bytes, want) in [(usize::MAX, 1), (40, 3), (8, 11)] {
+            let pieces: Vec<_> = pieces_of(&blocks, 96, piece_bytes, 4).collect();
+            assert_eq!(pieces.len(), want);
+            for (b, block) in blocks.iter().enumerate() {
+                let parts: Vec<_> = pieces.iter().map(|p| p[b].clone()).collect();
+                let expect: Vec<_> = even_blocks(block.len() / 4, want, 4)
+                    .into_iter()
+                    .map(|p| block.start + p.start..block.start + p.end)
+                    .collect();
+                assert_eq!(parts, expect, "block {b}, {want} pieces");
+            }
         }
     }
 
