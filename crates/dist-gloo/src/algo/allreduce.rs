@@ -4,7 +4,7 @@
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{Op, even_blocks, ring, ring_pieces, split_pair, tags};
+use super::{Op, even_blocks, piece_first_step, ring, ring_pieces, split_pair, tags};
 
 /// Reduces `data` in place across all ranks with recursive doubling: ⌈log2 n⌉ exchanges of the
 /// whole buffer. A non-power-of-two rank count first folds the extra ranks into the lowest ones
@@ -176,14 +176,13 @@ pub(crate) fn ring(
     piece_bytes: usize,
 ) -> Result<()> {
     let (n, elem) = (o.n(), o.dtype().size());
-    let steps = (n as u32).saturating_sub(1);
     for (i, piece) in ring_pieces(data.len(), n, piece_bytes, elem)
         .into_iter()
         .enumerate()
     {
         let data = &mut data[piece];
         let blocks = even_blocks(data.len() / elem, n, elem);
-        let first_step = (i as u32).wrapping_mul(steps);
+        let first_step = piece_first_step(i, n);
         ring::reduce_scatter(o, data, &blocks, op, scratch, first_step)?;
         let own = blocks[o.rank()].clone();
         dist_wire::finalize(op, o.dtype(), &mut data[own], n).map_err(|e| o.wire(e))?;

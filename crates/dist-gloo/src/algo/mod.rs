@@ -198,16 +198,20 @@ impl<'a> Op<'a> {
 
 /// Splits `count` elements into `n` blocks whose sizes differ by at most one, as byte ranges.
 pub(crate) fn even_blocks(count: usize, n: usize, elem: usize) -> Vec<Range<usize>> {
+    (0..n).map(|i| even_block(count, n, i, elem)).collect()
+}
+
+/// Block `i` of [`even_blocks`]`(count, n, elem)`, computed alone.
+fn even_block(count: usize, n: usize, i: usize, elem: usize) -> Range<usize> {
     let (q, r) = (count / n, count % n);
-    let mut at = 0;
-    (0..n)
-        .map(|i| {
-            let len = (q + usize::from(i < r)) * elem;
-            let b = at..at + len;
-            at += len;
-            b
-        })
-        .collect()
+    let start = (i * q + i.min(r)) * elem;
+    start..start + (q + usize::from(i < r)) * elem
+}
+
+/// The step number piece `i` of a ring of `n` ranks run in pieces starts at, so that each
+/// piece's steps are labelled apart from the others' (the labels wrap; they only name steps).
+pub(crate) fn piece_first_step(i: usize, n: usize) -> u32 {
+    (i as u32).wrapping_mul((n as u32).saturating_sub(1))
 }
 
 /// A buffer of `len` bytes cut into consecutive pieces of about `piece_bytes` for a ring of
@@ -243,11 +247,8 @@ pub(crate) fn pieces_of<'b>(
         blocks
             .iter()
             .map(|b| {
-                // Part j of `even_blocks(b.len() / elem, pieces, elem)`, offset to the block.
-                let (q, r) = ((b.len() / elem) / pieces, (b.len() / elem) % pieces);
-                let start = (j * q + j.min(r)) * elem;
-                let part = (q + usize::from(j < r)) * elem;
-                b.start + start..b.start + start + part
+                let part = even_block(b.len() / elem, pieces, j, elem);
+                b.start + part.start..b.start + part.end
             })
             .collect()
     })

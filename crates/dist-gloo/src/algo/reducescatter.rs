@@ -82,12 +82,11 @@ pub(crate) fn ring_in_pieces(
     piece_bytes: usize,
 ) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
-    let steps = (n as u32).saturating_sub(1);
     let mine_start = blocks[r].start;
     for (j, sub) in super::pieces_of(blocks, input.len(), piece_bytes, o.dtype().size()).enumerate()
     {
         let out = sub[r].start - mine_start..sub[r].end - mine_start;
-        let first_step = (j as u32).wrapping_mul(steps);
+        let first_step = super::piece_first_step(j, n);
         ring::reduce_scatter_into(o, input, &mut output[out], &sub, op, scratch, first_step)?;
     }
     Ok(())

@@ -50,21 +50,13 @@ pub(crate) fn reduce_ring(
     if n == 1 {
         return Ok(());
     }
-    let steps = (n as u32).saturating_sub(1);
     for (i, piece) in super::ring_pieces(data.len(), n, piece_bytes, elem)
         .into_iter()
         .enumerate()
     {
         let data = &mut data[piece];
         let blocks = even_blocks(data.len() / elem, n, elem);
-        ring::reduce_scatter(
-            o,
-            data,
-            &blocks,
-            op,
-            scratch,
-            (i as u32).wrapping_mul(steps),
-        )?;
+        ring::reduce_scatter(o, data, &blocks, op, scratch, super::piece_first_step(i, n))?;
         if r != root {
             o.step(
                 &[o.send(root, &data[blocks[r].clone()], tags::GATHER)],
