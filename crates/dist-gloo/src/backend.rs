@@ -141,7 +141,7 @@ impl GlooOptions {
             o.mesh.cross_memory = v != 0;
         }
         if let Some(v) = var("DIST_GLOO_CMA_MIN_BYTES") {
-            o.mesh.cross_memory_min_bytes = v;
+            o.mesh.cross_memory_min_bytes = Some(v);
         }
         if let Some(v) = var("DIST_GLOO_CMA_OVER_SHM") {
             o.mesh.cross_memory_over_rings = Some(v != 0);

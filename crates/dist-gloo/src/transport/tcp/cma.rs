@@ -53,9 +53,6 @@ pub(super) struct Cma {
     offers: Arc<[AtomicU64]>,
     /// The probe token peers read when the mesh is built; kept alive with the mesh.
     _probe: Box<u64>,
-    /// Messages shorter than this go inline: below it the acknowledgement's round trip costs
-    /// more than the copy it saves.
-    pub(super) min_bytes: usize,
 }
 
 impl Cma {
@@ -67,7 +64,6 @@ impl Cma {
         rank: usize,
         world: usize,
         enabled: bool,
-        min_bytes: usize,
         deadline: Instant,
     ) -> Result<Option<Cma>> {
         let enabled = enabled && cfg!(target_os = "linux") && world > 1;
@@ -121,13 +117,13 @@ impl Cma {
             readers,
             offers,
             _probe: probe,
-            min_bytes: min_bytes.max(1),
         }))
     }
 
-    /// Whether a message of `len` bytes to `peer` goes by reference.
-    pub(super) fn by_reference(&self, peer: usize, len: usize) -> bool {
-        len >= self.min_bytes && self.readers.get(peer).copied().unwrap_or(false)
+    /// Whether `peer` can read this rank's memory, so that messages to it may go by reference
+    /// (which ones do is `SingleCopyRule::pays`).
+    pub(super) fn peer_reads(&self, peer: usize) -> bool {
+        self.readers.get(peer).copied().unwrap_or(false)
     }
 
     /// The offer id of a new step: unique in this process (across meshes too, and starting

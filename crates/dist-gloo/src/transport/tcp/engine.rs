@@ -10,6 +10,7 @@ use dist_backend::{Error, Result};
 use dist_wire::CollectiveOp;
 use mio::{Events, Poll};
 
+use super::by_reference::SingleCopyRule;
 use super::cma::Cma;
 use super::conn::Conn;
 use super::linger;
@@ -40,20 +41,6 @@ fn streams_output(op: CollectiveOp) -> bool {
     )
 }
 
-/// Which large messages to a peer reached through shared-memory rings go by reference.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum OverRings {
-    /// None (`cross_memory_over_rings: Some(false)`).
-    Never,
-    /// All but broadcast's and scatter's: set, or this host's ranks outnumber its CPUs.
-    Always,
-    /// Those of all_gather and all_to_all whose bytes lie wholly in huge pages.
-    FromHugePages,
-}
-
-/// The smallest message [`OverRings::FromHugePages`] considers: one that spans a huge page.
-const HUGE_PAGE_BYTES: usize = 2 << 20;
-
 #[derive(Debug)]
 pub(super) struct Engine {
     pub(super) poll: Poll,
@@ -70,9 +57,8 @@ pub(super) struct Engine {
     /// Single-copy transfers with the peers on this host, when they are possible (the core
     /// copies through it too).
     pub(super) cma: Option<Arc<Cma>>,
-    /// Which large messages over shared-memory rings go by reference too (see
-    /// [`Engine::single_copy_pays`] and `MeshOptions::cross_memory_over_rings`).
-    pub(super) single_copy_over_rings: OverRings,
+    /// Which messages to peers that can read this rank's memory go by reference.
+    pub(super) single_copy: SingleCopyRule,
     /// How long closing waits for each peer to close its end (the group's timeout).
     pub(super) linger: Duration,
 }
@@ -104,8 +90,8 @@ impl Engine {
             .filter(|_| ctx.op != CollectiveOp::SendRecv);
         let offer = cma.map_or(0, |_| Cma::next_step_offer());
         let by_ref = |s: &Outgoing<'_>| {
-            cma.is_some_and(|c| c.by_reference(s.peer, s.data.len()))
-                && self.single_copy_pays(ctx, s)
+            let shm = matches!(self.conns.get(s.peer), Some(Some(c)) if c.is_shm());
+            cma.is_some_and(|c| c.peer_reads(s.peer)) && self.single_copy.pays(shm, ctx.op, s.data)
         };
         let mut step = self.core.begin_by_ref(*ctx, sends, recvs, offer, &by_ref);
         if let Some(cma) = cma {
@@ -200,39 +186,6 @@ impl Engine {
             self.write(&mut idle, &[], &mut [], on_frame, peer);
         }
         r
-    }
-
-    /// Whether a message large enough to go by reference to `peer` should, in this step.
-    /// Over TCP, always: one copy instead of two and no network stack. Over shared-memory
-    /// rings, the two copies (the sender's in, the receiver's out) run on two cores at once,
-    /// through a ring that stays in cache and with no pages to pin, so while this host's ranks
-    /// fit its CPUs the rings win: `cargo xtask bench all` at 2 ranks from 256 KiB to 64 MiB,
-    /// rings against by reference, took 0.25-0.7x the time for broadcast, 0.4-0.95x for
-    /// all_gather, all_to_all and all_reduce. The exception is reduce_scatter from 4 MiB
-    /// (1.3-1.5x; about 1.35x after it learnt to combine where it receives), not worth a rule
-    /// of its own on figures this noisy.
-    /// When the ranks outnumber the cores the two copies cannot run at once, and by reference
-    /// wins (4 ranks on 2 cores: all_to_all 0.55-0.88x), except for broadcast and scatter,
-    /// whose one-way pipelines keep the rings ahead there too (0.6-0.85x).
-    /// Those figures were taken from buffers in 4 KiB pages, every one of which the kernel
-    /// pins for a copy by reference. From buffers in 2 MiB pages, at 2 ranks, by reference
-    /// took 0.82-0.89x the rings' time for all_gather and all_to_all at 4 and 16 MiB and was
-    /// even from 64 MiB (from 4 KiB pages: 1.07-1.27x), and lost for all_reduce: so those two
-    /// ops ask the page tables about each message's buffer ([`OverRings::FromHugePages`]).
-    fn single_copy_pays(&self, ctx: &StepCtx, s: &Outgoing<'_>) -> bool {
-        let shm = matches!(self.conns.get(s.peer), Some(Some(c)) if c.is_shm());
-        if !shm {
-            return true;
-        }
-        match self.single_copy_over_rings {
-            OverRings::Never => false,
-            OverRings::Always => !matches!(ctx.op, CollectiveOp::Broadcast | CollectiveOp::Scatter),
-            OverRings::FromHugePages => {
-                matches!(ctx.op, CollectiveOp::AllGather | CollectiveOp::AllToAll)
-                    && s.data.len() >= HUGE_PAGE_BYTES
-                    && super::huge_pages::in_huge_pages(s.data)
-            }
-        }
     }
 
     /// Writes what the core has for `peer` while the link takes it. Returns whether a byte

@@ -43,14 +43,18 @@ pub struct MeshOptions {
     /// memory (Linux cross-memory attach) instead of through TCP, where the ranks can read
     /// each other (probed when the mesh is built).
     pub cross_memory: bool,
-    /// Smallest message sent that way.
-    pub cross_memory_min_bytes: usize,
+    /// Smallest message sent that way. `None` picks 256 KiB (below, the acknowledgement's
+    /// round trip costs more than the copy saved), and 64 KiB for all_to_all between ranks
+    /// joined by shared-memory rings when this host's ranks outnumber its CPUs (its messages
+    /// are all in flight at once, and every copy saved gives a core back to a rank that
+    /// shares it).
+    pub cross_memory_min_bytes: Option<usize>,
     /// Whether large messages to a peer reached through shared-memory rings go that way too
     /// (broadcast and scatter never do). `None` decides by whether this host's ranks of the
     /// group outnumber its CPUs: the rings' two copies run at once on two cores and beat one
     /// copy by reference, unless the ranks must share cores; where they do not, all_gather's
     /// and all_to_all's messages from 2 MiB still go by reference when their bytes lie wholly
-    /// in huge pages, which the kernel pins cheaply (see `Engine::single_copy_pays`).
+    /// in huge pages, which the kernel pins cheaply (see `by_reference`).
     pub cross_memory_over_rings: Option<bool>,
     /// Shared-memory rings between ranks on one host, TCP between hosts, or one of the two
     /// for every pair (see [`crate::transport::shm`]).
@@ -76,7 +80,7 @@ impl Default for MeshOptions {
             busy_spin: None,
             socket_buffer: None,
             cross_memory: true,
-            cross_memory_min_bytes: 256 << 10,
+            cross_memory_min_bytes: None,
             cross_memory_over_rings: None,
             transport: TransportMode::Auto,
             shm_ring_bytes: crate::transport::shm::DEFAULT_RING_BYTES,

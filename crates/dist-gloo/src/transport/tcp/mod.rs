@@ -3,9 +3,11 @@
 //! `mesh.rs` connects the pairs; `engine.rs` drives the peer protocol's [`Core`] over them
 //! (or over the shared-memory rings a pair on one host moves onto, `link.rs`); `cma.rs` is the
 //! single-copy path between processes on one host, which the core asks for through
-//! [`crate::proto::CopyIn`]; `linger.rs` reads each connection after closing until the peer
+//! [`crate::proto::CopyIn`], and `by_reference.rs` the sender's rule for which messages
+//! take it; `linger.rs` reads each connection after closing until the peer
 //! closes its end.
 
+mod by_reference;
 mod cma;
 mod conn;
 mod engine;
@@ -34,7 +36,8 @@ pub(crate) use mesh::group_id;
 
 use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, shm};
 use crate::proto::Core;
-use engine::{Engine, OverRings};
+use by_reference::{OverRings, SingleCopyRule};
+use engine::Engine;
 
 /// A full TCP mesh between the ranks of one group.
 #[derive(Debug)]
@@ -115,16 +118,8 @@ impl TcpTransport {
                 Duration::ZERO
             }
         });
-        let cma = cma::Cma::negotiate(
-            store,
-            prefix,
-            rank,
-            world_size,
-            opts.cross_memory,
-            opts.cross_memory_min_bytes,
-            deadline,
-        )
-        .map_err(ranked)?;
+        let cma = cma::Cma::negotiate(store, prefix, rank, world_size, opts.cross_memory, deadline)
+            .map_err(ranked)?;
         let cma = cma.map(Arc::new);
         let mut core = Core::new(rank, world_size, opts.segment_bytes);
         if let Some(cma) = &cma {
@@ -148,7 +143,10 @@ impl TcpTransport {
                 busy_spin,
                 cma,
                 linger: opts.timeout,
-                single_copy_over_rings,
+                single_copy: SingleCopyRule {
+                    over_rings: single_copy_over_rings,
+                    min_bytes: opts.cross_memory_min_bytes,
+                },
             }),
         })
     }

@@ -1,0 +1,152 @@
+//! Which messages go by reference (the receiver copies straight out of the sender's memory,
+//! `cma`) rather than through the link: a rule of the sender alone, since every frame says
+//! how its payload travels.
+//!
+//! Over TCP, every message from [`SINGLE_COPY_MIN_BYTES`]: one copy instead of two and no
+//! network stack. Over shared-memory rings, the two copies (the sender's in, the receiver's
+//! out) run on two cores at once, through a ring that stays in cache and with no pages to pin,
+//! so while this host's ranks fit its CPUs the rings win: `cargo xtask bench all` at 2 ranks
+//! from 256 KiB to 64 MiB, rings against by reference, took 0.25-0.7x the time for broadcast,
+//! 0.4-0.95x for all_gather, all_to_all and all_reduce. The exception is reduce_scatter from
+//! 4 MiB (1.3-1.5x; about 1.35x after it learnt to combine where it receives), not worth a
+//! rule of its own on figures this noisy.
+//!
+//! When the ranks outnumber the cores the two copies cannot run at once, and by reference
+//! wins (4 ranks on 2 cores: all_to_all 0.55-0.88x), except for broadcast and scatter, whose
+//! one-way pipelines keep the rings ahead there too (0.6-0.85x).
+//!
+//! Those figures were taken from buffers in 4 KiB pages, every one of which the kernel pins
+//! for a copy by reference. From buffers in 2 MiB pages, at 2 ranks, by reference took
+//! 0.82-0.89x the rings' time for all_gather and all_to_all at 4 and 16 MiB and was even from
+//! 64 MiB (from 4 KiB pages: 1.07-1.27x), and lost for all_reduce: so those two ops ask the
+//! page tables about each message's buffer ([`OverRings::FromHugePages`]).
+
+use dist_wire::CollectiveOp;
+
+/// Which large messages to a peer reached through shared-memory rings go by reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum OverRings {
+    /// None (`cross_memory_over_rings: Some(false)`).
+    Never,
+    /// All but broadcast's and scatter's: set, or this host's ranks outnumber its CPUs.
+    Always,
+    /// Those of all_gather and all_to_all whose bytes lie wholly in huge pages.
+    FromHugePages,
+}
+
+/// The smallest message [`OverRings::FromHugePages`] considers: one that spans a huge page.
+const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// The smallest message that goes by reference unless `MeshOptions::cross_memory_min_bytes`
+/// says otherwise: below it the acknowledgement's round trip costs more than the copy saved.
+pub(super) const SINGLE_COPY_MIN_BYTES: usize = 256 << 10;
+
+/// The same for all_to_all's messages over shared-memory rings when this host's ranks
+/// outnumber its CPUs ([`OverRings::Always`]). There every copy saved gives time back to a
+/// rank that shares the core, and all_to_all's messages are all in flight at once, so no
+/// rank waits on one acknowledgement before its next copy. At 4 ranks on 2 cores, alternated
+/// with 256 KiB (gloo_bench, us): 256 KiB per rank (64 KiB messages) 72-75 against 145-165,
+/// 512 KiB 108-151 against 243-316 (Open MPI's shared memory: 65-68 and 107). The same
+/// threshold for all_reduce cost 1.6-2x at 256 KiB (halving-doubling's exchanges each wait
+/// for the other's acknowledgement), and all_gather gained nothing.
+pub(super) const ALL_TO_ALL_SHARED_CORES_MIN_BYTES: usize = 64 << 10;
+
+/// The sender's rule for which messages go by reference, to peers that can read its memory.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SingleCopyRule {
+    /// Which messages over shared-memory rings (`MeshOptions::cross_memory_over_rings`).
+    pub(super) over_rings: OverRings,
+    /// The smallest message (`MeshOptions::cross_memory_min_bytes`); `None` picks
+    /// [`SINGLE_COPY_MIN_BYTES`], or [`ALL_TO_ALL_SHARED_CORES_MIN_BYTES`] where it applies.
+    pub(super) min_bytes: Option<usize>,
+}
+
+impl SingleCopyRule {
+    /// Whether `data`, a message of `op` to a peer reached through shared-memory rings
+    /// (`shm`) or TCP, goes by reference.
+    pub(super) fn pays(&self, shm: bool, op: CollectiveOp, data: &[u8]) -> bool {
+        let at_least = |auto: usize| data.len() >= self.min_bytes.unwrap_or(auto).max(1);
+        if !shm {
+            return at_least(SINGLE_COPY_MIN_BYTES);
+        }
+        match self.over_rings {
+            OverRings::Never => false,
+            OverRings::Always => match op {
+                CollectiveOp::Broadcast | CollectiveOp::Scatter => false,
+                CollectiveOp::AllToAll => at_least(ALL_TO_ALL_SHARED_CORES_MIN_BYTES),
+                _ => at_least(SINGLE_COPY_MIN_BYTES),
+            },
+            OverRings::FromHugePages => {
+                matches!(op, CollectiveOp::AllGather | CollectiveOp::AllToAll)
+                    && data.len() >= HUGE_PAGE_BYTES
+                    && at_least(SINGLE_COPY_MIN_BYTES)
+                    && super::huge_pages::in_huge_pages(data)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(over_rings: OverRings, min_bytes: Option<usize>) -> SingleCopyRule {
+        SingleCopyRule {
+            over_rings,
+            min_bytes,
+        }
+    }
+
+    #[test]
+    fn over_tcp_every_op_goes_by_reference_from_the_minimum() {
+        let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
+        let (at, below) = (&buf[..], &buf[1..]);
+        for over in [
+            OverRings::Never,
+            OverRings::Always,
+            OverRings::FromHugePages,
+        ] {
+            for op in [
+                CollectiveOp::Broadcast,
+                CollectiveOp::AllToAll,
+                CollectiveOp::AllReduce,
+            ] {
+                assert!(rule(over, None).pays(false, op, at), "{over:?} {op}");
+                assert!(!rule(over, None).pays(false, op, below), "{over:?} {op}");
+            }
+        }
+        assert!(rule(OverRings::Never, Some(10)).pays(false, CollectiveOp::AllReduce, &buf[..10]));
+        assert!(!rule(OverRings::Never, Some(10)).pays(false, CollectiveOp::AllReduce, &buf[..9]));
+        // A minimum of 0 still keeps empty messages inline.
+        assert!(!rule(OverRings::Never, Some(0)).pays(false, CollectiveOp::AllReduce, &[]));
+    }
+
+    #[test]
+    fn over_rings_with_shared_cores_all_to_all_goes_by_reference_from_its_own_minimum() {
+        let always = rule(OverRings::Always, None);
+        let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
+        let small = &buf[..ALL_TO_ALL_SHARED_CORES_MIN_BYTES];
+        let smaller = &buf[..ALL_TO_ALL_SHARED_CORES_MIN_BYTES - 1];
+        assert!(always.pays(true, CollectiveOp::AllToAll, small));
+        assert!(!always.pays(true, CollectiveOp::AllToAll, smaller));
+        assert!(!always.pays(true, CollectiveOp::AllReduce, small));
+        assert!(!always.pays(true, CollectiveOp::AllGather, small));
+        assert!(always.pays(true, CollectiveOp::AllReduce, &buf));
+        assert!(!always.pays(true, CollectiveOp::Broadcast, &buf));
+        assert!(!always.pays(true, CollectiveOp::Scatter, &buf));
+        // A minimum set by the user holds for all_to_all too.
+        let set = rule(OverRings::Always, Some(SINGLE_COPY_MIN_BYTES));
+        assert!(!set.pays(true, CollectiveOp::AllToAll, small));
+        assert!(set.pays(true, CollectiveOp::AllToAll, &buf));
+    }
+
+    #[test]
+    fn over_rings_otherwise_only_huge_messages_or_none_go_by_reference() {
+        let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
+        for op in [CollectiveOp::AllToAll, CollectiveOp::AllGather] {
+            assert!(!rule(OverRings::Never, None).pays(true, op, &buf));
+            // Under a huge page whatever its pages: the page tables are not even asked.
+            assert!(!rule(OverRings::FromHugePages, Some(1)).pays(true, op, &buf));
+        }
+    }
+}
