@@ -48,7 +48,8 @@ pub struct GlooOptions {
     pub broadcast_scatter_bytes: Option<usize>,
     /// all_reduce buffers of more than [`HALVING_DOUBLING_MIN_BYTES`] and up to this many bytes
     /// run recursive halving and doubling (Rabenseifner) instead of recursive doubling or the
-    /// ring. `None` picks [`GlooOptions::auto_halving_doubling_bytes`]; `0` turns it off;
+    /// ring. `None` picks [`GlooOptions::auto_halving_doubling_bytes`] once the mesh is built
+    /// (it depends on whether the whole group is on one host); `0` turns it off;
     /// `DIST_GLOO_HALVING_DOUBLING_BYTES` sets it. Every rank must use the same value (checked
     /// when the group is built).
     pub halving_doubling_bytes: Option<usize>,
@@ -87,9 +88,18 @@ impl GlooOptions {
     /// 0.56-0.72x their time from 64 KiB to 1 MiB, even at 2 MiB, 1.1-1.3x from 8 MiB (the
     /// ring's pipelining wins); over shared memory 0.47-0.8x from 16 KiB to 4 MiB. With 2 or 3
     /// ranks (one exchange pair, the third folded in) it has nothing to halve and loses
-    /// (1.2-1.3x at 3 ranks up to 256 KiB): off.
-    pub fn auto_halving_doubling_bytes(world_size: usize) -> usize {
-        if world_size >= 4 { 2 << 20 } else { 0 }
+    /// (1.2-1.3x at 3 ranks up to 256 KiB): off. When every rank of the group shares memory on
+    /// one host (`one_host`; [`Transport::one_host`]), the ring's steps cost no network round
+    /// trip, and since the ring learnt to run in pieces it wins from 512 KiB: 4 ranks on 2
+    /// cores, alternated with 2 MiB, 512 KiB took 134-144 us against 167-284 and 768 KiB
+    /// 183-280 against 277-365 (384 KiB even, 256 KiB and below halving-doubling's), so there
+    /// it stops at 256 KiB.
+    pub fn auto_halving_doubling_bytes(world_size: usize, one_host: bool) -> usize {
+        match (world_size >= 4, one_host) {
+            (false, _) => 0,
+            (true, false) => 2 << 20,
+            (true, true) => 256 << 10,
+        }
     }
 
     /// The default of [`GlooOptions::ring_piece_bytes`]: 1 MiB per rank, so that each rank's
@@ -236,28 +246,34 @@ impl GlooBackend {
             (
                 "small_bytes",
                 opts.small_bytes
-                    .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size)),
+                    .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size))
+                    .to_string(),
             ),
-            ("segment_bytes", opts.mesh.segment_bytes),
+            ("segment_bytes", opts.mesh.segment_bytes.to_string()),
             (
                 "fused_agreement_max_ranks",
                 opts.fused_agreement_max_ranks
-                    .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
+                    .unwrap_or(FUSED_AGREEMENT_MAX_RANKS)
+                    .to_string(),
             ),
             (
                 "broadcast_scatter_bytes",
                 opts.broadcast_scatter_bytes
-                    .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
+                    .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size))
+                    .to_string(),
             ),
             (
                 "halving_doubling_bytes",
+                // Resolved once the mesh says whether the group is on one host; every rank
+                // resolves it alike from the same records.
                 opts.halving_doubling_bytes
-                    .unwrap_or_else(|| GlooOptions::auto_halving_doubling_bytes(world_size)),
+                    .map_or_else(|| "auto".to_string(), |v| v.to_string()),
             ),
             (
                 "ring_piece_bytes",
                 opts.ring_piece_bytes
-                    .unwrap_or_else(|| GlooOptions::auto_ring_piece_bytes(world_size)),
+                    .unwrap_or_else(|| GlooOptions::auto_ring_piece_bytes(world_size))
+                    .to_string(),
             ),
         ]);
         let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
@@ -277,6 +293,7 @@ impl GlooBackend {
     /// A backend over any transport (e.g. [`MemTransport::network`] in tests).
     pub fn over(transport: Box<dyn Transport>, group: u32, opts: &GlooOptions) -> Self {
         let world_size = transport.world_size();
+        let one_host = transport.one_host();
         GlooBackend {
             rank: transport.rank(),
             world_size: transport.world_size(),
@@ -290,7 +307,7 @@ impl GlooBackend {
                 .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size)),
             halving_doubling_bytes: opts
                 .halving_doubling_bytes
-                .unwrap_or_else(|| GlooOptions::auto_halving_doubling_bytes(world_size)),
+                .unwrap_or_else(|| GlooOptions::auto_halving_doubling_bytes(world_size, one_host)),
             ring_piece_bytes: match opts.ring_piece_bytes {
                 Some(0) => usize::MAX,
                 Some(v) => v,
@@ -318,6 +335,12 @@ impl GlooBackend {
     /// memory with in practice (tests check that ranks on different hosts never do).
     pub fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         self.transport.messages_by_reference_per_peer()
+    }
+
+    /// Whether the whole group shares memory on one host ([`Transport::one_host`]), which
+    /// some algorithm defaults follow: for tests and diagnostics.
+    pub fn one_host(&self) -> bool {
+        self.transport.one_host()
     }
 
     /// The peers this rank reaches through shared-memory rings rather than sockets (indexed by

@@ -5,10 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dist_backend::Error;
 use dist_backend::store::HashStore;
+use dist_backend::{Backend, BufMut, Error, OpOptions};
 use dist_gloo::transport::shm::TransportMode;
 use dist_gloo::{GlooBackend, GlooOptions};
+use dist_wire::{DType, ReduceOp};
 
 /// Connects `n` ranks as threads with per-rank options; each rank's outcome.
 fn connect_all(
@@ -107,6 +108,65 @@ fn auto_falls_back_to_tcp_where_a_peer_takes_no_part() {
             vec![true, false, false]
         ]
     );
+}
+
+/// A group is on one host (which moves all_reduce's switch from halving-doubling to the ring
+/// down to 256 KiB) only when every rank shares memory on it; every rank must agree, or their
+/// all_reduce of a size between the two switches would run different algorithms.
+#[test]
+fn every_rank_agrees_whether_the_group_is_on_one_host() {
+    let cases: [(&str, [&str; 4], [TransportMode; 4], bool); 3] = [
+        ("one host", ["x"; 4], [TransportMode::Auto; 4], true),
+        (
+            "two hosts",
+            ["x", "x", "y", "y"],
+            [TransportMode::Auto; 4],
+            false,
+        ),
+        (
+            "rank 2 on TCP",
+            ["x"; 4],
+            [
+                TransportMode::Auto,
+                TransportMode::Auto,
+                TransportMode::Tcp,
+                TransportMode::Auto,
+            ],
+            false,
+        ),
+    ];
+    for (what, hosts, modes, want) in cases {
+        let outs = connect_all(4, |r| opts(modes[r], hosts[r]));
+        let ranks: Vec<GlooBackend> = outs
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|e| panic!("{what}: {e}")))
+            .collect();
+        for b in &ranks {
+            assert_eq!(b.one_host(), want, "{what}: rank {}", b.rank());
+        }
+        // 512 KiB lies between the two switches: every rank runs the same algorithm or fails.
+        std::thread::scope(|s| {
+            for b in &ranks {
+                s.spawn(move || {
+                    let count = 128 << 10;
+                    let mut buf: Vec<u8> = (0..count)
+                        .flat_map(|i| ((i % 7 + b.rank()) as f32).to_ne_bytes())
+                        .collect();
+                    b.all_reduce(
+                        BufMut::Host(&mut buf),
+                        DType::F32,
+                        ReduceOp::Sum,
+                        &OpOptions::default(),
+                    )
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    for (i, v) in buf.chunks_exact(4).enumerate() {
+                        let want = (4 * (i % 7) + 6) as f32;
+                        assert_eq!(f32::from_ne_bytes(v.try_into().unwrap()), want, "{what}");
+                    }
+                });
+            }
+        });
+    }
 }
 
 #[test]

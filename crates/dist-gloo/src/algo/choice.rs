@@ -15,8 +15,9 @@ use std::time::Instant;
 use dist_backend::{Error, Result, Store};
 
 /// The settings that choose algorithms, as space-separated `name=value` pairs (in the order
-/// given, which every rank must use alike).
-pub(crate) fn settings(pairs: &[(&str, usize)]) -> String {
+/// given, which every rank must use alike). `auto` stands for a value resolved once the mesh is
+/// built, which every rank resolves alike.
+pub(crate) fn settings(pairs: &[(&str, String)]) -> String {
     pairs
         .iter()
         .map(|(name, v)| format!("{name}={v}"))
@@ -92,8 +93,14 @@ mod tests {
     fn the_first_setting_that_differs_is_named_with_the_rank() {
         let store = HashStore::new(Duration::from_secs(5));
         let soon = Instant::now() + Duration::from_secs(5);
-        let a = settings(&[("small_bytes", 16 << 10), ("segment_bytes", 1 << 20)]);
-        let b = settings(&[("small_bytes", 0), ("segment_bytes", 1 << 20)]);
+        let a = settings(&[
+            ("small_bytes", "16384".into()),
+            ("segment_bytes", "auto".into()),
+        ]);
+        let b = settings(&[
+            ("small_bytes", "0".into()),
+            ("segment_bytes", "auto".into()),
+        ]);
         publish(&store, "g", 0, &a, soon).unwrap();
         publish(&store, "g", 1, &b, soon).unwrap();
         publish(&store, "g", 2, &a, soon).unwrap();

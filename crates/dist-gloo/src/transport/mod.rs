@@ -283,6 +283,12 @@ pub trait Transport: Send + Sync {
     fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         vec![0; self.world_size()]
     }
+    /// Whether every rank of the group reaches the others through shared memory on one host,
+    /// as far as algorithm choices go; every rank of the group must get the same answer
+    /// (false for transports that never use shared memory).
+    fn one_host(&self) -> bool {
+        false
+    }
 }
 
 /// How a received header relates to what a step expects.

@@ -157,10 +157,20 @@ pub(crate) struct ShmOptions {
     pub(crate) ring_bytes: usize,
 }
 
-/// Decides, with every peer, which pairs use rings, and sets them up: per peer, its rings or
-/// `None` for TCP. Every rank of the group must call it (in two store rounds under `prefix`):
-/// a rank that fails still publishes both rounds first, so that its peers fail by naming it
-/// rather than by waiting for the store.
+/// What [`negotiate`] settled.
+#[derive(Debug)]
+pub(crate) struct Negotiated {
+    /// Per peer, its rings, or `None` for TCP.
+    pub(crate) rings: Vec<Option<Rings>>,
+    /// Every rank of the group published a segment on one host. Every rank computes it from
+    /// the same records, so all agree (even where one pair could not open the other's segment
+    /// and uses TCP); algorithm settings may depend on it.
+    pub(crate) one_host: bool,
+}
+
+/// Decides, with every peer, which pairs use rings, and sets them up. Every rank of the group
+/// must call it (in two store rounds under `prefix`): a rank that fails still publishes both
+/// rounds first, so that its peers fail by naming it rather than by waiting for the store.
 pub(crate) fn negotiate(
     store: &dyn Store,
     prefix: &str,
@@ -168,10 +178,13 @@ pub(crate) fn negotiate(
     world: usize,
     o: &ShmOptions,
     deadline: Instant,
-) -> Result<Vec<Option<Rings>>> {
+) -> Result<Negotiated> {
     let mut out: Vec<Option<Rings>> = (0..world).map(|_| None).collect();
     if world == 1 {
-        return Ok(out);
+        return Ok(Negotiated {
+            rings: out,
+            one_host: true,
+        });
     }
     let shm = o.mode == TransportMode::Shm;
     // This rank's own failure, reported after the rounds.
@@ -228,9 +241,11 @@ pub(crate) fn negotiate(
     let mut txs: Vec<Option<TxRing>> = (0..world).map(|_| None).collect();
     let mut why_not: Vec<Option<Error>> = (0..world).map(|_| None).collect();
     let mut strict: Vec<bool> = vec![shm; world];
+    let mut one_host = me.seg.is_some();
     for peer in (0..world).filter(|&p| p != rank) {
         let raw = store.get_by(&format!("{prefix}/shm/{peer}"), deadline)?;
         let theirs = Record::decode(&raw);
+        one_host &= matches!(&theirs, Some(Record { seg: Some(l), .. }) if l.host == host);
         let unsupported = |what: String| {
             let who = match &theirs {
                 Some(t) if t.strict && !shm => format!("rank {peer} asked for"),
@@ -311,6 +326,9 @@ pub(crate) fn negotiate(
     }
     match own_err {
         Some(e) => Err(e),
-        None => Ok(out),
+        None => Ok(Negotiated {
+            rings: out,
+            one_host,
+        }),
     }
 }

@@ -45,6 +45,7 @@ pub struct TcpTransport {
     rank: usize,
     world_size: usize,
     segment: usize,
+    one_host: bool,
     engine: Mutex<Engine>,
 }
 
@@ -85,7 +86,7 @@ impl TcpTransport {
         }
         let (poll, mut conns) =
             mesh::build(store, prefix, rank, world_size, opts, deadline).map_err(ranked)?;
-        let rings = shm::negotiate(
+        let shm::Negotiated { rings, one_host } = shm::negotiate(
             store,
             prefix,
             rank,
@@ -134,6 +135,7 @@ impl TcpTransport {
             rank,
             world_size,
             segment: core.segment_bytes(),
+            one_host,
             engine: Mutex::new(Engine {
                 poll,
                 events: mio::Events::with_capacity(64),
@@ -186,6 +188,13 @@ impl Transport for TcpTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .probe(peer, tag)
+    }
+
+    /// True when every rank published a shared-memory segment with the same host id when the
+    /// mesh was built: every rank reads the same records, so all agree, even where one pair
+    /// could not open the other's segment and talks over TCP.
+    fn one_host(&self) -> bool {
+        self.one_host
     }
 
     fn shared_memory_peers(&self) -> Vec<bool> {
