@@ -12,8 +12,16 @@
 //! rule of its own on figures this noisy.
 //!
 //! When the ranks outnumber the cores the two copies cannot run at once, and by reference
-//! wins (4 ranks on 2 cores: all_to_all 0.55-0.88x), except for broadcast and scatter, whose
-//! one-way pipelines keep the rings ahead there too (0.6-0.85x).
+//! wins for the ops that only move data (4 ranks on 2 cores: all_to_all 0.55-0.88x), except
+//! for broadcast and scatter, whose one-way pipelines keep the rings ahead there too
+//! (0.6-0.85x) ([`OverRings::SharedCores`]). Not for the reductions: all_reduce, reduce_scatter
+//! and reduce through the rings, alternated with by reference, 4 ranks on 2 cores bound two to
+//! a core (gloo_bench, us): all_reduce 1 MiB 258-268 against 471-514, 4 MiB 1430-1582 against
+//! 2160-2710, 16 MiB 6324-6645 against 9517-12198; reduce_scatter 4 MiB 4386-5579 against
+//! 6902-9634, 16 MiB 17534-22466 against 28158-38178, from 4 KiB and 2 MiB pages alike.
+//! Unbound, where the ranks' placement makes runs bimodal, all_reduce 16 MiB took 6600-8119
+//! against 8146-9946, reduce_scatter 16 MiB 16052-19531 against 21490-34948, reduce 16 MiB
+//! 4346-5040 against 6139-8584, and all_reduce at 1-4 MiB was even.
 //!
 //! Those figures were taken from buffers in 4 KiB pages, every one of which the kernel pins
 //! for a copy by reference. From buffers in 2 MiB pages, at 2 ranks, by reference took
@@ -28,8 +36,11 @@ use dist_wire::CollectiveOp;
 pub(super) enum OverRings {
     /// None (`cross_memory_over_rings: Some(false)`).
     Never,
-    /// All but broadcast's and scatter's: set, or this host's ranks outnumber its CPUs.
+    /// All but broadcast's and scatter's (`cross_memory_over_rings: Some(true)`).
     Always,
+    /// all_to_all's, all_gather's and gather's: unset, and this host's ranks outnumber its
+    /// CPUs.
+    SharedCores,
     /// Those of all_gather and all_to_all whose bytes lie wholly in huge pages.
     FromHugePages,
 }
@@ -42,7 +53,7 @@ const HUGE_PAGE_BYTES: usize = 2 << 20;
 pub(super) const SINGLE_COPY_MIN_BYTES: usize = 256 << 10;
 
 /// The same for all_to_all's messages over shared-memory rings when this host's ranks
-/// outnumber its CPUs ([`OverRings::Always`]). There every copy saved gives time back to a
+/// outnumber its CPUs ([`OverRings::SharedCores`]). There every copy saved gives time back to a
 /// rank that shares the core, and all_to_all's messages are all in flight at once, so no
 /// rank waits on one acknowledgement before its next copy. At 4 ranks on 2 cores, alternated
 /// with 256 KiB (gloo_bench, us): 256 KiB per rank (64 KiB messages) 72-75 against 145-165,
@@ -73,8 +84,12 @@ impl SingleCopyRule {
             OverRings::Never => false,
             OverRings::Always => match op {
                 CollectiveOp::Broadcast | CollectiveOp::Scatter => false,
-                CollectiveOp::AllToAll => at_least(ALL_TO_ALL_SHARED_CORES_MIN_BYTES),
                 _ => at_least(SINGLE_COPY_MIN_BYTES),
+            },
+            OverRings::SharedCores => match op {
+                CollectiveOp::AllToAll => at_least(ALL_TO_ALL_SHARED_CORES_MIN_BYTES),
+                CollectiveOp::AllGather | CollectiveOp::Gather => at_least(SINGLE_COPY_MIN_BYTES),
+                _ => false,
             },
             OverRings::FromHugePages => {
                 matches!(op, CollectiveOp::AllGather | CollectiveOp::AllToAll)
@@ -122,22 +137,46 @@ mod tests {
     }
 
     #[test]
-    fn over_rings_with_shared_cores_all_to_all_goes_by_reference_from_its_own_minimum() {
-        let always = rule(OverRings::Always, None);
+    fn over_rings_with_shared_cores_only_data_movers_go_by_reference() {
+        let shared = rule(OverRings::SharedCores, None);
         let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
         let small = &buf[..ALL_TO_ALL_SHARED_CORES_MIN_BYTES];
         let smaller = &buf[..ALL_TO_ALL_SHARED_CORES_MIN_BYTES - 1];
-        assert!(always.pays(true, CollectiveOp::AllToAll, small));
-        assert!(!always.pays(true, CollectiveOp::AllToAll, smaller));
-        assert!(!always.pays(true, CollectiveOp::AllReduce, small));
-        assert!(!always.pays(true, CollectiveOp::AllGather, small));
-        assert!(always.pays(true, CollectiveOp::AllReduce, &buf));
-        assert!(!always.pays(true, CollectiveOp::Broadcast, &buf));
-        assert!(!always.pays(true, CollectiveOp::Scatter, &buf));
+        assert!(shared.pays(true, CollectiveOp::AllToAll, small));
+        assert!(!shared.pays(true, CollectiveOp::AllToAll, smaller));
+        assert!(!shared.pays(true, CollectiveOp::AllGather, small));
+        assert!(shared.pays(true, CollectiveOp::AllGather, &buf));
+        assert!(shared.pays(true, CollectiveOp::Gather, &buf));
+        for op in [
+            CollectiveOp::AllReduce,
+            CollectiveOp::ReduceScatter,
+            CollectiveOp::Reduce,
+            CollectiveOp::Broadcast,
+            CollectiveOp::Scatter,
+        ] {
+            assert!(!shared.pays(true, op, &buf), "{op}");
+        }
         // A minimum set by the user holds for all_to_all too.
-        let set = rule(OverRings::Always, Some(SINGLE_COPY_MIN_BYTES));
+        let set = rule(OverRings::SharedCores, Some(SINGLE_COPY_MIN_BYTES));
         assert!(!set.pays(true, CollectiveOp::AllToAll, small));
         assert!(set.pays(true, CollectiveOp::AllToAll, &buf));
+    }
+
+    #[test]
+    fn over_rings_when_told_every_op_but_the_pipelines_goes_by_reference() {
+        let always = rule(OverRings::Always, None);
+        let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
+        for op in [
+            CollectiveOp::AllReduce,
+            CollectiveOp::ReduceScatter,
+            CollectiveOp::AllToAll,
+            CollectiveOp::AllGather,
+        ] {
+            assert!(always.pays(true, op, &buf), "{op}");
+            assert!(!always.pays(true, op, &buf[1..]), "{op}");
+        }
+        assert!(!always.pays(true, CollectiveOp::Broadcast, &buf));
+        assert!(!always.pays(true, CollectiveOp::Scatter, &buf));
     }
 
     #[test]

@@ -109,7 +109,7 @@ impl TcpTransport {
         let single_copy_over_rings = match opts.cross_memory_over_rings {
             Some(false) => OverRings::Never,
             Some(true) => OverRings::Always,
-            None if shm::online_cpus().is_some_and(|n| local_ranks > n) => OverRings::Always,
+            None if shm::online_cpus().is_some_and(|n| local_ranks > n) => OverRings::SharedCores,
             None => OverRings::FromHugePages,
         };
         let busy_spin = opts.busy_spin.unwrap_or_else(|| {
