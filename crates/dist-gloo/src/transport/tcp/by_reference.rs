@@ -12,16 +12,15 @@
 //! rule of its own on figures this noisy.
 //!
 //! When the ranks outnumber the cores the two copies cannot run at once, and by reference
-//! wins for the ops that only move data (4 ranks on 2 cores: all_to_all 0.55-0.88x), except
-//! for broadcast and scatter, whose one-way pipelines keep the rings ahead there too
-//! (0.6-0.85x) ([`OverRings::SharedCores`]). Not for the reductions: all_reduce, reduce_scatter
-//! and reduce through the rings, alternated with by reference, 4 ranks on 2 cores bound two to
-//! a core (gloo_bench, us): all_reduce 1 MiB 258-268 against 471-514, 4 MiB 1430-1582 against
-//! 2160-2710, 16 MiB 6324-6645 against 9517-12198; reduce_scatter 4 MiB 4386-5579 against
-//! 6902-9634, 16 MiB 17534-22466 against 28158-38178, from 4 KiB and 2 MiB pages alike.
-//! Unbound, where the ranks' placement makes runs bimodal, all_reduce 16 MiB took 6600-8119
-//! against 8146-9946, reduce_scatter 16 MiB 16052-19531 against 21490-34948, reduce 16 MiB
-//! 4346-5040 against 6139-8584, and all_reduce at 1-4 MiB was even.
+//! wins (4 ranks on 2 cores: all_to_all 0.55-0.88x), except for broadcast and scatter, whose
+//! one-way pipelines keep the rings ahead there too (0.6-0.85x), and reduce_scatter
+//! ([`OverRings::SharedCores`]). Its rings against by reference, 4 ranks on 2 cores, gloo_bench
+//! alternated (us): unbound, 16 MiB 16052-19531 against 21490-34948, 1 and 4 MiB even; bound
+//! two to a core, 4 MiB 4386-5579 against 6902-9634, 16 MiB 17534-22466 against 28158-38178.
+//! all_reduce and reduce gained as much bound and at 16 MiB unbound, but in runs of one size
+//! each (as `cargo xtask bench --interleave` runs them) lost at 1-4 MiB (all_reduce 4 MiB
+//! 1723-2255 against 953-1096, reduce 4 MiB 1230-1351 against 875-957): the placement the
+//! scheduler settles on favours one or the other, and they stay by reference.
 //!
 //! Those figures were taken from buffers in 4 KiB pages, every one of which the kernel pins
 //! for a copy by reference. From buffers in 2 MiB pages, at 2 ranks, by reference took
@@ -38,8 +37,8 @@ pub(super) enum OverRings {
     Never,
     /// All but broadcast's and scatter's (`cross_memory_over_rings: Some(true)`).
     Always,
-    /// all_to_all's, all_gather's and gather's: unset, and this host's ranks outnumber its
-    /// CPUs.
+    /// All but broadcast's, scatter's and reduce_scatter's, all_to_all's from a lower size:
+    /// unset, and this host's ranks outnumber its CPUs.
     SharedCores,
     /// Those of all_gather and all_to_all whose bytes lie wholly in huge pages.
     FromHugePages,
@@ -87,9 +86,11 @@ impl SingleCopyRule {
                 _ => at_least(SINGLE_COPY_MIN_BYTES),
             },
             OverRings::SharedCores => match op {
+                CollectiveOp::Broadcast | CollectiveOp::Scatter | CollectiveOp::ReduceScatter => {
+                    false
+                }
                 CollectiveOp::AllToAll => at_least(ALL_TO_ALL_SHARED_CORES_MIN_BYTES),
-                CollectiveOp::AllGather | CollectiveOp::Gather => at_least(SINGLE_COPY_MIN_BYTES),
-                _ => false,
+                _ => at_least(SINGLE_COPY_MIN_BYTES),
             },
             OverRings::FromHugePages => {
                 matches!(op, CollectiveOp::AllGather | CollectiveOp::AllToAll)
@@ -137,20 +138,24 @@ mod tests {
     }
 
     #[test]
-    fn over_rings_with_shared_cores_only_data_movers_go_by_reference() {
+    fn over_rings_with_shared_cores_all_to_all_goes_by_reference_from_its_own_minimum() {
         let shared = rule(OverRings::SharedCores, None);
         let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
         let small = &buf[..ALL_TO_ALL_SHARED_CORES_MIN_BYTES];
         let smaller = &buf[..ALL_TO_ALL_SHARED_CORES_MIN_BYTES - 1];
         assert!(shared.pays(true, CollectiveOp::AllToAll, small));
         assert!(!shared.pays(true, CollectiveOp::AllToAll, smaller));
-        assert!(!shared.pays(true, CollectiveOp::AllGather, small));
-        assert!(shared.pays(true, CollectiveOp::AllGather, &buf));
-        assert!(shared.pays(true, CollectiveOp::Gather, &buf));
         for op in [
+            CollectiveOp::AllGather,
+            CollectiveOp::Gather,
             CollectiveOp::AllReduce,
-            CollectiveOp::ReduceScatter,
             CollectiveOp::Reduce,
+        ] {
+            assert!(!shared.pays(true, op, small), "{op}");
+            assert!(shared.pays(true, op, &buf), "{op}");
+        }
+        for op in [
+            CollectiveOp::ReduceScatter,
             CollectiveOp::Broadcast,
             CollectiveOp::Scatter,
         ] {

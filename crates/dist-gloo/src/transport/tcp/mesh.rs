@@ -52,9 +52,8 @@ pub struct MeshOptions {
     /// Whether large messages to a peer reached through shared-memory rings go that way too
     /// (broadcast and scatter never do). `None` decides by whether this host's ranks of the
     /// group outnumber its CPUs: the rings' two copies run at once on two cores and beat one
-    /// copy by reference, unless the ranks must share cores, where all_to_all's, all_gather's
-    /// and gather's messages go by reference (the reductions' still pay through the rings);
-    /// where they do not, all_gather's and all_to_all's messages from 2 MiB still go by
+    /// copy by reference, unless the ranks must share cores (there reduce_scatter's messages
+    /// still pay through the rings); where they do not, all_gather's and all_to_all's messages from 2 MiB still go by
     /// reference when their bytes lie wholly in huge pages, which the kernel pins cheaply (see
     /// `by_reference`).
     pub cross_memory_over_rings: Option<bool>,
