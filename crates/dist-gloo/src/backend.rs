@@ -93,7 +93,8 @@ impl GlooOptions {
     /// trip, and since the ring learnt to run in pieces it wins from 512 KiB: 4 ranks on 2
     /// cores, alternated with 2 MiB, 512 KiB took 134-144 us against 167-284 and 768 KiB
     /// 183-280 against 277-365 (384 KiB even, 256 KiB and below halving-doubling's), so there
-    /// it stops at 256 KiB.
+    /// it stops at 256 KiB (measured only with the ranks outnumbering the cores; on a host
+    /// with a core per rank the ring's steps are cheaper still).
     pub fn auto_halving_doubling_bytes(world_size: usize, one_host: bool) -> usize {
         match (world_size >= 4, one_host) {
             (false, _) => 0,

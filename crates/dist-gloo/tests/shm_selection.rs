@@ -115,11 +115,18 @@ fn auto_falls_back_to_tcp_where_a_peer_takes_no_part() {
 /// all_reduce of a size between the two switches would run different algorithms.
 #[test]
 fn every_rank_agrees_whether_the_group_is_on_one_host() {
-    let cases: [(&str, [&str; 4], [TransportMode; 4], bool); 3] = [
+    let cases: [(&str, [&str; 4], [TransportMode; 4], bool); 4] = [
         ("one host", ["x"; 4], [TransportMode::Auto; 4], true),
         (
             "two hosts",
             ["x", "x", "y", "y"],
+            [TransportMode::Auto; 4],
+            false,
+        ),
+        // Host ids that a space would have cut to one word in the published records.
+        (
+            "host ids with spaces",
+            ["a b", "a b", "a", "a"],
             [TransportMode::Auto; 4],
             false,
         ),

@@ -1,7 +1,8 @@
 //! Agreement on what chooses the algorithms, once per group, when its mesh is built.
 //!
 //! Why: each rank picks an operation's algorithm from the buffer size and its own settings
-//! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`).
+//! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`,
+//! `halving_doubling_bytes`, `ring_piece_bytes`).
 //! Ranks whose settings differ would run different algorithms for the same call; the frames'
 //! step tags catch that (a mismatch naming both ranks' algorithm steps, passed to every rank
 //! by the abort notice, which is all a backend built with `GlooBackend::over` gets), but only
@@ -74,7 +75,8 @@ pub(crate) fn check(
             format!(
                 "algorithm settings mismatch: rank {r} has {differs}; ranks that choose algorithms \
                  differently would run different algorithms for the same call (set \
-                 DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES and GlooOptions alike on every rank)"
+                 DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES, DIST_GLOO_HALVING_DOUBLING_BYTES, \
+                 DIST_GLOO_RING_PIECE_BYTES and GlooOptions alike on every rank)"
             ),
         ));
     }
@@ -95,11 +97,11 @@ mod tests {
         let soon = Instant::now() + Duration::from_secs(5);
         let a = settings(&[
             ("small_bytes", "16384".into()),
-            ("segment_bytes", "auto".into()),
+            ("halving_doubling_bytes", "auto".into()),
         ]);
         let b = settings(&[
             ("small_bytes", "0".into()),
-            ("segment_bytes", "auto".into()),
+            ("halving_doubling_bytes", "auto".into()),
         ]);
         publish(&store, "g", 0, &a, soon).unwrap();
         publish(&store, "g", 1, &b, soon).unwrap();

@@ -283,9 +283,10 @@ pub trait Transport: Send + Sync {
     fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         vec![0; self.world_size()]
     }
-    /// Whether every rank of the group reaches the others through shared memory on one host,
-    /// as far as algorithm choices go; every rank of the group must get the same answer
-    /// (false for transports that never use shared memory).
+    /// Whether every rank of the group published a shared-memory segment with one host id
+    /// (some pairs may still talk over TCP), for the algorithm defaults that follow it; every
+    /// rank of the group must get the same answer (false for transports that never use shared
+    /// memory).
     fn one_host(&self) -> bool {
         false
     }

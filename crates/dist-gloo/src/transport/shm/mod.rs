@@ -194,7 +194,9 @@ pub(crate) fn negotiate(
     if o.mode != TransportMode::Tcp {
         let made = o
             .host_id
-            .clone()
+            .as_ref()
+            // Whitespace would split the published record (as `host_id` strips it too).
+            .map(|h| h.replace(char::is_whitespace, ""))
             .map_or_else(host_id, Ok)
             .map_err(|e| (e, "reading the host id from /proc"))
             .and_then(|h| {
@@ -241,11 +243,15 @@ pub(crate) fn negotiate(
     let mut txs: Vec<Option<TxRing>> = (0..world).map(|_| None).collect();
     let mut why_not: Vec<Option<Error>> = (0..world).map(|_| None).collect();
     let mut strict: Vec<bool> = vec![shm; world];
-    let mut one_host = me.seg.is_some();
+    // Judged on the records as every rank reads them (this rank's own decoded as the peers
+    // decode it), so that the answer depends on the records alone, not on who reads them.
+    let host_of = |r: Option<Record>| r.and_then(|r| r.seg).map(|l| l.host);
+    let first_host = host_of(Record::decode(me.encode().as_bytes()));
+    let mut one_host = first_host.is_some();
     for peer in (0..world).filter(|&p| p != rank) {
         let raw = store.get_by(&format!("{prefix}/shm/{peer}"), deadline)?;
         let theirs = Record::decode(&raw);
-        one_host &= matches!(&theirs, Some(Record { seg: Some(l), .. }) if l.host == host);
+        one_host &= host_of(Record::decode(&raw)) == first_host;
         let unsupported = |what: String| {
             let who = match &theirs {
                 Some(t) if t.strict && !shm => format!("rank {peer} asked for"),

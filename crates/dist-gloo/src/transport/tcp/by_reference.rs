@@ -120,6 +120,7 @@ mod tests {
         for over in [
             OverRings::Never,
             OverRings::Always,
+            OverRings::SharedCores,
             OverRings::FromHugePages,
         ] {
             for op in [
@@ -189,8 +190,11 @@ mod tests {
         let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
         for op in [CollectiveOp::AllToAll, CollectiveOp::AllGather] {
             assert!(!rule(OverRings::Never, None).pays(true, op, &buf));
-            // Under a huge page whatever its pages: the page tables are not even asked.
+            // Shorter than a huge page: never, whatever the minimum.
             assert!(!rule(OverRings::FromHugePages, Some(1)).pays(true, op, &buf));
         }
+        // The reductions never, even from huge pages (this buffer may or may not lie in them).
+        let big = vec![0u8; 2 * HUGE_PAGE_BYTES];
+        assert!(!rule(OverRings::FromHugePages, None).pays(true, CollectiveOp::AllReduce, &big));
     }
 }

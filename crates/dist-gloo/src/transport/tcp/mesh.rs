@@ -45,15 +45,15 @@ pub struct MeshOptions {
     pub cross_memory: bool,
     /// Smallest message sent that way. `None` picks 256 KiB (below, the acknowledgement's
     /// round trip costs more than the copy saved), and 64 KiB for all_to_all between ranks
-    /// joined by shared-memory rings when this host's ranks outnumber its CPUs (its messages
-    /// are all in flight at once, and every copy saved gives a core back to a rank that
-    /// shares it).
+    /// joined by shared-memory rings when this host's ranks outnumber its CPUs and
+    /// `cross_memory_over_rings` is unset (its messages are all in flight at once, and every
+    /// copy saved gives a core back to a rank that shares it).
     pub cross_memory_min_bytes: Option<usize>,
     /// Whether large messages to a peer reached through shared-memory rings go that way too
     /// (broadcast and scatter never do). `None` decides by whether this host's ranks of the
     /// group outnumber its CPUs: the rings' two copies run at once on two cores and beat one
-    /// copy by reference, unless the ranks must share cores (there reduce_scatter's messages
-    /// still pay through the rings); where they do not, all_gather's and all_to_all's messages from 2 MiB still go by
+    /// copy by reference, unless the ranks must share cores (even there reduce_scatter's
+    /// messages stay on the rings); where they do not, all_gather's and all_to_all's messages from 2 MiB still go by
     /// reference when their bytes lie wholly in huge pages, which the kernel pins cheaply (see
     /// `by_reference`).
     pub cross_memory_over_rings: Option<bool>,
