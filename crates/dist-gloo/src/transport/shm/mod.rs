@@ -246,12 +246,12 @@ pub(crate) fn negotiate(
     // Judged on the records as every rank reads them (this rank's own decoded as the peers
     // decode it), so that the answer depends on the records alone, not on who reads them.
     let host_of = |r: Option<&Record>| r.and_then(|r| r.seg.as_ref()).map(|l| l.host.clone());
-    let first_host = host_of(Record::decode(me.encode().as_bytes()).as_ref());
-    let mut one_host = first_host.is_some();
+    let own_host = host_of(Record::decode(me.encode().as_bytes()).as_ref());
+    let mut one_host = own_host.is_some();
     for peer in (0..world).filter(|&p| p != rank) {
         let raw = store.get_by(&format!("{prefix}/shm/{peer}"), deadline)?;
         let theirs = Record::decode(&raw);
-        one_host &= host_of(theirs.as_ref()) == first_host;
+        one_host &= host_of(theirs.as_ref()) == own_host;
         let unsupported = |what: String| {
             let who = match &theirs {
                 Some(t) if t.strict && !shm => format!("rank {peer} asked for"),

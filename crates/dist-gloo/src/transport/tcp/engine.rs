@@ -90,8 +90,9 @@ impl Engine {
             .filter(|_| ctx.op != CollectiveOp::SendRecv);
         let offer = cma.map_or(0, |_| Cma::next_step_offer());
         let by_ref = |s: &Outgoing<'_>| {
-            let shm = matches!(self.conns.get(s.peer), Some(Some(c)) if c.is_shm());
-            cma.is_some_and(|c| c.peer_reads(s.peer)) && self.single_copy.pays(shm, ctx.op, s.data)
+            let shm = || matches!(self.conns.get(s.peer), Some(Some(c)) if c.is_shm());
+            cma.is_some_and(|c| c.peer_reads(s.peer))
+                && self.single_copy.pays(shm(), ctx.op, s.data)
         };
         let mut step = self.core.begin_by_ref(*ctx, sends, recvs, offer, &by_ref);
         if let Some(cma) = cma {
