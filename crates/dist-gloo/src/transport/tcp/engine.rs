@@ -109,6 +109,13 @@ impl Engine {
         // cannot pass (a step that progresses does not time out), and reading the clock each
         // pass was a tenth of a 4-byte all-reduce's time.
         let mut now = Instant::now();
+        // This rank's frames go out before it takes any: taking a frame sent by reference is a
+        // copy of up to a segment, and a peer waiting for this rank's offers would wait
+        // through all of them (2 ranks, all_reduce of 16 MiB by reference: the two ranks took
+        // turns, each copying while the other slept, 3.6 ms against 1.5 with both copying).
+        for peer in 0..peers {
+            self.write(&mut step, sends, recvs, on_frame, peer);
+        }
         // Frames stashed before the step began (a lazy root's verification replies come in
         // ahead of the step that checks them) are delivered before anything is read: the
         // first pass would otherwise read every awaited peer, a system call each over TCP,
@@ -120,9 +127,16 @@ impl Engine {
         }
         loop {
             let mut progress = false;
+            // Every peer's frames are written before any is read (see above); after reading a
+            // peer, what the reading queued for it (acknowledgements) goes out at once.
             for peer in 0..peers {
                 progress |= self.write(&mut step, sends, recvs, on_frame, peer);
-                progress |= self.read(&mut step, sends, recvs, on_frame, peer);
+            }
+            for peer in 0..peers {
+                if self.read(&mut step, sends, recvs, on_frame, peer) {
+                    progress = true;
+                    self.write(&mut step, sends, recvs, on_frame, peer);
+                }
             }
             match self.core.poll(&mut step, sends, recvs, on_frame, now) {
                 Status::Done => return self.core.finish(&mut step, sends, now),
