@@ -25,8 +25,15 @@
 //! Those figures were taken from buffers in 4 KiB pages, every one of which the kernel pins
 //! for a copy by reference. From buffers in 2 MiB pages, at 2 ranks, by reference took
 //! 0.82-0.89x the rings' time for all_gather and all_to_all at 4 and 16 MiB and was even from
-//! 64 MiB (from 4 KiB pages: 1.07-1.27x), and lost for all_reduce: so those two ops ask the
-//! page tables about each message's buffer ([`OverRings::FromHugePages`]).
+//! 64 MiB (from 4 KiB pages: 1.07-1.27x). Once a step wrote its offers before copying its
+//! peer's (the engine, 2026-11-26), the reductions gained too, from messages of 1 MiB:
+//! all_reduce 2 MiB 112-113 us against 122-124, 16 MiB 1396-1524 against 1653-1790, even at
+//! 32 MiB and 1.05x at 64 MiB (hence [`ALL_REDUCE_FROM_HUGE_PAGES_MAX_BYTES`]); reduce_scatter
+//! 1 MiB per rank 67-68 against 71-72, 4 MiB 351-375 against 425-450, 64 MiB 8873-12630
+//! against 12303-13674; with messages of 256 and 512 KiB they lost 1.4-2.4x (the
+//! acknowledgement's round trip). reduce lost at 64 MiB (9353-10366 against 6925-7144) and
+//! stays on the rings. So these ops ask the page tables about each message's buffer
+//! ([`OverRings::FromHugePages`]).
 
 use dist_wire::CollectiveOp;
 
@@ -40,12 +47,25 @@ pub(super) enum OverRings {
     /// All but broadcast's, scatter's and reduce_scatter's, all_to_all's from a lower size:
     /// unset, and this host's ranks outnumber its CPUs.
     SharedCores,
-    /// Those of all_gather and all_to_all whose bytes lie wholly in huge pages.
+    /// Those of all_gather, all_to_all, all_reduce and reduce_scatter whose bytes lie wholly
+    /// in huge pages: unset, and this host's ranks fit its CPUs.
     FromHugePages,
 }
 
 /// The smallest message [`OverRings::FromHugePages`] considers: one that spans a huge page.
 const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// The smallest message of all_reduce and reduce_scatter that [`OverRings::FromHugePages`]
+/// considers: smaller ones lost to the rings (2 ranks from huge pages, us: all_reduce of 1 MiB,
+/// in messages of 512 KiB, 108.9-112.3 against 65.1-66.3; reduce_scatter of 256 KiB per rank
+/// 28.7-36.5 against 20.4-20.7).
+const REDUCTION_FROM_HUGE_PAGES_MIN_BYTES: usize = 1 << 20;
+
+/// The largest all_reduce (its whole buffer) whose messages [`OverRings::FromHugePages`]
+/// sends by reference. Measured on a host with 32 MiB of L3: by reference was 0.8x the rings'
+/// time at 16 MiB, even at 32 MiB and 1.05x at 64 MiB, where neither rank's buffer is in the
+/// cache any more and the kernel's copy, slower than the rings' from memory, sets the pace.
+const ALL_REDUCE_FROM_HUGE_PAGES_MAX_BYTES: usize = 32 << 20;
 
 /// The smallest message that goes by reference unless `MeshOptions::cross_memory_min_bytes`
 /// says otherwise: below it the acknowledgement's round trip costs more than the copy saved.
@@ -73,8 +93,9 @@ pub(super) struct SingleCopyRule {
 
 impl SingleCopyRule {
     /// Whether `data`, a message of `op` to a peer reached through shared-memory rings
-    /// (`shm`) or TCP, goes by reference.
-    pub(super) fn pays(&self, shm: bool, op: CollectiveOp, data: &[u8]) -> bool {
+    /// (`shm`) or TCP, goes by reference; `op_bytes` is the size of the operation's buffer as
+    /// its frames announce it (element count times element size).
+    pub(super) fn pays(&self, shm: bool, op: CollectiveOp, data: &[u8], op_bytes: usize) -> bool {
         let at_least = |auto: usize| data.len() >= self.min_bytes.unwrap_or(auto).max(1);
         if !shm {
             return at_least(SINGLE_COPY_MIN_BYTES);
@@ -93,10 +114,20 @@ impl SingleCopyRule {
                 _ => at_least(SINGLE_COPY_MIN_BYTES),
             },
             OverRings::FromHugePages => {
-                matches!(op, CollectiveOp::AllGather | CollectiveOp::AllToAll)
-                    && data.len() >= HUGE_PAGE_BYTES
-                    && at_least(SINGLE_COPY_MIN_BYTES)
-                    && super::huge_pages::in_huge_pages(data)
+                let wanted = match op {
+                    CollectiveOp::AllGather | CollectiveOp::AllToAll => {
+                        data.len() >= HUGE_PAGE_BYTES
+                    }
+                    CollectiveOp::ReduceScatter => {
+                        data.len() >= REDUCTION_FROM_HUGE_PAGES_MIN_BYTES
+                    }
+                    CollectiveOp::AllReduce => {
+                        data.len() >= REDUCTION_FROM_HUGE_PAGES_MIN_BYTES
+                            && op_bytes <= ALL_REDUCE_FROM_HUGE_PAGES_MAX_BYTES
+                    }
+                    _ => false,
+                };
+                wanted && at_least(SINGLE_COPY_MIN_BYTES) && super::huge_pages::in_huge_pages(data)
             }
         }
     }
@@ -105,6 +136,9 @@ impl SingleCopyRule {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An operation's size that none of these cases depends on.
+    const ANY_OP: usize = 1 << 20;
 
     fn rule(over_rings: OverRings, min_bytes: Option<usize>) -> SingleCopyRule {
         SingleCopyRule {
@@ -128,14 +162,30 @@ mod tests {
                 CollectiveOp::AllToAll,
                 CollectiveOp::AllReduce,
             ] {
-                assert!(rule(over, None).pays(false, op, at), "{over:?} {op}");
-                assert!(!rule(over, None).pays(false, op, below), "{over:?} {op}");
+                assert!(
+                    rule(over, None).pays(false, op, at, ANY_OP),
+                    "{over:?} {op}"
+                );
+                assert!(
+                    !rule(over, None).pays(false, op, below, ANY_OP),
+                    "{over:?} {op}"
+                );
             }
         }
-        assert!(rule(OverRings::Never, Some(10)).pays(false, CollectiveOp::AllReduce, &buf[..10]));
-        assert!(!rule(OverRings::Never, Some(10)).pays(false, CollectiveOp::AllReduce, &buf[..9]));
+        assert!(rule(OverRings::Never, Some(10)).pays(
+            false,
+            CollectiveOp::AllReduce,
+            &buf[..10],
+            ANY_OP
+        ));
+        assert!(!rule(OverRings::Never, Some(10)).pays(
+            false,
+            CollectiveOp::AllReduce,
+            &buf[..9],
+            ANY_OP
+        ));
         // A minimum of 0 still keeps empty messages inline.
-        assert!(!rule(OverRings::Never, Some(0)).pays(false, CollectiveOp::AllReduce, &[]));
+        assert!(!rule(OverRings::Never, Some(0)).pays(false, CollectiveOp::AllReduce, &[], ANY_OP));
     }
 
     #[test]
@@ -144,28 +194,28 @@ mod tests {
         let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
         let small = &buf[..ALL_TO_ALL_SHARED_CORES_MIN_BYTES];
         let smaller = &buf[..ALL_TO_ALL_SHARED_CORES_MIN_BYTES - 1];
-        assert!(shared.pays(true, CollectiveOp::AllToAll, small));
-        assert!(!shared.pays(true, CollectiveOp::AllToAll, smaller));
+        assert!(shared.pays(true, CollectiveOp::AllToAll, small, ANY_OP));
+        assert!(!shared.pays(true, CollectiveOp::AllToAll, smaller, ANY_OP));
         for op in [
             CollectiveOp::AllGather,
             CollectiveOp::Gather,
             CollectiveOp::AllReduce,
             CollectiveOp::Reduce,
         ] {
-            assert!(!shared.pays(true, op, small), "{op}");
-            assert!(shared.pays(true, op, &buf), "{op}");
+            assert!(!shared.pays(true, op, small, ANY_OP), "{op}");
+            assert!(shared.pays(true, op, &buf, ANY_OP), "{op}");
         }
         for op in [
             CollectiveOp::ReduceScatter,
             CollectiveOp::Broadcast,
             CollectiveOp::Scatter,
         ] {
-            assert!(!shared.pays(true, op, &buf), "{op}");
+            assert!(!shared.pays(true, op, &buf, ANY_OP), "{op}");
         }
         // A minimum set by the user holds for all_to_all too.
         let set = rule(OverRings::SharedCores, Some(SINGLE_COPY_MIN_BYTES));
-        assert!(!set.pays(true, CollectiveOp::AllToAll, small));
-        assert!(set.pays(true, CollectiveOp::AllToAll, &buf));
+        assert!(!set.pays(true, CollectiveOp::AllToAll, small, ANY_OP));
+        assert!(set.pays(true, CollectiveOp::AllToAll, &buf, ANY_OP));
     }
 
     #[test]
@@ -178,23 +228,58 @@ mod tests {
             CollectiveOp::AllToAll,
             CollectiveOp::AllGather,
         ] {
-            assert!(always.pays(true, op, &buf), "{op}");
-            assert!(!always.pays(true, op, &buf[1..]), "{op}");
+            assert!(always.pays(true, op, &buf, ANY_OP), "{op}");
+            assert!(!always.pays(true, op, &buf[1..], ANY_OP), "{op}");
         }
-        assert!(!always.pays(true, CollectiveOp::Broadcast, &buf));
-        assert!(!always.pays(true, CollectiveOp::Scatter, &buf));
+        assert!(!always.pays(true, CollectiveOp::Broadcast, &buf, ANY_OP));
+        assert!(!always.pays(true, CollectiveOp::Scatter, &buf, ANY_OP));
     }
 
     #[test]
     fn over_rings_otherwise_only_huge_messages_or_none_go_by_reference() {
         let buf = vec![0u8; SINGLE_COPY_MIN_BYTES];
         for op in [CollectiveOp::AllToAll, CollectiveOp::AllGather] {
-            assert!(!rule(OverRings::Never, None).pays(true, op, &buf));
+            assert!(!rule(OverRings::Never, None).pays(true, op, &buf, ANY_OP));
             // Shorter than a huge page: never, whatever the minimum.
-            assert!(!rule(OverRings::FromHugePages, Some(1)).pays(true, op, &buf));
+            assert!(!rule(OverRings::FromHugePages, Some(1)).pays(true, op, &buf, ANY_OP));
         }
-        // The reductions never, even from huge pages (this buffer may or may not lie in them).
+        // The reductions only from huge pages, and small messages not even there.
         let big = vec![0u8; 2 * HUGE_PAGE_BYTES];
-        assert!(!rule(OverRings::FromHugePages, None).pays(true, CollectiveOp::AllReduce, &big));
+        assert!(!rule(OverRings::FromHugePages, None).pays(
+            true,
+            CollectiveOp::AllReduce,
+            &big[..REDUCTION_FROM_HUGE_PAGES_MIN_BYTES - 1],
+            ANY_OP
+        ));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn from_huge_pages_the_reductions_go_by_reference_within_their_sizes() {
+        // Advised and cut at a 2 MiB boundary; the kernel backs it with huge pages only while
+        // it has free ones, so the page walk says which case this run checks.
+        let len = 2 * HUGE_PAGE_BYTES;
+        let mut map = memmap2::MmapMut::map_anon(len + HUGE_PAGE_BYTES).unwrap();
+        let skip =
+            (map.as_ptr() as usize).next_multiple_of(HUGE_PAGE_BYTES) - map.as_ptr() as usize;
+        let _ = map.advise(memmap2::Advice::HugePage);
+        map.fill(1);
+        let buf = &map[skip..skip + len];
+        let huge = super::super::huge_pages::in_huge_pages(buf);
+        let from_huge = rule(OverRings::FromHugePages, None);
+        let msg = &buf[..REDUCTION_FROM_HUGE_PAGES_MIN_BYTES];
+        let max = ALL_REDUCE_FROM_HUGE_PAGES_MAX_BYTES;
+        let pays = |op, data, op_bytes| from_huge.pays(true, op, data, op_bytes);
+        assert_eq!(pays(CollectiveOp::AllReduce, msg, max), huge);
+        assert_eq!(pays(CollectiveOp::ReduceScatter, msg, 4 * max), huge);
+        assert_eq!(pays(CollectiveOp::AllGather, buf, 4 * max), huge);
+        // Past the cache, all_reduce stays on the rings; reduce and broadcast always do.
+        assert!(!pays(CollectiveOp::AllReduce, msg, max + 1));
+        assert!(!pays(CollectiveOp::Reduce, msg, max));
+        assert!(!pays(CollectiveOp::Broadcast, buf, max));
+        // Messages shorter than the reductions' minimum stay on the rings.
+        let short = &msg[..msg.len() - 1];
+        assert!(!pays(CollectiveOp::AllReduce, short, max));
+        assert!(!pays(CollectiveOp::ReduceScatter, short, max));
     }
 }

@@ -92,7 +92,12 @@ impl Engine {
         let by_ref = |s: &Outgoing<'_>| {
             let shm = || matches!(self.conns.get(s.peer), Some(Some(c)) if c.is_shm());
             cma.is_some_and(|c| c.peer_reads(s.peer))
-                && self.single_copy.pays(shm(), ctx.op, s.data)
+                && self.single_copy.pays(
+                    shm(),
+                    ctx.op,
+                    s.data,
+                    (s.count as usize).saturating_mul(ctx.dtype.size()),
+                )
         };
         let mut step = self.core.begin_by_ref(*ctx, sends, recvs, offer, &by_ref);
         if let Some(cma) = cma {
