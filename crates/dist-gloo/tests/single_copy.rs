@@ -1,7 +1,7 @@
 //! Single copy by reference over shared-memory rings follows the sender's pages: with the
-//! ranks fitting the host's CPUs, all_to_all and all_gather send a large message by reference
-//! exactly when its bytes lie in huge pages (checked against `/proc/self/smaps`), and the
-//! results are right either way.
+//! ranks fitting the host's CPUs, all_to_all, all_gather, all_reduce and reduce_scatter send a
+//! large message by reference exactly when its bytes lie in huge pages (checked against
+//! `/proc/self/smaps`), and the results are right either way.
 #![cfg(target_os = "linux")]
 
 mod common;
@@ -14,7 +14,7 @@ use dist_backend::{Backend, BufMut, BufRef, OpOptions};
 use dist_gloo::transport::shm::{TransportMode, online_cpus};
 use dist_gloo::transport::tcp::cross_memory_available;
 use dist_gloo::{GlooBackend, GlooOptions};
-use dist_wire::DType;
+use dist_wire::{DType, ReduceOp};
 use memmap2::{Advice, MmapMut};
 
 const LEN: usize = 8 << 20;
@@ -192,6 +192,70 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
         if pages_decide {
             check_sent(
                 &format!("all_gather {advice:?}"),
+                &sent_since(&ranks, &before),
+                huge,
+            );
+        }
+        drop(outputs);
+
+        // all_reduce, in place (8 MiB, in messages of 1 MiB): both halves of the ring go out
+        // of the caller's buffer. The sums are exact in f32 at these magnitudes.
+        let mut bufs = Buffers::new(advice, value);
+        let huge = bufs.huge_bytes();
+        let slots: Mutex<Vec<Option<&mut [u8]>>> =
+            Mutex::new(bufs.split().into_iter().map(Some).collect());
+        let before = by_reference(&ranks);
+        on_all(&ranks, |b| {
+            let buf = slots.lock().unwrap()[b.rank()].take().unwrap();
+            b.all_reduce(BufMut::Host(buf), DType::F32, ReduceOp::Sum, &opts)
+                .unwrap();
+        });
+        for (r, buf) in bufs.split().into_iter().enumerate() {
+            for (i, &g) in bytemuck::cast_slice::<u8, f32>(buf).iter().enumerate() {
+                let want = value(0, i) + value(1, i);
+                assert_eq!(g, want, "all_reduce {advice:?}: rank {r} element {i}");
+            }
+        }
+        if pages_decide {
+            check_sent(
+                &format!("all_reduce {advice:?}"),
+                &sent_since(&ranks, &before),
+                huge,
+            );
+        }
+        drop(bufs);
+
+        // reduce_scatter: each rank sends the other's half of its input.
+        let mut inputs = Buffers::new(advice, value);
+        let huge = inputs.huge_bytes();
+        let ins: Vec<&[u8]> = inputs.split().into_iter().map(|b| &*b).collect();
+        let before = by_reference(&ranks);
+        let outs = on_all(&ranks, |b| {
+            let mut out = vec![0u8; LEN / 2];
+            b.reduce_scatter(
+                BufRef::Host(ins[b.rank()]),
+                BufMut::Host(&mut out),
+                DType::F32,
+                ReduceOp::Sum,
+                &[half; 2],
+                &opts,
+            )
+            .unwrap();
+            out
+        });
+        for (r, out) in outs.iter().enumerate() {
+            for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
+                let at = r * half + i;
+                assert_eq!(
+                    g,
+                    value(0, at) + value(1, at),
+                    "reduce_scatter {advice:?}: rank {r} element {i}"
+                );
+            }
+        }
+        if pages_decide {
+            check_sent(
+                &format!("reduce_scatter {advice:?}"),
                 &sent_since(&ranks, &before),
                 huge,
             );

@@ -105,6 +105,32 @@ impl Core {
             .map_or(0, |c| c.offered)
     }
 
+    /// Whether `step` may fail on what this rank already holds: a peer whose side is not open,
+    /// an abort not yet reported, or a stashed frame of this operation that disagrees with it.
+    /// A driver settles such a step (one [`Core::poll`]) before it writes any of the step's
+    /// frames, so that no peer completes with this rank's data a step this rank fails; every
+    /// other step writes first (see the TCP engine). Copies nothing.
+    pub fn may_fail_at_once(
+        &self,
+        step: &Step,
+        sends: &[Outgoing<'_>],
+        recvs: &[Incoming<'_>],
+    ) -> bool {
+        let Some(ctx) = step.ctx else {
+            return false;
+        };
+        if step.failed.is_some() {
+            return true;
+        }
+        let count = step_count(sends, recvs);
+        self.conns.iter().flatten().any(|c| {
+            c.state != PeerState::Open
+                || c.unreported_abort
+                || c.stashed_headers()
+                    .any(|h| stashed_conflict(&ctx, h, count).is_some())
+        })
+    }
+
     /// Whether `step` waits for input from `peer`: a message from it, or its acknowledgement
     /// of one sent by reference. A driver that reads only some connections eagerly reads
     /// these (and the others when they signal).

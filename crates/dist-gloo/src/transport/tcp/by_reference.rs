@@ -48,11 +48,14 @@ pub(super) enum OverRings {
     /// unset, and this host's ranks outnumber its CPUs.
     SharedCores,
     /// Those of all_gather, all_to_all, all_reduce and reduce_scatter whose bytes lie wholly
-    /// in huge pages: unset, and this host's ranks fit its CPUs.
+    /// in huge pages: unset, and this host's ranks fit its CPUs. From [`HUGE_PAGE_BYTES`] for
+    /// the first two, [`REDUCTION_FROM_HUGE_PAGES_MIN_BYTES`] for the reductions, and for
+    /// all_reduce only up to [`ALL_REDUCE_FROM_HUGE_PAGES_MAX_BYTES`] of buffer.
     FromHugePages,
 }
 
-/// The smallest message [`OverRings::FromHugePages`] considers: one that spans a huge page.
+/// The smallest message of all_gather and all_to_all that [`OverRings::FromHugePages`]
+/// considers: one that spans a huge page.
 const HUGE_PAGE_BYTES: usize = 2 << 20;
 
 /// The smallest message of all_reduce and reduce_scatter that [`OverRings::FromHugePages`]
@@ -257,7 +260,9 @@ mod tests {
     #[test]
     fn from_huge_pages_the_reductions_go_by_reference_within_their_sizes() {
         // Advised and cut at a 2 MiB boundary; the kernel backs it with huge pages only while
-        // it has free ones, so the page walk says which case this run checks.
+        // it has free ones, so each case is checked against what the page walk says of the
+        // slice it passes.
+        let in_huge = super::super::huge_pages::in_huge_pages;
         let len = 2 * HUGE_PAGE_BYTES;
         let mut map = memmap2::MmapMut::map_anon(len + HUGE_PAGE_BYTES).unwrap();
         let skip =
@@ -265,14 +270,16 @@ mod tests {
         let _ = map.advise(memmap2::Advice::HugePage);
         map.fill(1);
         let buf = &map[skip..skip + len];
-        let huge = super::super::huge_pages::in_huge_pages(buf);
         let from_huge = rule(OverRings::FromHugePages, None);
         let msg = &buf[..REDUCTION_FROM_HUGE_PAGES_MIN_BYTES];
         let max = ALL_REDUCE_FROM_HUGE_PAGES_MAX_BYTES;
         let pays = |op, data, op_bytes| from_huge.pays(true, op, data, op_bytes);
-        assert_eq!(pays(CollectiveOp::AllReduce, msg, max), huge);
-        assert_eq!(pays(CollectiveOp::ReduceScatter, msg, 4 * max), huge);
-        assert_eq!(pays(CollectiveOp::AllGather, buf, 4 * max), huge);
+        assert_eq!(pays(CollectiveOp::AllReduce, msg, max), in_huge(msg));
+        assert_eq!(
+            pays(CollectiveOp::ReduceScatter, msg, 4 * max),
+            in_huge(msg)
+        );
+        assert_eq!(pays(CollectiveOp::AllGather, buf, 4 * max), in_huge(buf));
         // Past the cache, all_reduce stays on the rings; reduce and broadcast always do.
         assert!(!pays(CollectiveOp::AllReduce, msg, max + 1));
         assert!(!pays(CollectiveOp::Reduce, msg, max));
@@ -281,5 +288,13 @@ mod tests {
         let short = &msg[..msg.len() - 1];
         assert!(!pays(CollectiveOp::AllReduce, short, max));
         assert!(!pays(CollectiveOp::ReduceScatter, short, max));
+
+        // Memory advised against huge pages never has them: the reductions stay on the rings.
+        let mut small = memmap2::MmapMut::map_anon(len).unwrap();
+        small.advise(memmap2::Advice::NoHugePage).unwrap();
+        small.fill(1);
+        let small_msg = &small[..REDUCTION_FROM_HUGE_PAGES_MIN_BYTES];
+        assert!(!pays(CollectiveOp::AllReduce, small_msg, max));
+        assert!(!pays(CollectiveOp::ReduceScatter, small_msg, max));
     }
 }

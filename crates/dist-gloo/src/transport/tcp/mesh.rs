@@ -54,8 +54,9 @@ pub struct MeshOptions {
     /// group outnumber its CPUs: the rings' two copies run at once on two cores and beat one
     /// copy by reference, unless the ranks must share cores (even there reduce_scatter's
     /// messages stay on the rings); where they do not, the large messages of all_gather,
-    /// all_to_all, all_reduce and reduce_scatter still go by reference when their bytes lie
-    /// wholly in huge pages, which the kernel pins cheaply (see `by_reference` for the sizes).
+    /// all_to_all, reduce_scatter and all_reduce (of buffers up to 32 MiB) still go by
+    /// reference when their bytes lie wholly in huge pages, which the kernel pins cheaply (see
+    /// `by_reference` for the sizes).
     pub cross_memory_over_rings: Option<bool>,
     /// Shared-memory rings between ranks on one host, TCP between hosts, or one of the two
     /// for every pair (see [`crate::transport::shm`]).
