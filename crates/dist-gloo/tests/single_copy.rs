@@ -104,6 +104,24 @@ fn by_reference(ranks: &[GlooBackend]) -> Vec<u64> {
         .collect()
 }
 
+/// Runs `op` on every rank, then, where the pages decide (`pages_decide`), checks with
+/// [`check_sent`] which messages went by reference from buffers with `huge` bytes in huge
+/// pages.
+fn on_all_by_pages<R: Send>(
+    ranks: &[GlooBackend],
+    what: &str,
+    huge: usize,
+    pages_decide: bool,
+    op: impl Fn(&GlooBackend) -> R + Sync,
+) -> Vec<R> {
+    let before = by_reference(ranks);
+    let out = on_all(ranks, op);
+    if pages_decide {
+        check_sent(what, &sent_since(ranks, &before), huge);
+    }
+    out
+}
+
 /// Messages each rank sent by reference since `before` ([`by_reference`]).
 fn sent_since(ranks: &[GlooBackend], before: &[u64]) -> Vec<u64> {
     by_reference(ranks)
@@ -131,20 +149,25 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
             assert_eq!(huge, 0, "advised against huge pages");
         }
         let ins: Vec<&[u8]> = inputs.split().into_iter().map(|b| &*b).collect();
-        let before = by_reference(&ranks);
-        let outs = on_all(&ranks, |b| {
-            let mut out = vec![0u8; LEN];
-            b.all_to_all(
-                BufRef::Host(ins[b.rank()]),
-                BufMut::Host(&mut out),
-                DType::F32,
-                &[half; 2],
-                &[half; 2],
-                &opts,
-            )
-            .unwrap();
-            out
-        });
+        let outs = on_all_by_pages(
+            &ranks,
+            &format!("all_to_all {advice:?}"),
+            huge,
+            pages_decide,
+            |b| {
+                let mut out = vec![0u8; LEN];
+                b.all_to_all(
+                    BufRef::Host(ins[b.rank()]),
+                    BufMut::Host(&mut out),
+                    DType::F32,
+                    &[half; 2],
+                    &[half; 2],
+                    &opts,
+                )
+                .unwrap();
+                out
+            },
+        );
         for (r, out) in outs.iter().enumerate() {
             for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
                 let (from, at) = (i / half, r * half + i % half);
@@ -155,13 +178,6 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
                 );
             }
         }
-        if pages_decide {
-            check_sent(
-                &format!("all_to_all {advice:?}"),
-                &sent_since(&ranks, &before),
-                huge,
-            );
-        }
         drop(ins);
         drop(inputs);
 
@@ -170,31 +186,29 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
         let huge = outputs.huge_bytes();
         let slots: Mutex<Vec<Option<&mut [u8]>>> =
             Mutex::new(outputs.split().into_iter().map(Some).collect());
-        let before = by_reference(&ranks);
-        on_all(&ranks, |b| {
-            let input: Vec<f32> = (0..count / 2).map(|i| value(b.rank(), i)).collect();
-            let out = slots.lock().unwrap()[b.rank()].take().unwrap();
-            b.all_gather(
-                BufRef::Host(bytemuck::cast_slice(&input)),
-                BufMut::Host(out),
-                DType::F32,
-                &[count / 2; 2],
-                &opts,
-            )
-            .unwrap();
-        });
+        on_all_by_pages(
+            &ranks,
+            &format!("all_gather {advice:?}"),
+            huge,
+            pages_decide,
+            |b| {
+                let input: Vec<f32> = (0..count / 2).map(|i| value(b.rank(), i)).collect();
+                let out = slots.lock().unwrap()[b.rank()].take().unwrap();
+                b.all_gather(
+                    BufRef::Host(bytemuck::cast_slice(&input)),
+                    BufMut::Host(out),
+                    DType::F32,
+                    &[count / 2; 2],
+                    &opts,
+                )
+                .unwrap();
+            },
+        );
         for (r, out) in outputs.split().into_iter().enumerate() {
             for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
                 let want = value(i / (count / 2), i % (count / 2));
                 assert_eq!(g, want, "all_gather {advice:?}: rank {r} element {i}");
             }
-        }
-        if pages_decide {
-            check_sent(
-                &format!("all_gather {advice:?}"),
-                &sent_since(&ranks, &before),
-                huge,
-            );
         }
         drop(outputs);
 
@@ -204,24 +218,22 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
         let huge = bufs.huge_bytes();
         let slots: Mutex<Vec<Option<&mut [u8]>>> =
             Mutex::new(bufs.split().into_iter().map(Some).collect());
-        let before = by_reference(&ranks);
-        on_all(&ranks, |b| {
-            let buf = slots.lock().unwrap()[b.rank()].take().unwrap();
-            b.all_reduce(BufMut::Host(buf), DType::F32, ReduceOp::Sum, &opts)
-                .unwrap();
-        });
+        on_all_by_pages(
+            &ranks,
+            &format!("all_reduce {advice:?}"),
+            huge,
+            pages_decide,
+            |b| {
+                let buf = slots.lock().unwrap()[b.rank()].take().unwrap();
+                b.all_reduce(BufMut::Host(buf), DType::F32, ReduceOp::Sum, &opts)
+                    .unwrap();
+            },
+        );
         for (r, buf) in bufs.split().into_iter().enumerate() {
             for (i, &g) in bytemuck::cast_slice::<u8, f32>(buf).iter().enumerate() {
                 let want = value(0, i) + value(1, i);
                 assert_eq!(g, want, "all_reduce {advice:?}: rank {r} element {i}");
             }
-        }
-        if pages_decide {
-            check_sent(
-                &format!("all_reduce {advice:?}"),
-                &sent_since(&ranks, &before),
-                huge,
-            );
         }
         drop(bufs);
 
@@ -229,20 +241,25 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
         let mut inputs = Buffers::new(advice, value);
         let huge = inputs.huge_bytes();
         let ins: Vec<&[u8]> = inputs.split().into_iter().map(|b| &*b).collect();
-        let before = by_reference(&ranks);
-        let outs = on_all(&ranks, |b| {
-            let mut out = vec![0u8; LEN / 2];
-            b.reduce_scatter(
-                BufRef::Host(ins[b.rank()]),
-                BufMut::Host(&mut out),
-                DType::F32,
-                ReduceOp::Sum,
-                &[half; 2],
-                &opts,
-            )
-            .unwrap();
-            out
-        });
+        let outs = on_all_by_pages(
+            &ranks,
+            &format!("reduce_scatter {advice:?}"),
+            huge,
+            pages_decide,
+            |b| {
+                let mut out = vec![0u8; LEN / 2];
+                b.reduce_scatter(
+                    BufRef::Host(ins[b.rank()]),
+                    BufMut::Host(&mut out),
+                    DType::F32,
+                    ReduceOp::Sum,
+                    &[half; 2],
+                    &opts,
+                )
+                .unwrap();
+                out
+            },
+        );
         for (r, out) in outs.iter().enumerate() {
             for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
                 let at = r * half + i;
@@ -252,13 +269,6 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
                     "reduce_scatter {advice:?}: rank {r} element {i}"
                 );
             }
-        }
-        if pages_decide {
-            check_sent(
-                &format!("reduce_scatter {advice:?}"),
-                &sent_since(&ranks, &before),
-                huge,
-            );
         }
     }
 }
