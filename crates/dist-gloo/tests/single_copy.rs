@@ -93,6 +93,19 @@ fn check_sent(what: &str, sent: &[u64], huge: usize) {
     }
 }
 
+/// Checks every rank's f32 output (`outs[r]`) element by element against `want(r, i)`.
+fn expect_each<'a>(
+    what: &str,
+    outs: impl IntoIterator<Item = &'a [u8]>,
+    want: impl Fn(usize, usize) -> f32,
+) {
+    for (r, out) in outs.into_iter().enumerate() {
+        for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
+            assert_eq!(g, want(r, i), "{what}: rank {r} element {i}");
+        }
+    }
+}
+
 fn value(rank: usize, i: usize) -> f32 {
     (rank * 1_000_003 + i) as f32
 }
@@ -168,16 +181,11 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
                 out
             },
         );
-        for (r, out) in outs.iter().enumerate() {
-            for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
-                let (from, at) = (i / half, r * half + i % half);
-                assert_eq!(
-                    g,
-                    value(from, at),
-                    "all_to_all {advice:?}: rank {r} element {i}"
-                );
-            }
-        }
+        expect_each(
+            &format!("all_to_all {advice:?}"),
+            outs.iter().map(Vec::as_slice),
+            |r, i| value(i / half, r * half + i % half),
+        );
         drop(ins);
         drop(inputs);
 
@@ -204,12 +212,11 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
                 .unwrap();
             },
         );
-        for (r, out) in outputs.split().into_iter().enumerate() {
-            for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
-                let want = value(i / (count / 2), i % (count / 2));
-                assert_eq!(g, want, "all_gather {advice:?}: rank {r} element {i}");
-            }
-        }
+        expect_each(
+            &format!("all_gather {advice:?}"),
+            outputs.split().into_iter().map(|b| &*b),
+            |_, i| value(i / (count / 2), i % (count / 2)),
+        );
         drop(outputs);
 
         // all_reduce, in place (8 MiB, in messages of 1 MiB): both halves of the ring go out
@@ -229,12 +236,11 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
                     .unwrap();
             },
         );
-        for (r, buf) in bufs.split().into_iter().enumerate() {
-            for (i, &g) in bytemuck::cast_slice::<u8, f32>(buf).iter().enumerate() {
-                let want = value(0, i) + value(1, i);
-                assert_eq!(g, want, "all_reduce {advice:?}: rank {r} element {i}");
-            }
-        }
+        expect_each(
+            &format!("all_reduce {advice:?}"),
+            bufs.split().into_iter().map(|b| &*b),
+            |_, i| value(0, i) + value(1, i),
+        );
         drop(bufs);
 
         // reduce_scatter: each rank sends the other's half of its input.
@@ -260,15 +266,10 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
                 out
             },
         );
-        for (r, out) in outs.iter().enumerate() {
-            for (i, &g) in bytemuck::cast_slice::<u8, f32>(out).iter().enumerate() {
-                let at = r * half + i;
-                assert_eq!(
-                    g,
-                    value(0, at) + value(1, at),
-                    "reduce_scatter {advice:?}: rank {r} element {i}"
-                );
-            }
-        }
+        expect_each(
+            &format!("reduce_scatter {advice:?}"),
+            outs.iter().map(Vec::as_slice),
+            |r, i| value(0, r * half + i) + value(1, r * half + i),
+        );
     }
 }

@@ -122,13 +122,23 @@ impl Core {
         if step.failed.is_some() {
             return true;
         }
-        let count = step_count(sends, recvs);
-        self.conns.iter().flatten().any(|c| {
-            c.state != PeerState::Open
-                || c.unreported_abort
-                || c.stashed_headers()
-                    .any(|h| stashed_conflict(&ctx, h, count).is_some())
-        })
+        self.conns
+            .iter()
+            .flatten()
+            .any(|c| c.state != PeerState::Open || c.unreported_abort)
+            || self
+                .stashed_disagreement(&ctx, step_count(sends, recvs))
+                .is_some()
+    }
+
+    /// The mismatch a stashed frame of this operation shows, from a peer the step may not
+    /// wait for (see `stashed_conflict`): the ranks disagree. `count` is this rank's.
+    fn stashed_disagreement(&self, ctx: &StepCtx, count: u64) -> Option<Error> {
+        self.conns
+            .iter()
+            .flatten()
+            .flat_map(Conn::stashed_headers)
+            .find_map(|h| stashed_conflict(ctx, h, count))
     }
 
     /// Whether `step` waits for input from `peer`: a message from it, or its acknowledgement
@@ -451,15 +461,8 @@ impl Core {
             return Status::Done;
         }
         // A frame of this operation whose arguments differ from ours, from a peer the step
-        // does not wait for (see `stashed_conflict`): the ranks disagree.
-        let count = step_count(sends, recvs);
-        let conflict = self
-            .conns
-            .iter()
-            .flatten()
-            .flat_map(Conn::stashed_headers)
-            .find_map(|h| stashed_conflict(ctx, h, count));
-        if let Some(e) = conflict {
+        // does not wait for: the ranks disagree.
+        if let Some(e) = self.stashed_disagreement(ctx, step_count(sends, recvs)) {
             step.fail(e);
             return Status::Failed;
         }
