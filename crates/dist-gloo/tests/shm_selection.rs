@@ -112,16 +112,26 @@ fn auto_falls_back_to_tcp_where_a_peer_takes_no_part() {
 
 /// A group is on one host (which moves all_reduce's switch from halving-doubling to the ring
 /// down to 256 KiB) only when every rank shares memory on it; every rank must agree, or their
-/// all_reduce of a size between the two switches would run different algorithms.
+/// all_reduce of a size between the two switches would run different algorithms. Whether some
+/// two ranks share memory at all (which keeps all_to_all's blocks all in flight at once) is
+/// read from the same records, alike on every rank.
 #[test]
 fn every_rank_agrees_whether_the_group_is_on_one_host() {
-    let cases: [(&str, [&str; 4], [TransportMode; 4], bool); 4] = [
-        ("one host", ["x"; 4], [TransportMode::Auto; 4], true),
+    type Case = (
+        &'static str,
+        [&'static str; 4],
+        [TransportMode; 4],
+        bool,
+        bool,
+    );
+    let cases: [Case; 6] = [
+        ("one host", ["x"; 4], [TransportMode::Auto; 4], true, true),
         (
             "two hosts",
             ["x", "x", "y", "y"],
             [TransportMode::Auto; 4],
             false,
+            true,
         ),
         // Host ids that a space would have cut to one word in the published records.
         (
@@ -129,6 +139,7 @@ fn every_rank_agrees_whether_the_group_is_on_one_host() {
             ["a b", "a b", "a", "a"],
             [TransportMode::Auto; 4],
             false,
+            true,
         ),
         (
             "rank 2 on TCP",
@@ -140,9 +151,24 @@ fn every_rank_agrees_whether_the_group_is_on_one_host() {
                 TransportMode::Auto,
             ],
             false,
+            true,
+        ),
+        (
+            "a host each",
+            ["w", "x", "y", "z"],
+            [TransportMode::Auto; 4],
+            false,
+            false,
+        ),
+        (
+            "one host, all on TCP",
+            ["x"; 4],
+            [TransportMode::Tcp; 4],
+            false,
+            false,
         ),
     ];
-    for (what, hosts, modes, want) in cases {
+    for (what, hosts, modes, want, want_rings) in cases {
         let outs = connect_all(4, |r| opts(modes[r], hosts[r]));
         let ranks: Vec<GlooBackend> = outs
             .into_iter()
@@ -150,6 +176,7 @@ fn every_rank_agrees_whether_the_group_is_on_one_host() {
             .collect();
         for b in &ranks {
             assert_eq!(b.one_host(), want, "{what}: rank {}", b.rank());
+            assert_eq!(b.rings_in_group(), want_rings, "{what}: rank {}", b.rank());
         }
         // 512 KiB lies between the two switches: every rank runs the same algorithm or fails.
         std::thread::scope(|s| {

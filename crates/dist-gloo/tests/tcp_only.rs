@@ -1,12 +1,14 @@
 //! The cross-host path: broadcast and all_to_all with single-copy transfers off, so every byte
 //! goes through the sockets, on 1..=5 ranks, every root, sizes 0, 1, uneven and large (many
 //! segments, so the chain broadcast's pipeline and the staggered all_to_all both run with
-//! several frames in flight per peer). Checked against the values each rank was built from.
+//! several frames in flight per peer), and all_to_all's two schedules mixed rank by rank, over
+//! sockets and by reference. Checked against the values each rank was built from.
 
 mod common;
 
 use common::{check_all_to_all, encode, on_all, tcp_world, value};
 use dist_backend::{Backend, BufMut, OpOptions};
+use dist_gloo::transport::tcp::cross_memory_available;
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
 
@@ -121,5 +123,44 @@ fn scatter_all_gather_broadcast_over_sockets_on_1_to_5_ranks() {
         o.mesh.cross_memory = false;
         o.mesh.segment_bytes = 64 << 10;
         check_broadcast(&tcp_world(n, &o));
+    }
+}
+
+/// all_to_all's two schedules (every block at once, and pairwise exchanges) interoperate:
+/// ranks that choose differently, here by their own `all_to_all_pairwise_bytes` (with uneven
+/// splits a shared threshold splits them by their largest block the same way), still deliver
+/// every block. Over sockets only and, with single copy on, with the large blocks sent by
+/// reference (where this host lets threads read each other), whose senders wait for the
+/// receiver's copy; 3 to 5 ranks, every other rank pairwise, then every rank. Pairing a
+/// pairwise step's send with the wrong receive makes this time out, so the pairwise schedule
+/// does run here.
+#[test]
+fn all_to_all_schedules_mix_over_sockets_and_by_reference() {
+    for cross_memory in [false, true] {
+        for n in 3..=5 {
+            for pairwise_ranks in [2, 1] {
+                let ranks = common::tcp_world_with(n, |r| {
+                    let mut o = GlooOptions {
+                        all_to_all_pairwise_bytes: Some(if r % pairwise_ranks == 0 {
+                            0
+                        } else {
+                            usize::MAX
+                        }),
+                        ..GlooOptions::default()
+                    };
+                    o.mesh.transport = dist_gloo::transport::shm::TransportMode::Tcp;
+                    o.mesh.cross_memory = cross_memory;
+                    o.mesh.segment_bytes = 64 << 10;
+                    o
+                });
+                check_uneven_all_to_all(&ranks);
+                let by_ref: u64 = ranks.iter().map(GlooBackend::messages_by_reference).sum();
+                assert_eq!(
+                    by_ref > 0,
+                    cross_memory && cross_memory_available(),
+                    "ws {n}: blocks by reference only with single copy on"
+                );
+            }
+        }
     }
 }

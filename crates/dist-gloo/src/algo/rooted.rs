@@ -119,8 +119,24 @@ pub(crate) fn scatter(
     o.step(&sends, &mut [])
 }
 
-/// Pairwise exchange of blocks with every peer, all in flight at once. Each frame announces
-/// the element count of its block, so split sizes that disagree between two ranks are caught.
+/// How an all_to_all's blocks are split, and from which block size it runs pairwise.
+pub(crate) struct Blocks<'a> {
+    /// Elements this rank sends to each rank.
+    pub(crate) send_counts: &'a [usize],
+    /// Elements this rank receives from each rank.
+    pub(crate) recv_counts: &'a [usize],
+    /// The largest block, in bytes, from which the exchange runs pairwise
+    /// (`GlooOptions::all_to_all_pairwise_bytes`).
+    pub(crate) pairwise_from: usize,
+}
+
+/// Exchange of blocks with every peer: all in flight at once in one step, or, on more than two
+/// ranks with a block to or from another rank of at least `pairwise_from` bytes, in n − 1
+/// steps, step k sending to rank + k and receiving from rank − k, so that (when every rank
+/// runs it) each rank feeds one peer and is fed by one at a time. Each frame announces the
+/// element count of its block, so split sizes that disagree between two ranks are caught.
+/// Ranks may choose differently (their blocks differ): every block carries the same tag, and
+/// one that arrives before the step that takes it is kept.
 ///
 /// The engine writes a step's sends in list order, so the lists are staggered: rank r sends to
 /// r+1, r+2, ... and receives from r-1, r-2, ... If every rank listed its peers in rank order,
@@ -130,17 +146,24 @@ pub(crate) fn all_to_all(
     o: &Op<'_>,
     input: &[u8],
     output: &mut [u8],
-    send_counts: &[usize],
-    recv_counts: &[usize],
+    blocks: &Blocks<'_>,
 ) -> Result<()> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
+    let (send_counts, recv_counts) = (blocks.send_counts, blocks.recv_counts);
     let sb = blocks_of(send_counts, elem);
     let rb = blocks_of(recv_counts, elem);
+    // This rank's own block is a copy, not an exchange.
+    let largest = (0..n)
+        .filter(|&p| p != r)
+        .map(|p| sb[p].len().max(rb[p].len()))
+        .max()
+        .unwrap_or(0);
     let mut parts: Vec<Option<&mut [u8]>> =
         split_blocks(output, &rb).into_iter().map(Some).collect();
     if let Some(mine) = parts[r].take() {
         copy_to_output(mine, &input[sb[r].clone()]);
     }
+    // Index k - 1 holds the send to r + k and the receive from r - k.
     let sends: Vec<_> = (1..n)
         .map(|k| (r + k) % n)
         .map(|p| crate::transport::Outgoing {
@@ -152,16 +175,21 @@ pub(crate) fn all_to_all(
         .collect();
     let mut recvs: Vec<_> = (1..n)
         .map(|k| (r + n - k) % n)
-        .filter_map(|p| {
-            parts[p].take().map(|buf| crate::transport::Incoming {
-                peer: p,
-                buf,
-                count: recv_counts[p] as u64,
-                tag: tags::DIRECT,
-                streamed: None,
-            })
+        .map(|p| crate::transport::Incoming {
+            peer: p,
+            // Only this rank's own part was taken.
+            buf: parts[p].take().unwrap_or_default(),
+            count: recv_counts[p] as u64,
+            tag: tags::DIRECT,
+            streamed: None,
         })
         .collect();
+    if n > 2 && largest >= blocks.pairwise_from {
+        for (send, recv) in sends.chunks(1).zip(recvs.chunks_mut(1)) {
+            o.step(send, recv)?;
+        }
+        return Ok(());
+    }
     o.step(&sends, &mut recvs)
 }
 

@@ -166,6 +166,9 @@ pub(crate) struct Negotiated {
     /// the same records, so all agree (even where one pair could not open the other's segment
     /// and uses TCP); algorithm settings may depend on it.
     pub(crate) one_host: bool,
+    /// Some two ranks of the group published segments with one host id, so some pairs may
+    /// talk through rings. Every rank computes it from the same records, like `one_host`.
+    pub(crate) rings_in_group: bool,
 }
 
 /// Decides, with every peer, which pairs use rings, and sets them up. Every rank of the group
@@ -184,6 +187,7 @@ pub(crate) fn negotiate(
         return Ok(Negotiated {
             rings: out,
             one_host: true,
+            rings_in_group: false,
         });
     }
     let shm = o.mode == TransportMode::Shm;
@@ -248,10 +252,13 @@ pub(crate) fn negotiate(
     let host_of = |r: Option<&Record>| r.and_then(|r| r.seg.as_ref()).map(|l| l.host.clone());
     let own_host = host_of(Record::decode(me.encode().as_bytes()).as_ref());
     let mut one_host = own_host.is_some();
+    let mut hosts: Vec<String> = own_host.iter().cloned().collect();
     for peer in (0..world).filter(|&p| p != rank) {
         let raw = store.get_by(&format!("{prefix}/shm/{peer}"), deadline)?;
         let theirs = Record::decode(&raw);
-        one_host &= host_of(theirs.as_ref()) == own_host;
+        let their_host = host_of(theirs.as_ref());
+        one_host &= their_host == own_host;
+        hosts.extend(their_host);
         let unsupported = |what: String| {
             let who = match &theirs {
                 Some(t) if t.strict && !shm => format!("rank {peer} asked for"),
@@ -335,6 +342,10 @@ pub(crate) fn negotiate(
         None => Ok(Negotiated {
             rings: out,
             one_host,
+            rings_in_group: {
+                hosts.sort_unstable();
+                hosts.windows(2).any(|w| w[0] == w[1])
+            },
         }),
     }
 }

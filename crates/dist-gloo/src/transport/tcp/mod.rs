@@ -46,6 +46,7 @@ pub struct TcpTransport {
     world_size: usize,
     segment: usize,
     one_host: bool,
+    rings_in_group: bool,
     engine: Mutex<Engine>,
 }
 
@@ -86,7 +87,11 @@ impl TcpTransport {
         }
         let (poll, mut conns) =
             mesh::build(store, prefix, rank, world_size, opts, deadline).map_err(ranked)?;
-        let shm::Negotiated { rings, one_host } = shm::negotiate(
+        let shm::Negotiated {
+            rings,
+            one_host,
+            rings_in_group,
+        } = shm::negotiate(
             store,
             prefix,
             rank,
@@ -136,6 +141,7 @@ impl TcpTransport {
             world_size,
             segment: core.segment_bytes(),
             one_host,
+            rings_in_group,
             engine: Mutex::new(Engine {
                 poll,
                 events: mio::Events::with_capacity(64),
@@ -195,6 +201,12 @@ impl Transport for TcpTransport {
     /// could not open the other's segment and talks over TCP.
     fn one_host(&self) -> bool {
         self.one_host
+    }
+
+    /// True when some two ranks published shared-memory segments with one host id when the
+    /// mesh was built (read from the same records as [`Transport::one_host`]).
+    fn rings_in_group(&self) -> bool {
+        self.rings_in_group
     }
 
     fn shared_memory_peers(&self) -> Vec<bool> {
