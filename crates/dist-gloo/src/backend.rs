@@ -57,7 +57,9 @@ pub struct GlooOptions {
     /// reduce-scatter and all-gather, so that a piece is still in cache when the all-gather
     /// touches it again; the ring reduce_scatter (on its input) and reduce run on pieces of this
     /// size too, so that no step fills the shared-memory rings or socket buffers with megabytes
-    /// that leave the caches before the peer reads them. `None` picks
+    /// that leave the caches before the peer reads them; so does the ring all_gather (on its
+    /// output) where no two ranks share memory ([`Transport::memory_shared_in_group`]). `None`
+    /// picks
     /// [`GlooOptions::auto_ring_piece_bytes`]; `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs
     /// the whole buffer as one piece). Every rank must use the same value (checked when the
     /// group is built).
@@ -123,9 +125,9 @@ impl GlooOptions {
     }
 
     /// The default of [`GlooOptions::all_to_all_pairwise_bytes`]: blocks of 256 KiB when no
-    /// two ranks of the group share memory (`rings_in_group`; [`Transport::rings_in_group`]),
-    /// as between hosts, where every block travels over a TCP stream; never otherwise, nor on
-    /// two ranks (one exchange either way). Measured with gloo_bench over loopback TCP only on
+    /// two ranks of the group share memory (through rings or single copy;
+    /// [`Transport::memory_shared_in_group`]), as between hosts, where every block travels over
+    /// a TCP stream; never otherwise, nor on two ranks (one exchange either way). Measured with gloo_bench over loopback TCP only on
     /// a 2-core host, all at once against pairwise, alternated: 4 ranks, 1 MiB blocks took
     /// 4450-4894 us against 2063-3151, 4 MiB blocks 13.9-15.3 ms against 10.2-10.9, 16 MiB
     /// 52-55 ms against 40-42; 3 ranks, 1.3 MiB blocks 2605-3740 us against 1569-1761. With
@@ -133,13 +135,12 @@ impl GlooOptions {
     /// by n − 1 senders. Through shared-memory rings all at once was as fast or faster (4
     /// ranks, 1 MiB blocks 370-507 us against 551-573), and so it was for blocks sent by
     /// reference over TCP on one host (`DIST_GLOO_TRANSPORT=tcp` with single copy on: 1 MiB
-    /// blocks 475-490 us against 515-631), a group this default sends pairwise for that small
-    /// loss, since its smaller blocks, over the sockets, gained (64 KiB: 371-374 against
-    /// 137-306). Smaller blocks were faster pairwise too over TCP only (4 ranks, 4 KiB blocks
+    /// blocks 475-490 us against 515-631; its 64 KiB blocks, which go over the sockets, were
+    /// faster pairwise, 137-306 against 371-374). Smaller blocks were faster pairwise too over TCP only (4 ranks, 4 KiB blocks
     /// 53-66 us against 76-98), but each exchange is a network round trip between hosts, which
     /// all at once pays only once.
-    pub fn auto_all_to_all_pairwise_bytes(world_size: usize, rings_in_group: bool) -> usize {
-        if world_size <= 2 || rings_in_group {
+    pub fn auto_all_to_all_pairwise_bytes(world_size: usize, memory_shared: bool) -> usize {
+        if world_size <= 2 || memory_shared {
             usize::MAX
         } else {
             256 << 10
@@ -331,7 +332,7 @@ impl GlooBackend {
     pub fn over(transport: Box<dyn Transport>, group: u32, opts: &GlooOptions) -> Self {
         let world_size = transport.world_size();
         let one_host = transport.one_host();
-        let rings_in_group = transport.rings_in_group();
+        let memory_shared = transport.memory_shared_in_group();
         GlooBackend {
             rank: transport.rank(),
             world_size: transport.world_size(),
@@ -352,7 +353,7 @@ impl GlooBackend {
                 None => GlooOptions::auto_ring_piece_bytes(world_size),
             },
             all_to_all_pairwise_bytes: opts.all_to_all_pairwise_bytes.unwrap_or_else(|| {
-                GlooOptions::auto_all_to_all_pairwise_bytes(world_size, rings_in_group)
+                GlooOptions::auto_all_to_all_pairwise_bytes(world_size, memory_shared)
             }),
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
@@ -384,11 +385,11 @@ impl GlooBackend {
         self.transport.one_host()
     }
 
-    /// Whether some two ranks of the group may talk through shared-memory rings
-    /// ([`Transport::rings_in_group`]), which keeps all_to_all's blocks all in flight at once
-    /// ([`GlooOptions::auto_all_to_all_pairwise_bytes`]).
-    pub fn rings_in_group(&self) -> bool {
-        self.transport.rings_in_group()
+    /// Whether some two ranks of the group may share memory, through rings or single copy
+    /// ([`Transport::memory_shared_in_group`]), which keeps all_to_all's blocks all in flight
+    /// at once ([`GlooOptions::auto_all_to_all_pairwise_bytes`]) and all_gather's ring whole.
+    pub fn memory_shared_in_group(&self) -> bool {
+        self.transport.memory_shared_in_group()
     }
 
     /// The peers this rank reaches through shared-memory rings rather than sockets (indexed by
@@ -780,6 +781,8 @@ impl Backend for GlooBackend {
                 copy_to_output(&mut output[blocks[self.rank].clone()], input);
                 if output.len() <= self.small_bytes {
                     allgather::direct(o, output, &blocks)
+                } else if !self.transport.memory_shared_in_group() {
+                    allgather::ring_in_pieces(o, output, &blocks, self.ring_piece_bytes)
                 } else {
                     ring::all_gather(o, output, &blocks, 0)
                 }

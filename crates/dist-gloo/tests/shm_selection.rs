@@ -113,8 +113,9 @@ fn auto_falls_back_to_tcp_where_a_peer_takes_no_part() {
 /// A group is on one host (which moves all_reduce's switch from halving-doubling to the ring
 /// down to 256 KiB) only when every rank shares memory on it; every rank must agree, or their
 /// all_reduce of a size between the two switches would run different algorithms. Whether some
-/// two ranks share memory at all (which keeps all_to_all's blocks all in flight at once) is
-/// read from the same records, alike on every rank.
+/// two ranks share memory through rings at all (which keeps all_to_all's blocks all in flight
+/// at once and all_gather's ring whole) is read from the same records, alike on every rank;
+/// single copy is off here, since threads of one process can always read each other.
 #[test]
 fn every_rank_agrees_whether_the_group_is_on_one_host() {
     type Case = (
@@ -169,14 +170,23 @@ fn every_rank_agrees_whether_the_group_is_on_one_host() {
         ),
     ];
     for (what, hosts, modes, want, want_rings) in cases {
-        let outs = connect_all(4, |r| opts(modes[r], hosts[r]));
+        let outs = connect_all(4, |r| {
+            let mut o = opts(modes[r], hosts[r]);
+            o.mesh.cross_memory = false;
+            o
+        });
         let ranks: Vec<GlooBackend> = outs
             .into_iter()
             .map(|o| o.unwrap_or_else(|e| panic!("{what}: {e}")))
             .collect();
         for b in &ranks {
             assert_eq!(b.one_host(), want, "{what}: rank {}", b.rank());
-            assert_eq!(b.rings_in_group(), want_rings, "{what}: rank {}", b.rank());
+            assert_eq!(
+                b.memory_shared_in_group(),
+                want_rings,
+                "{what}: rank {}",
+                b.rank()
+            );
         }
         // 512 KiB lies between the two switches: every rank runs the same algorithm or fails.
         std::thread::scope(|s| {
@@ -210,4 +220,30 @@ fn an_unknown_transport_is_refused_when_read() {
     assert_eq!("SHM".parse::<TransportMode>(), Ok(TransportMode::Shm));
     assert_eq!("tcp".parse::<TransportMode>(), Ok(TransportMode::Tcp));
     assert_eq!("auto".parse::<TransportMode>(), Ok(TransportMode::Auto));
+}
+
+/// Ranks that can read each other's memory (single copy) share memory as much as ranks joined
+/// by rings: with every pair on TCP and single copy on, every rank says so where this host lets
+/// a process read itself, and no rank says so with single copy off.
+#[test]
+fn single_copy_counts_as_shared_memory_on_every_rank() {
+    for cross_memory in [true, false] {
+        let ranks: Vec<GlooBackend> = connect_all(3, |r| {
+            let mut o = opts(TransportMode::Tcp, ["x", "y", "z"][r]);
+            o.mesh.cross_memory = cross_memory;
+            o
+        })
+        .into_iter()
+        .map(|o| o.expect("mesh builds"))
+        .collect();
+        let want = cross_memory && dist_gloo::transport::tcp::cross_memory_available();
+        for b in &ranks {
+            assert_eq!(
+                b.memory_shared_in_group(),
+                want,
+                "single copy {cross_memory}: rank {}",
+                b.rank()
+            );
+        }
+    }
 }

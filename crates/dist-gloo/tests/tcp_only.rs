@@ -7,7 +7,7 @@
 mod common;
 
 use common::{check_all_to_all, encode, on_all, tcp_world, value};
-use dist_backend::{Backend, BufMut, OpOptions};
+use dist_backend::{Backend, BufMut, BufRef, OpOptions};
 use dist_gloo::transport::tcp::cross_memory_available;
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
@@ -160,6 +160,59 @@ fn all_to_all_schedules_mix_over_sockets_and_by_reference() {
                     cross_memory && cross_memory_available(),
                     "ws {n}: blocks by reference only with single copy on"
                 );
+            }
+        }
+    }
+}
+
+/// all_gather's ring in pieces (every byte over the sockets, no two ranks sharing memory), with
+/// pieces of 64 KiB so that the large counts run many: even and uneven blocks (some empty, some
+/// with fewer elements than there are pieces) on 1 to 5 ranks.
+#[test]
+fn all_gather_in_pieces_over_sockets_on_1_to_5_ranks() {
+    for n in 1..=5 {
+        let mut o = GlooOptions {
+            ring_piece_bytes: Some(64 << 10),
+            ..GlooOptions::default()
+        };
+        o.mesh.transport = dist_gloo::transport::shm::TransportMode::Tcp;
+        o.mesh.cross_memory = false;
+        o.mesh.segment_bytes = 16 << 10;
+        let ranks = tcp_world(n, &o);
+        assert!(ranks.iter().all(|b| !b.memory_shared_in_group()));
+        for d in [DType::U8, DType::F32] {
+            for count in COUNTS {
+                for uneven in [false, true] {
+                    let counts: Vec<usize> = (0..n)
+                        .map(|r| match (uneven, r % 3) {
+                            (false, _) => count,
+                            (true, 0) => count + r,
+                            (true, 1) => 0,
+                            (true, _) => (count / 7).max(1),
+                        })
+                        .collect();
+                    let block =
+                        |r: usize| encode(d, (0..counts[r]).map(|i| value(d, ReduceOp::Sum, r, i)));
+                    let want: Vec<u8> = (0..n).flat_map(block).collect();
+                    let outs = on_all(&ranks, |b| {
+                        let mut out = vec![0xA5u8; want.len()];
+                        b.all_gather(
+                            BufRef::Host(&block(b.rank())),
+                            BufMut::Host(&mut out),
+                            d,
+                            &counts,
+                            &opts(),
+                        )
+                        .unwrap_or_else(|e| panic!("all_gather ws {n} {d} {counts:?}: {e}"));
+                        out
+                    });
+                    for (r, got) in outs.iter().enumerate() {
+                        assert!(
+                            *got == want,
+                            "all_gather ws {n} {d} {counts:?}: rank {r} differs"
+                        );
+                    }
+                }
             }
         }
     }

@@ -1,11 +1,12 @@
 //! all_gather: one direct exchange for small buffers (latency-bound), the ring for large ones
-//! (bandwidth-bound, [`super::ring::all_gather`]).
+//! (bandwidth-bound, [`super::ring::all_gather`]), run in pieces where every byte crosses a
+//! socket.
 
 use std::ops::Range;
 
 use dist_backend::Result;
 
-use super::{Op, split_blocks, tags};
+use super::{Op, piece_first_step, pieces_of, ring, split_blocks, tags};
 
 /// Given that every rank holds its own block `rank` of `data`, fills in every other block in
 /// one step: each rank sends its block to every other and receives theirs in place. One
@@ -29,4 +30,24 @@ pub(crate) fn direct(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Re
         .filter_map(|p| parts[p].take().map(|buf| o.recv(p, buf, tags::DIRECT)))
         .collect();
     o.step(&sends, &mut recvs)
+}
+
+/// The ring all-gather run on consecutive pieces of about `piece_bytes` of the output, each
+/// piece a whole ring over part of every block: a rank forwards a part while it is still in
+/// the cache from its arrival, where the whole ring forwards blocks received a whole block
+/// earlier. Over TCP only (4 ranks on 2 cores, pieces of 4 MiB, alternated with the whole
+/// ring): 16 MiB per rank took 32-37 ms against 37-38, 64 MiB 123-132 ms against 136-207.
+/// Where ranks share memory the whole ring stays: large blocks go by reference in one step
+/// each, which pieces would cut up (2 ranks, 4 MiB: 2.0 ms in pieces against 0.35).
+pub(crate) fn ring_in_pieces(
+    o: &Op<'_>,
+    data: &mut [u8],
+    blocks: &[Range<usize>],
+    piece_bytes: usize,
+) -> Result<()> {
+    let len = data.len();
+    for (j, part) in pieces_of(blocks, len, piece_bytes, o.dtype().size()).enumerate() {
+        ring::all_gather(o, data, &part, piece_first_step(j, o.n()))?;
+    }
+    Ok(())
 }

@@ -290,11 +290,11 @@ pub trait Transport: Send + Sync {
     fn one_host(&self) -> bool {
         false
     }
-    /// Whether some two ranks of the group may talk through shared-memory rings (they
-    /// published segments with one host id), for the algorithm defaults that follow it; every
-    /// rank of the group must get the same answer (false for transports that never use shared
-    /// memory).
-    fn rings_in_group(&self) -> bool {
+    /// Whether some two ranks of the group may share memory: talk through shared-memory rings
+    /// (they published segments with one host id) or copy messages out of each other's memory
+    /// (single copy), for the algorithm defaults that follow it; every rank of the group must
+    /// get the same answer (false for transports that never share memory).
+    fn memory_shared_in_group(&self) -> bool {
         false
     }
 }

@@ -57,7 +57,9 @@ pub(super) struct Cma {
 
 impl Cma {
     /// Finds out which peers can read each other's memory. Every rank must call it (with
-    /// `enabled` false it still publishes that it takes no part).
+    /// `enabled` false it still publishes that it takes no part). Also returns whether any two
+    /// ranks of the group can read each other's memory, which every rank reads from the same
+    /// published records.
     pub(super) fn negotiate(
         store: &dyn Store,
         prefix: &str,
@@ -65,7 +67,7 @@ impl Cma {
         world: usize,
         enabled: bool,
         deadline: Instant,
-    ) -> Result<Option<Cma>> {
+    ) -> Result<(Option<Cma>, bool)> {
         let enabled = enabled && cfg!(target_os = "linux") && world > 1;
         let offers: Arc<[AtomicU64]> = (0..world).map(|_| AtomicU64::new(0)).collect();
         let probe = Box::new(random_token());
@@ -102,22 +104,27 @@ impl Cma {
             .collect();
         store.set_by(&format!("{prefix}/cma-ok/{rank}"), can.as_bytes(), deadline)?;
         let mut readers = vec![false; world];
+        let mut in_group = can.contains('1');
         for (peer, reader) in readers.iter_mut().enumerate() {
             if peer != rank {
                 let theirs = store.get_by(&format!("{prefix}/cma-ok/{peer}"), deadline)?;
                 *reader = theirs.get(rank) == Some(&b'1');
+                in_group |= theirs.contains(&b'1');
             }
         }
         if !enabled || (sources.iter().all(Option::is_none) && !readers.contains(&true)) {
-            return Ok(None);
+            return Ok((None, in_group));
         }
         tracing::debug!(rank, readable = %can, "cross-memory attach negotiated");
-        Ok(Some(Cma {
-            sources,
-            readers,
-            offers,
-            _probe: probe,
-        }))
+        Ok((
+            Some(Cma {
+                sources,
+                readers,
+                offers,
+                _probe: probe,
+            }),
+            in_group,
+        ))
     }
 
     /// Whether `peer` can read this rank's memory, so that messages to it may go by reference

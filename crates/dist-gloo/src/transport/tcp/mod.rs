@@ -46,7 +46,7 @@ pub struct TcpTransport {
     world_size: usize,
     segment: usize,
     one_host: bool,
-    rings_in_group: bool,
+    memory_shared_in_group: bool,
     engine: Mutex<Engine>,
 }
 
@@ -124,8 +124,9 @@ impl TcpTransport {
                 Duration::ZERO
             }
         });
-        let cma = cma::Cma::negotiate(store, prefix, rank, world_size, opts.cross_memory, deadline)
-            .map_err(ranked)?;
+        let (cma, cma_in_group) =
+            cma::Cma::negotiate(store, prefix, rank, world_size, opts.cross_memory, deadline)
+                .map_err(ranked)?;
         let cma = cma.map(Arc::new);
         let mut core = Core::new(rank, world_size, opts.segment_bytes);
         if let Some(cma) = &cma {
@@ -141,7 +142,7 @@ impl TcpTransport {
             world_size,
             segment: core.segment_bytes(),
             one_host,
-            rings_in_group,
+            memory_shared_in_group: rings_in_group || cma_in_group,
             engine: Mutex::new(Engine {
                 poll,
                 events: mio::Events::with_capacity(64),
@@ -203,10 +204,11 @@ impl Transport for TcpTransport {
         self.one_host
     }
 
-    /// True when some two ranks published shared-memory segments with one host id when the
-    /// mesh was built (read from the same records as [`Transport::one_host`]).
-    fn rings_in_group(&self) -> bool {
-        self.rings_in_group
+    /// True when, as the mesh was built, some two ranks published shared-memory segments with
+    /// one host id or found they could read each other's memory (read from the same records
+    /// on every rank).
+    fn memory_shared_in_group(&self) -> bool {
+        self.memory_shared_in_group
     }
 
     fn shared_memory_peers(&self) -> Vec<bool> {
