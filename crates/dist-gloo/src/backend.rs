@@ -54,24 +54,23 @@ pub struct GlooOptions {
     /// when the group is built).
     pub halving_doubling_bytes: Option<usize>,
     /// The ring all_reduce runs on consecutive pieces of about this many bytes, each a whole
-    /// reduce-scatter and all-gather, so that a piece is still in cache when the all-gather
-    /// touches it again; the ring reduce_scatter (on its input) and reduce run on pieces of this
-    /// size too, so that no step fills the shared-memory rings or socket buffers with megabytes
-    /// that leave the caches before the peer reads them; so does the ring all_gather (on its
-    /// output) where no two ranks share memory ([`Transport::memory_shared_in_group`]). `None`
-    /// picks
-    /// [`GlooOptions::auto_ring_piece_bytes`]; `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs
-    /// the whole buffer as one piece). Every rank must use the same value (checked when the
-    /// group is built).
+    /// reduce-scatter and all-gather, so that a piece is still in cache when the all-gather touches
+    /// it again; the ring reduce_scatter (on its input) and reduce run on pieces of this size too,
+    /// so that no step fills the shared-memory rings or socket buffers with megabytes that leave
+    /// the caches before the peer reads them; so does the ring all_gather (on its output) where no
+    /// two ranks share memory ([`Transport::memory_shared_in_group`]). `None` picks
+    /// [`GlooOptions::auto_ring_piece_bytes`]; `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs the
+    /// whole buffer as one piece). Every rank must use the same value (checked when the group is
+    /// built).
     pub ring_piece_bytes: Option<usize>,
-    /// On more than two ranks, an all_to_all in which this rank sends or receives a block of
-    /// at least this many bytes to or from another rank runs as n − 1 pairwise exchanges (step k: send to
-    /// rank + k, receive from rank − k, as Open MPI does for large blocks) instead of every
-    /// block in flight at once. `None` picks [`GlooOptions::auto_all_to_all_pairwise_bytes`]
-    /// once the mesh is built; `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` sets it. Purely local:
-    /// ranks may differ (with uneven splits they may choose differently anyway), since every
-    /// block of an all_to_all carries the same step tag and a rank keeps a block that arrives
-    /// before the exchange that takes it.
+    /// On more than two ranks, an all_to_all in which this rank sends or receives a block of at
+    /// least this many bytes to or from another rank runs as n − 1 pairwise exchanges (step k: send
+    /// to rank + k, receive from rank − k, as Open MPI does for large blocks) instead of every
+    /// block in flight at once. `None` picks [`GlooOptions::auto_all_to_all_pairwise_bytes`] once
+    /// the mesh is built; `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` sets it. Purely local: ranks may
+    /// differ (with uneven splits they may choose differently anyway), since every block of an
+    /// all_to_all carries the same step tag and a rank keeps a block that arrives before the
+    /// exchange that takes it.
     pub all_to_all_pairwise_bytes: Option<usize>,
 }
 
@@ -124,21 +123,21 @@ impl GlooOptions {
         world_size.saturating_mul(1 << 20)
     }
 
-    /// The default of [`GlooOptions::all_to_all_pairwise_bytes`]: blocks of 256 KiB when no
-    /// two ranks of the group share memory (through rings or single copy;
-    /// [`Transport::memory_shared_in_group`]), as between hosts, where every block travels over
-    /// a TCP stream; never otherwise, nor on two ranks (one exchange either way). Measured with gloo_bench over loopback TCP only on
-    /// a 2-core host, all at once against pairwise, alternated: 4 ranks, 1 MiB blocks took
-    /// 4450-4894 us against 2063-3151, 4 MiB blocks 13.9-15.3 ms against 10.2-10.9, 16 MiB
-    /// 52-55 ms against 40-42; 3 ranks, 1.3 MiB blocks 2605-3740 us against 1569-1761. With
-    /// every block in flight, each rank feeds n − 1 sockets at once and every receiver is fed
-    /// by n − 1 senders. Through shared-memory rings all at once was as fast or faster (4
-    /// ranks, 1 MiB blocks 370-507 us against 551-573), and so it was for blocks sent by
-    /// reference over TCP on one host (`DIST_GLOO_TRANSPORT=tcp` with single copy on: 1 MiB
-    /// blocks 475-490 us against 515-631; its 64 KiB blocks, which go over the sockets, were
-    /// faster pairwise, 137-306 against 371-374). Smaller blocks were faster pairwise too over TCP only (4 ranks, 4 KiB blocks
-    /// 53-66 us against 76-98), but each exchange is a network round trip between hosts, which
-    /// all at once pays only once.
+    /// The default of [`GlooOptions::all_to_all_pairwise_bytes`]: blocks of 256 KiB when no two
+    /// ranks of the group share memory (through rings or single copy;
+    /// [`Transport::memory_shared_in_group`]), as between hosts, where every block travels over a
+    /// TCP stream; never otherwise, nor on two ranks (one exchange either way). Measured with
+    /// gloo_bench over loopback TCP only on a 2-core host, all at once against pairwise,
+    /// alternated: 4 ranks, 1 MiB blocks took 4450-4894 us against 2063-3151, 4 MiB blocks
+    /// 13.9-15.3 ms against 10.2-10.9, 16 MiB 52-55 ms against 40-42; 3 ranks, 1.3 MiB blocks
+    /// 2605-3740 us against 1569-1761. With every block in flight, each rank feeds n − 1 sockets at
+    /// once and every receiver is fed by n − 1 senders. Through shared-memory rings all at once was
+    /// as fast or faster (4 ranks, 1 MiB blocks 370-507 us against 551-573), and so it was for
+    /// blocks sent by reference over TCP on one host (`DIST_GLOO_TRANSPORT=tcp` with single copy
+    /// on: 1 MiB blocks 475-490 us against 515-631; its 64 KiB blocks, which go over the sockets,
+    /// were faster pairwise, 137-306 against 371-374). Smaller blocks were faster pairwise too over
+    /// TCP only (4 ranks, 4 KiB blocks 53-66 us against 76-98), but each exchange is a network
+    /// round trip between hosts, which all at once pays only once.
     pub fn auto_all_to_all_pairwise_bytes(world_size: usize, memory_shared: bool) -> usize {
         if world_size <= 2 || memory_shared {
             usize::MAX

@@ -36,7 +36,8 @@ pub(crate) fn direct(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Re
 /// piece a whole ring over part of every block: a rank forwards a part while it is still in
 /// the cache from its arrival, where the whole ring forwards blocks received a whole block
 /// earlier. Over TCP only (4 ranks on 2 cores, pieces of 4 MiB, alternated with the whole
-/// ring): 16 MiB per rank took 32-37 ms against 37-38, 64 MiB 123-132 ms against 136-207.
+/// ring): 16 MiB per rank took 32.9-35.3 ms against 37.4-53.5, 64 MiB 127-137 ms against
+/// 145-197.
 /// Where ranks share memory the whole ring stays: large blocks go by reference in one step
 /// each, which pieces would cut up (2 ranks, 4 MiB: 2.0 ms in pieces against 0.35).
 pub(crate) fn ring_in_pieces(

@@ -57,8 +57,8 @@ pub(super) struct Cma {
 
 impl Cma {
     /// Finds out which peers can read each other's memory. Every rank must call it (with
-    /// `enabled` false it still publishes that it takes no part). Also returns whether any two
-    /// ranks of the group can read each other's memory, which every rank reads from the same
+    /// `enabled` false it still publishes that it takes no part). Also returns whether some
+    /// rank of the group can read another's memory, which every rank reads from the same
     /// published records.
     pub(super) fn negotiate(
         store: &dyn Store,

@@ -205,8 +205,8 @@ impl Transport for TcpTransport {
     }
 
     /// True when, as the mesh was built, some two ranks published shared-memory segments with
-    /// one host id or found they could read each other's memory (read from the same records
-    /// on every rank).
+    /// one host id or some rank found it could read another's memory (read from the same
+    /// records on every rank).
     fn memory_shared_in_group(&self) -> bool {
         self.memory_shared_in_group
     }
