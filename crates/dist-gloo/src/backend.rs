@@ -11,7 +11,7 @@ use dist_backend::{
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
 use crate::algo::{
-    Op, agree, allgather, allreduce, bcast, blocks_of, choice, reducescatter, ring, rooted,
+    Op, agree, allgather, allreduce, bcast, blocks_of, choice, reducescatter, rooted,
 };
 use crate::output_copy::copy_to_output;
 use crate::transport::mem::MemTransport;
@@ -218,6 +218,9 @@ pub struct GlooBackend {
     broadcast_scatter_bytes: usize,
     halving_doubling_bytes: usize,
     ring_piece_bytes: usize,
+    /// all_gather's ring pieces: `ring_piece_bytes` where no two ranks share memory, else one
+    /// piece (the whole ring), resolved once from [`Transport::memory_shared_in_group`].
+    all_gather_piece_bytes: usize,
     all_to_all_pairwise_bytes: usize,
     fused_agreement_max_ranks: usize,
     /// Whether this rank, as a rooted op's root, verifies the others' agreement frames
@@ -332,6 +335,11 @@ impl GlooBackend {
         let world_size = transport.world_size();
         let one_host = transport.one_host();
         let memory_shared = transport.memory_shared_in_group();
+        let ring_piece_bytes = match opts.ring_piece_bytes {
+            Some(0) => usize::MAX,
+            Some(v) => v,
+            None => GlooOptions::auto_ring_piece_bytes(world_size),
+        };
         GlooBackend {
             rank: transport.rank(),
             world_size: transport.world_size(),
@@ -346,10 +354,11 @@ impl GlooBackend {
             halving_doubling_bytes: opts
                 .halving_doubling_bytes
                 .unwrap_or_else(|| GlooOptions::auto_halving_doubling_bytes(world_size, one_host)),
-            ring_piece_bytes: match opts.ring_piece_bytes {
-                Some(0) => usize::MAX,
-                Some(v) => v,
-                None => GlooOptions::auto_ring_piece_bytes(world_size),
+            ring_piece_bytes,
+            all_gather_piece_bytes: if memory_shared {
+                usize::MAX
+            } else {
+                ring_piece_bytes
             },
             all_to_all_pairwise_bytes: opts.all_to_all_pairwise_bytes.unwrap_or_else(|| {
                 GlooOptions::auto_all_to_all_pairwise_bytes(world_size, memory_shared)
@@ -780,10 +789,8 @@ impl Backend for GlooBackend {
                 copy_to_output(&mut output[blocks[self.rank].clone()], input);
                 if output.len() <= self.small_bytes {
                     allgather::direct(o, output, &blocks)
-                } else if !self.transport.memory_shared_in_group() {
-                    allgather::ring_in_pieces(o, output, &blocks, self.ring_piece_bytes)
                 } else {
-                    ring::all_gather(o, output, &blocks, 0)
+                    allgather::ring_in_pieces(o, output, &blocks, self.all_gather_piece_bytes)
                 }
             },
         )
@@ -880,12 +887,8 @@ impl Backend for GlooBackend {
             ));
         }
         self.run(name, dtype, 0, None, None, None, opts, |o, _| {
-            let blocks = rooted::Blocks {
-                send_counts,
-                recv_counts,
-                pairwise_from: self.all_to_all_pairwise_bytes,
-            };
-            rooted::all_to_all(o, input, output, &blocks)
+            let pairwise_from = self.all_to_all_pairwise_bytes;
+            rooted::all_to_all(o, input, output, send_counts, recv_counts, pairwise_from)
         })
     }
 

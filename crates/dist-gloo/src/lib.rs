@@ -12,9 +12,10 @@
 //!   (1 MiB segments, reduction of one segment overlapping the transfer of the next) above it;
 //! * broadcast: binomial tree / pipelined chain; reduce: binomial tree / ring reduce-scatter +
 //!   gather; all_gather and reduce_scatter (equal and uneven): one direct exchange up to
-//!   `small_bytes`, ring above (all_gather's in pieces where no two ranks share memory); gather, scatter: direct, all transfers in flight at once;
-//!   all_to_all: the same, or n − 1 pairwise exchanges from
-//!   [`GlooOptions::all_to_all_pairwise_bytes`]; barrier: dissemination.
+//!   `small_bytes`, ring above (all_gather's in pieces where no two ranks share memory);
+//!   gather, scatter: direct, all transfers in flight at once; all_to_all: the same, or n − 1
+//!   pairwise exchanges from [`GlooOptions::all_to_all_pairwise_bytes`]; barrier:
+//!   dissemination.
 //!
 //! Every frame carries a [`dist_wire::FrameHeader`]; ranks that call different operations (or
 //! pass different arguments, the root included: rooted operations agree on them first) fail

@@ -119,19 +119,9 @@ pub(crate) fn scatter(
     o.step(&sends, &mut [])
 }
 
-/// How an all_to_all's blocks are split, and from which block size it runs pairwise.
-pub(crate) struct Blocks<'a> {
-    /// Elements this rank sends to each rank.
-    pub(crate) send_counts: &'a [usize],
-    /// Elements this rank receives from each rank.
-    pub(crate) recv_counts: &'a [usize],
-    /// The largest block, in bytes, from which the exchange runs pairwise
-    /// (`GlooOptions::all_to_all_pairwise_bytes`).
-    pub(crate) pairwise_from: usize,
-}
-
 /// Exchange of blocks with every peer: all in flight at once in one step, or, on more than two
-/// ranks with a block to or from another rank of at least `pairwise_from` bytes, in n − 1
+/// ranks with a block to or from another rank of at least `pairwise_from` bytes
+/// (`GlooOptions::all_to_all_pairwise_bytes`), in n − 1
 /// steps, step k sending to rank + k and receiving from rank − k, so that (when every rank
 /// runs it) each rank feeds one peer and is fed by one at a time. Each frame announces the
 /// element count of its block, so split sizes that disagree between two ranks are caught.
@@ -146,10 +136,11 @@ pub(crate) fn all_to_all(
     o: &Op<'_>,
     input: &[u8],
     output: &mut [u8],
-    blocks: &Blocks<'_>,
+    send_counts: &[usize],
+    recv_counts: &[usize],
+    pairwise_from: usize,
 ) -> Result<()> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
-    let (send_counts, recv_counts) = (blocks.send_counts, blocks.recv_counts);
     let sb = blocks_of(send_counts, elem);
     let rb = blocks_of(recv_counts, elem);
     // This rank's own block is a copy, not an exchange.
@@ -184,7 +175,7 @@ pub(crate) fn all_to_all(
             streamed: None,
         })
         .collect();
-    if n > 2 && largest >= blocks.pairwise_from {
+    if n > 2 && largest >= pairwise_from {
         for (send, recv) in sends.chunks(1).zip(recvs.chunks_mut(1)) {
             o.step(send, recv)?;
         }
