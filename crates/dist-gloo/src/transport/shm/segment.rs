@@ -120,3 +120,56 @@ pub(crate) fn open_peer(
 fn libc_seal_shrink() -> i32 {
     SealFlag::F_SEAL_SHRINK.bits()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: usize = 4096;
+
+    /// How many of the pages lying wholly inside `map[at..at + len]` are in memory (`mincore`),
+    /// and how many there are.
+    #[allow(
+        unsafe_code,
+        reason = "mincore only reads the page table of a mapping this test holds"
+    )]
+    fn resident_pages(map: &MmapRaw, at: usize, len: usize) -> (usize, usize) {
+        let base = map.as_ptr() as usize;
+        let first = (base + at).next_multiple_of(PAGE);
+        let end = (base + at + len) / PAGE * PAGE;
+        let pages = (end - first) / PAGE;
+        let mut vec = vec![0u8; pages];
+        // SAFETY: `first..end` lies inside the live mapping `map` and is page-aligned; `vec`
+        // has one byte per page, as mincore writes.
+        let r = unsafe { libc::mincore(first as *mut libc::c_void, end - first, vec.as_mut_ptr()) };
+        assert_eq!(r, 0, "mincore: {}", io::Error::last_os_error());
+        (vec.iter().filter(|&&b| b & 1 == 1).count(), pages)
+    }
+
+    #[test]
+    fn a_ring_in_use_is_in_memory_from_the_start_and_an_unused_slot_is_not() {
+        let probe = memmap2::MmapOptions::new().len(PAGE).map_anon().unwrap();
+        if probe.advise(memmap2::Advice::PopulateWrite).is_err() {
+            println!("skipped: this kernel has no MADV_POPULATE_WRITE (Linux 5.14)");
+            return;
+        }
+        let cap = 1 << 20;
+        let seg = Segment::create(3, cap).unwrap();
+        let slot = slot_bytes(cap);
+        assert_eq!(resident_pages(&seg.map, slot, slot).0, 0, "fresh segment");
+        let _rx = seg.rx_from(1).unwrap();
+        // Without populating, a ring's pages come in one fault at a time as data first passes.
+        let (resident, pages) = resident_pages(&seg.map, slot, slot);
+        assert!(pages > 200);
+        assert_eq!(
+            resident, pages,
+            "the ring from rank 1, once its reading end exists"
+        );
+        // Slots of ranks on other hosts are never used: they must cost no memory.
+        assert_eq!(
+            resident_pages(&seg.map, 2 * slot, slot).0,
+            0,
+            "rank 2's slot"
+        );
+    }
+}
