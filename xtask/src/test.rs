@@ -14,8 +14,10 @@ cargo xtask test --netns
 cargo xtask test --gpu
 
 --gpu: the GPU suite of dist-nccl (every op, dtype and size class against a host reference,
-a silent rank aborted by the watchdog, split; one rank per GPU), which prints
-\"skipped: no CUDA driver/NCCL found\" where none loads, then the GPU benchmark's smoke run.
+a silent rank aborted by the watchdog, split; one rank per GPU), then dist-collective's
+device-buffer tests (host staging over Gloo on 1-4 ranks of one GPU, NCCL beside Gloo in one
+group, two NCCL ranks on one GPU refused on both), each printing \"skipped: ...\" where no
+CUDA driver and NCCL load, then the GPU benchmark's smoke run.
 
 Runs the multi-rank programs as real processes through distrun, default world sizes 2,3,4:
     hello_all_reduce, subgroups (even sizes), ping_pong (size 2),
@@ -122,7 +124,8 @@ pub(crate) fn run_tests(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-/// `--gpu`: dist-nccl's GPU suite, one test at a time (they share the GPUs), output shown.
+/// `--gpu`: dist-nccl's GPU suite and dist-collective's device-buffer tests, one test at a
+/// time (they share the GPUs), output shown.
 fn run_gpu() -> Result<(), String> {
     run(cargo().args([
         "test",
@@ -131,6 +134,19 @@ fn run_gpu() -> Result<(), String> {
         "dist-nccl",
         "--test",
         "gpu",
+        "--",
+        "--test-threads=1",
+        "--nocapture",
+    ]))?;
+    run(cargo().args([
+        "test",
+        "--release",
+        "-p",
+        "dist-collective",
+        "--features",
+        "nccl",
+        "--test",
+        "gpu_device",
         "--",
         "--test-threads=1",
         "--nocapture",

@@ -4,8 +4,13 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The workspace root (the parent of this crate's directory).
+/// The workspace root: `DIST_XTASK_ROOT` where set (an xtask binary carried to a machine
+/// without a Rust toolchain, whose checkout lies elsewhere), else the parent of this crate's
+/// directory.
 pub(crate) fn project_root() -> PathBuf {
+    if let Some(root) = std::env::var_os("DIST_XTASK_ROOT") {
+        return PathBuf::from(root);
+    }
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map(Path::to_path_buf)
@@ -57,7 +62,17 @@ pub(crate) fn run(cmd: &mut Command) -> Result<(), String> {
 ///
 /// Target flags select only the targets they name, in every package given: the binaries are
 /// named too (`--bins`), or a stale `distrun`/`ddp-train` left by an earlier build would run.
+///
+/// With `DIST_XTASK_PREBUILT` set it builds nothing and uses what `target/release` holds: on a
+/// machine with no Rust toolchain (a lent GPU machine) the binaries are built elsewhere and
+/// carried there.
 pub(crate) fn build_release(packages: &[&str], examples: &[&str]) -> Result<(), String> {
+    if std::env::var_os("DIST_XTASK_PREBUILT").is_some() {
+        println!(
+            "xtask: DIST_XTASK_PREBUILT is set, so the binaries in target/release are used as they are"
+        );
+        return Ok(());
+    }
     let mut cmd = cargo();
     cmd.args(["build", "--release", "--quiet", "--bins"]);
     for p in packages {
