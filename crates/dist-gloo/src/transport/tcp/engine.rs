@@ -420,6 +420,12 @@ impl Engine {
             if !owed {
                 continue;
             }
+            // What the link takes now goes out before `close` returns, so that a peer that
+            // looks right after (told of this close by a third rank, say) finds the goodbye
+            // and names this rank as having left; only what does not fit (a full ring or
+            // socket) waits for the background thread, which must not block this one.
+            let sent = write_now(&mut link, &pending);
+            pending.drain(..sent);
             closing.push(linger::Closing {
                 peer,
                 link,
@@ -428,4 +434,19 @@ impl Engine {
         }
         linger::linger(rank, closing, deadline);
     }
+}
+
+/// Writes as much of `bytes` to `link` as it takes without waiting; returns how much. A link
+/// that refuses (full, or broken) is left to the lingering close, which waits or reports.
+fn write_now(link: &mut super::link::Link, bytes: &[u8]) -> usize {
+    let mut done = 0;
+    while done < bytes.len() {
+        match link.write(&bytes[done..]) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    done
 }
