@@ -6,12 +6,14 @@
 //! a reset, which throws away whatever this side had written but the peer had not yet
 //! received. Reading until the peer's own close means nothing is unread when the socket goes.
 //!
-//! All of it happens on a background thread, so dropping a group returns at once and groups
-//! that ranks destroy in different orders cannot wait on each other: writing what is owed
-//! waits for the peer to make room (a shared-memory ring holds less than a frame), and a
-//! peer that is not reading yet (it destroys its groups later, or in the same thread after
-//! this one) held the close for the whole deadline when the writes were made in place. Before the process exits
-//! the `dist-backend` exit hook waits for every lingering close ([`wait_all`]), each bounded by
+//! The engine first writes what each link takes without waiting (usually the whole goodbye),
+//! so a peer that looks right after the close finds it; everything else happens on a
+//! background thread, so dropping a group returns at once and groups that ranks destroy in
+//! different orders cannot wait on each other: writing what is owed waits for the peer to
+//! make room (a shared-memory ring holds less than a frame), and a peer that is not reading
+//! yet (it destroys its groups later, or in the same thread after this one) held the close
+//! for the whole deadline when the writes were made in place. Before the process exits the
+//! `dist-backend` exit hook waits for every lingering close ([`wait_all`]), each bounded by
 //! the group's timeout.
 
 use std::io::{ErrorKind, Read};
