@@ -54,9 +54,9 @@ const CACHED_MIN_BYTES: usize = 64 << 10;
 /// Maps every page of `map[at..at + len]` into this process, writable, now rather than at the
 /// first write or read of each (`MADV_POPULATE_WRITE`, Linux 5.14).
 ///
-/// Why: the first trip of a ring's data round its pages pays a fault per 4 KiB page on each
-/// side (the first allocating and zeroing the page), a few microseconds each, which is more
-/// than a small message costs. With 2 MiB rings a job's first thousand or so messages of a few
+/// Why: until the data has gone round a ring once, each of its 4 KiB pages faults at first
+/// use on each side (the first fault allocating and zeroing the page), a few microseconds
+/// each, which is more than a small message costs. With 2 MiB rings a job's first thousand or so messages of a few
 /// KiB each ran at 6 us instead of 1 us (2 ranks, all_reduce of 2-8 KiB with 300 iterations per
 /// size), long enough to spoil small benchmarks and a training job's first steps.
 /// Populating only allocates and maps: it writes nothing, so a peer already using the ring is
