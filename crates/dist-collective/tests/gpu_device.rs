@@ -78,10 +78,10 @@ fn every_op(pg: &ProcessGroup, device: usize, len: usize) -> dist_collective::Re
 
     let a = upload(device, &data(r, len));
     pg.all_reduce_device(dev(&a), DType::F32, ReduceOp::Sum)?;
-    let want: Vec<f32> = (0..len)
+    let summed: Vec<f32> = (0..len)
         .map(|i| (0..n).map(|q| value(q, i)).sum())
         .collect();
-    assert_eq!(download(&a), want, "{}", what("all_reduce"));
+    assert_eq!(download(&a), summed, "{}", what("all_reduce"));
 
     let root = n - 1;
     let b = upload(device, &data(r + 10, len));
@@ -123,10 +123,7 @@ fn every_op(pg: &ProcessGroup, device: usize, len: usize) -> dist_collective::Re
 
     let mut host = data(r, len);
     pg.all_reduce(&mut host, ReduceOp::Sum)?;
-    let want: Vec<f32> = (0..len)
-        .map(|i| (0..n).map(|q| value(q, i)).sum())
-        .collect();
-    assert_eq!(host, want, "{}", what("host all_reduce"));
+    assert_eq!(host, summed, "{}", what("host all_reduce"));
     Ok(())
 }
 
