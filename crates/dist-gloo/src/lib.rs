@@ -54,4 +54,5 @@ pub mod transport;
 
 pub use backend::{
     FUSED_AGREEMENT_MAX_RANKS, GlooBackend, GlooOptions, HALVING_DOUBLING_MIN_BYTES,
+    LAZY_ROOT_MAX_DEFERRED,
 };

@@ -1,8 +1,9 @@
 //! A lazy root (the default) returns once its data is out and verifies the other ranks'
-//! agreement frames later: before it next receives anything, after at most `MAX_DEFERRED`
-//! operations that only send, or at close. These tests hold that the frames left queued never
-//! get in the way of what follows (every op kind after runs of small rooted ops, roots
-//! changing), and that a disagreement inside such a run still reaches the root in time.
+//! agreement frames later: before it next receives anything, after at most
+//! [`LAZY_ROOT_MAX_DEFERRED`] operations that only send, or at close. These tests hold that
+//! the frames left queued never get in the way of what follows (every op kind after runs of
+//! small rooted ops, roots changing), and that a disagreement inside such a run still reaches
+//! the root in time.
 
 mod common;
 
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 use common::{on_all, tcp_world};
 use dist_backend::{Backend, BufMut, BufRef, Error, OpOptions};
-use dist_gloo::{GlooBackend, GlooOptions};
+use dist_gloo::{GlooBackend, GlooOptions, LAZY_ROOT_MAX_DEFERRED};
 use dist_wire::{DType, ReduceOp};
 
 fn opts() -> OpOptions {
@@ -18,7 +19,7 @@ fn opts() -> OpOptions {
 }
 
 /// More back-to-back operations from one root than the root may leave unverified.
-const RUN: usize = 20;
+const RUN: usize = LAZY_ROOT_MAX_DEFERRED + 8;
 
 /// One rank's part of a mixed sequence: runs of small broadcasts and scatters from one root,
 /// then each kind of operation that receives, with the root moving on each round. Returns
@@ -146,7 +147,7 @@ fn runs_of_small_rooted_ops_interleave_with_every_op_on_1_to_5_ranks() {
 }
 
 /// A root that keeps broadcasting small buffers after its receivers disagreed hears of it
-/// within `MAX_DEFERRED` (8) operations, as a mismatch naming both roots (op 3's).
+/// within [`LAZY_ROOT_MAX_DEFERRED`] operations, as a mismatch naming both roots (op 3's).
 #[test]
 fn a_disagreement_inside_a_run_of_broadcasts_reaches_the_root_within_the_bound() {
     for n in 2..=4 {
@@ -174,9 +175,9 @@ fn a_disagreement_inside_a_run_of_broadcasts_reaches_the_root_within_the_bound()
         for (r, (k, e)) in errs.iter().enumerate() {
             // A rank still finishing op 2 (reading the others' frames) may already meet the
             // abort notice of a rank that found the mismatch in op 3; no rank gets more than
-            // 8 ops past it.
+            // LAZY_ROOT_MAX_DEFERRED ops past it.
             assert!(
-                (2..=3 + 8).contains(k),
+                (2..=3 + LAZY_ROOT_MAX_DEFERRED).contains(k),
                 "n={n}: rank {r} failed at {k}: {e}"
             );
             let (ours, theirs) = match e {

@@ -157,6 +157,7 @@ impl<'a> Op<'a> {
             count: self.count,
             tag,
             streamed: None,
+            seq_ahead: 0,
         }
     }
 

@@ -173,6 +173,7 @@ pub(crate) fn all_to_all(
             count: recv_counts[p] as u64,
             tag: tags::DIRECT,
             streamed: None,
+            seq_ahead: 0,
         })
         .collect();
     if n > 2 && largest >= pairwise_from {

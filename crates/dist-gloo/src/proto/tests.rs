@@ -71,6 +71,7 @@ fn a_message_cut_at_every_byte_arrives_whole_frame_by_frame() {
             count: 100,
             tag: 3,
             streamed: None,
+            seq_ahead: 0,
         }];
         let c = ctx(0, CollectiveOp::AllGather, 1, t0);
         let mut sa = a.begin(c, &sends, &[]);
@@ -128,6 +129,7 @@ fn an_abort_notice_follows_the_rest_of_a_half_written_frame_and_sticks() {
         count: 4,
         tag: 0,
         streamed: None,
+        seq_ahead: 0,
     }];
     let c = ctx(0, CollectiveOp::AllReduce, 4, t0);
     let mut sa = a.begin(c, &sends, &a_recvs);
@@ -181,6 +183,7 @@ fn an_abort_notice_follows_the_rest_of_a_half_written_frame_and_sticks() {
         count: 200,
         tag: 0,
         streamed: None,
+        seq_ahead: 0,
     }];
     let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
     let mut delivered = Vec::new();
@@ -232,6 +235,7 @@ fn a_message_for_another_tag_waits_in_the_stash() {
         count: 3,
         tag: 11,
         streamed: None,
+        seq_ahead: 0,
     }];
     let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
     let mut noop = |_: usize, _: Range<usize>, _: &mut [u8]| Ok(());
@@ -251,6 +255,7 @@ fn a_message_for_another_tag_waits_in_the_stash() {
         count: 20,
         tag: 10,
         streamed: None,
+        seq_ahead: 0,
     }];
     let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
     assert_eq!(
@@ -289,6 +294,7 @@ fn a_goodbye_read_after_a_notice_blaming_its_sender_names_it_as_left() {
                 count: 1,
                 tag: 0,
                 streamed: None,
+                seq_ahead: 0,
             },
             Incoming {
                 peer: 2,
@@ -296,6 +302,7 @@ fn a_goodbye_read_after_a_notice_blaming_its_sender_names_it_as_left() {
                 count: 1,
                 tag: 0,
                 streamed: None,
+                seq_ahead: 0,
             },
         ];
         let mut step = core.begin(ctx(1, CollectiveOp::Barrier, 0, t0), &[], &recvs);
@@ -351,6 +358,7 @@ fn a_streamed_receive_passes_every_frame_through_its_window() {
             count: 100,
             tag: 3,
             streamed: Some(100),
+            seq_ahead: 0,
         }];
         let c = ctx(0, CollectiveOp::AllReduce, 1, t0);
         let mut sa = a.begin(c, &sends, &[]);
@@ -382,6 +390,73 @@ fn a_streamed_receive_passes_every_frame_through_its_window() {
             let e = b.finish(&mut sb, &[], t0).unwrap_err();
             assert!(e.to_string().contains("would wrap"), "{e}");
             assert_eq!(ranges, vec![0..16], "window {window}");
+        }
+    }
+}
+
+/// One step takes frames of several operations from one peer, each judged as its own
+/// operation's (`Incoming::seq_ahead`), in the order they come: three header-only frames of
+/// operations 5, 6 and 7 land in receives 0, +1 and +2; a receiver that skips operation 6
+/// finds its frame where operation 7's belongs and fails naming both.
+#[test]
+fn receives_ahead_of_the_step_take_later_operations_frames_in_order() {
+    let t0 = Instant::now();
+    for skip in [false, true] {
+        let (mut a, mut b) = (Core::new(0, 2, 64), Core::new(1, 2, 64));
+        let sends = [Outgoing {
+            peer: 1,
+            data: &[],
+            count: 0,
+            tag: 9,
+        }];
+        let aheads: &[u64] = if skip { &[0, 2] } else { &[0, 1, 2] };
+        let mut recvs: Vec<Incoming<'_>> = aheads
+            .iter()
+            .map(|&seq_ahead| Incoming {
+                peer: 0,
+                buf: &mut [],
+                count: 0,
+                tag: 9,
+                streamed: None,
+                seq_ahead,
+            })
+            .collect();
+        let mut sb = b.begin(ctx(1, CollectiveOp::Broadcast, 5, t0), &[], &recvs);
+        let mut landed = Vec::new();
+        let mut on_frame = |i: usize, _: Range<usize>, _: &mut [u8]| {
+            landed.push(i);
+            Ok(())
+        };
+        for seq in 5..8 {
+            let mut sa = a.begin(ctx(0, CollectiveOp::Broadcast, seq, t0), &sends, &[]);
+            pump(
+                &mut a,
+                &mut sa,
+                &sends,
+                &mut b,
+                &mut sb,
+                &mut recvs,
+                1000,
+                &mut on_frame,
+            );
+            assert_eq!(
+                a.poll(&mut sa, &sends, &mut [], &mut |_, _, _| Ok(()), t0),
+                Status::Done
+            );
+        }
+        let status = b.poll(&mut sb, &[], &mut recvs, &mut on_frame, t0);
+        if !skip {
+            assert_eq!(status, Status::Done);
+            assert_eq!(landed, [0, 1, 2]);
+            continue;
+        }
+        assert_eq!(status, Status::Failed);
+        assert_eq!(landed, [0]);
+        match b.finish(&mut sb, &[], t0) {
+            Err(Error::Mismatch { ours, theirs }) => {
+                assert_eq!((ours.seq, theirs.seq), (7, 6), "{ours} against {theirs}");
+            }
+            other => panic!("expected a mismatch naming operations 7 and 6, got {other:?}"),
         }
     }
 }

@@ -205,6 +205,12 @@ pub struct Incoming<'a> {
     /// megabytes pushed the data out of it (2-rank all_reduce of 16 MiB: the data and one
     /// 8 MiB scratch per rank are 48 MiB against a 32 MiB L3).
     pub streamed: Option<usize>,
+    /// How many operations after the step's own this message belongs to: its frames must
+    /// carry sequence number `ctx.seq + seq_ahead` and are judged as that operation's, which
+    /// is otherwise the step's. Why: a lazy root reads the agreement frames of several
+    /// deferred broadcasts with the same arguments in one step (`algo::agree`), where one step
+    /// each cost as much as the broadcast itself. 0 for every other receive.
+    pub seq_ahead: u64,
 }
 
 impl Incoming<'_> {
@@ -318,6 +324,16 @@ pub(crate) fn judge(
     recv: &Incoming<'_>,
     got: usize,
 ) -> Result<Verdict> {
+    let ahead;
+    let ctx = if recv.seq_ahead == 0 {
+        ctx
+    } else {
+        ahead = StepCtx {
+            seq: ctx.seq + recv.seq_ahead,
+            ..*ctx
+        };
+        &ahead
+    };
     let (want_count, want_tag, len) = (recv.count, recv.tag, recv.message_len());
     if h.op == CollectiveOp::Close {
         return Ok(Verdict::Closed);

@@ -508,6 +508,7 @@ fn incoming<'a>(plan: &[Msg], bufs: &'a mut [Vec<u8>]) -> Vec<Incoming<'a>> {
             buf: b,
             count: m.len as u64,
             tag: m.tag,
+            seq_ahead: 0,
         })
         .collect()
 }
