@@ -617,9 +617,10 @@ impl GlooBackend {
     /// one step for each run of ops alike ([`agree::Deferred::joins`]). Why half: a root of
     /// back-to-back broadcasts that read one op's frames before each new one took two steps
     /// per broadcast, and the second cost as much as the first (2 ranks over shared memory,
-    /// 4-byte broadcasts: 0.95-1.0 us against 0.7 with no reads at all); reading half the
-    /// queue at once costs one step per `keep / 2 + 1` broadcasts, and leaves the root that
-    /// many ahead of its receivers, so that it does not wait for the newest frames.
+    /// 4-byte broadcasts: 0.95-1.0 us against 0.7 with no reads at all); reading the older
+    /// half of the queue at once costs one step per half a queue of broadcasts (17 of
+    /// [`agree::MAX_DEFERRED`] = 32), and leaves the root `keep / 2` operations ahead of the
+    /// frames it has read, so that it seldom waits for its receivers' newest frames.
     fn verify_deferred(&self, keep: usize, deadline: Instant) -> Result<()> {
         let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
         if q.len() <= keep {
