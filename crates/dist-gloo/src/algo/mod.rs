@@ -1,4 +1,4 @@
-//! Collective algorithms, written once against [`Transport`](crate::transport::Transport).
+//! Collective algorithms, written once against [`Transport`].
 //!
 //! Each function runs one operation's steps; tags label the step so that ranks running
 //! different algorithms (say, a different size threshold) fail with a clear error instead of
