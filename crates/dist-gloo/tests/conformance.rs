@@ -9,8 +9,8 @@
 mod common;
 
 use common::{
-    DRIVERS, MakeTransports, assert_close, check_all_to_all, decode, encode, on_all, reference,
-    shm_rings_transports, tcp_world, tcp_world_with, value, world,
+    DRIVERS, MakeTransports, assert_close, check_all_to_all, check_reduce_scatter, decode, encode,
+    on_all, reference, shm_rings_transports, tcp_world, tcp_world_with, value, world,
 };
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
@@ -112,39 +112,6 @@ fn check_all_reduce(ranks: &[GlooBackend]) {
                 }
             }
         }
-    }
-}
-
-/// reduce_scatter of `counts[r]` elements to each rank r, checked against the reference.
-fn check_reduce_scatter(ranks: &[GlooBackend], d: DType, op: ReduceOp, counts: &[usize]) {
-    let n = ranks.len();
-    let total: usize = counts.iter().sum();
-    let outs = on_all(ranks, |b| {
-        let input = encode(d, (0..total).map(|i| value(d, op, b.rank(), i)));
-        let mut out = vec![0u8; counts[b.rank()] * d.size()];
-        b.reduce_scatter(
-            BufRef::Host(&input),
-            BufMut::Host(&mut out),
-            d,
-            op,
-            counts,
-            &opts(),
-        )
-        .unwrap();
-        out
-    });
-    let mut at = 0;
-    for (r, out) in outs.iter().enumerate() {
-        for (j, got) in decode(d, out).into_iter().enumerate() {
-            assert_close(
-                d,
-                &format!("reduce_scatter ws {n} {d} {op} counts {counts:?} rank {r}"),
-                j,
-                got,
-                reference(d, op, n, at + j),
-            );
-        }
-        at += counts[r];
     }
 }
 

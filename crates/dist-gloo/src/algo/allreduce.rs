@@ -72,31 +72,7 @@ pub(crate) fn halving_doubling(
     let blocks = even_blocks(data.len() / elem, p2, elem);
     // The byte range of blocks lo..hi (consecutive, so one range).
     let span = |lo: usize, hi: usize| blocks[lo].start..blocks[hi - 1].end;
-    // Blocks lo..hi are those this rank still reduces; each round keeps the half on this
-    // rank's side of the partner, so rank r ends with block r.
-    let (mut lo, mut hi) = (0, p2);
-    let mut mask = p2 / 2;
-    let mut step = 0;
-    while mask > 0 {
-        let partner = r ^ mask;
-        let mid = lo + (hi - lo) / 2;
-        let (keep, give) = if r & mask == 0 {
-            ((lo, mid), (mid, hi))
-        } else {
-            ((mid, hi), (lo, mid))
-        };
-        let (kept, given) = (span(keep.0, keep.1), span(give.0, give.1));
-        let (out, acc) = split_pair(data, given, kept.clone());
-        let tag = tags::RH_RS | step;
-        o.step_with(
-            &[o.send(partner, out, tag)],
-            &mut [o.recv_streamed(partner, kept.len(), scratch, tag)],
-            &mut |_, range, bytes| o.combine(op, &mut acc[range], bytes),
-        )?;
-        (lo, hi) = keep;
-        mask >>= 1;
-        step += 1;
-    }
+    let (mut lo, mut hi) = super::reducescatter::halve_in_place(o, data, &blocks, op, scratch)?;
     let own = blocks[r].clone();
     dist_wire::finalize(op, o.dtype(), &mut data[own], n).map_err(|e| o.wire(e))?;
     let mut mask = 1;

@@ -1,12 +1,13 @@
-//! reduce_scatter: one direct exchange for small buffers (latency-bound), the ring for large
-//! ones (bandwidth-bound, [`super::ring::reduce_scatter_into`]).
+//! reduce_scatter: one direct exchange for small buffers (latency-bound), recursive halving
+//! for middling ones on a power-of-two group, the ring for large ones (bandwidth-bound,
+//! [`super::ring::reduce_scatter_into`]).
 
 use std::ops::Range;
 
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{Op, ring, tags};
+use super::{Op, ring, split_pair, tags};
 
 /// Reduces block `rank` of every rank's `input` into `output` in one step: each rank sends
 /// block p of its input to rank p and receives its own block from every other rank, then
@@ -63,6 +64,72 @@ pub(crate) fn direct(
         o.combine(op, output, part(p))?;
     }
     Ok(())
+}
+
+/// Recursive halving on a power-of-two group: in round k each rank swaps half of the blocks
+/// it still reduces with the rank n/2^(k+1) away, keeping the half on its own side of the
+/// partner and combining the partner's copy of it as the frames land, so that after log2 n
+/// rounds it holds its own block, reduced. Each rank sends (n − 1)/n of the buffer, as in
+/// [`direct`], but to one peer at a time: over TCP, every rank feeding all others at once
+/// cost n − 1 messages per rank, each a system call and a wake-up (the backend's
+/// `reduce_scatter_halving` says when, with the figures). The input is copied once, since each
+/// round combines into the blocks the rank keeps.
+pub(crate) fn halving(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    blocks: &[Range<usize>],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
+    let mut work = input.to_vec();
+    halve_in_place(o, &mut work, blocks, op, scratch)?;
+    output.copy_from_slice(&work[blocks[o.rank()].clone()]);
+    Ok(())
+}
+
+/// The rounds of [`halving`] on `data`, split into `blocks` (one per rank of a power-of-two
+/// group, this rank among them), reducing in place: afterwards block `rank` of `data` holds
+/// the reduction of every rank's. Returns the run of blocks this rank ended with
+/// (`rank..rank + 1`), for an all-gather by recursive doubling to widen again (Rabenseifner's
+/// all_reduce, [`super::allreduce::halving_doubling`]).
+pub(crate) fn halve_in_place(
+    o: &Op<'_>,
+    data: &mut [u8],
+    blocks: &[Range<usize>],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+) -> Result<(usize, usize)> {
+    let (p2, r) = (blocks.len(), o.rank());
+    debug_assert!(p2.is_power_of_two() && r < p2);
+    // The byte range of blocks lo..hi (consecutive, so one range).
+    let span = |lo: usize, hi: usize| blocks[lo].start..blocks[hi - 1].end;
+    // Blocks lo..hi are those this rank still reduces; each round keeps the half on this
+    // rank's side of the partner, so rank r ends with block r.
+    let (mut lo, mut hi) = (0, p2);
+    let mut mask = p2 / 2;
+    let mut step = 0;
+    while mask > 0 {
+        let partner = r ^ mask;
+        let mid = lo + (hi - lo) / 2;
+        let (keep, give) = if r & mask == 0 {
+            ((lo, mid), (mid, hi))
+        } else {
+            ((mid, hi), (lo, mid))
+        };
+        let (kept, given) = (span(keep.0, keep.1), span(give.0, give.1));
+        let (out, acc) = split_pair(data, given, kept.clone());
+        let tag = tags::RH_RS | step;
+        o.step_with(
+            &[o.send(partner, out, tag)],
+            &mut [o.recv_streamed(partner, kept.len(), scratch, tag)],
+            &mut |_, range, bytes| o.combine(op, &mut acc[range], bytes),
+        )?;
+        (lo, hi) = keep;
+        mask >>= 1;
+        step += 1;
+    }
+    Ok((lo, hi))
 }
 
 /// The ring reduce-scatter ([`ring::reduce_scatter_into`]) run on pieces of about

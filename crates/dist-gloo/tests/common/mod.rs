@@ -245,3 +245,37 @@ pub fn check_all_to_all(
         assert!(*o == want, "all_to_all ws {n} {d} {what}: rank {r} differs");
     }
 }
+
+/// reduce_scatter of `counts[r]` elements to each rank r, every rank's output checked against
+/// [`reference`].
+pub fn check_reduce_scatter(ranks: &[GlooBackend], d: DType, op: ReduceOp, counts: &[usize]) {
+    let n = ranks.len();
+    let total: usize = counts.iter().sum();
+    let outs = on_all(ranks, |b| {
+        let input = encode(d, (0..total).map(|i| value(d, op, b.rank(), i)));
+        let mut out = vec![0xA5u8; counts[b.rank()] * d.size()];
+        b.reduce_scatter(
+            BufRef::Host(&input),
+            BufMut::Host(&mut out),
+            d,
+            op,
+            counts,
+            &OpOptions::with_timeout(Duration::from_secs(60)),
+        )
+        .unwrap_or_else(|e| panic!("reduce_scatter ws {n} {d} {op} {counts:?}: {e}"));
+        out
+    });
+    let mut at = 0;
+    for (r, out) in outs.iter().enumerate() {
+        for (j, got) in decode(d, out).into_iter().enumerate() {
+            assert_close(
+                d,
+                &format!("reduce_scatter ws {n} {d} {op} counts {counts:?} rank {r}"),
+                j,
+                got,
+                reference(d, op, n, at + j),
+            );
+        }
+        at += counts[r];
+    }
+}
