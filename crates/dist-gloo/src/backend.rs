@@ -228,18 +228,19 @@ pub struct GlooBackend {
     /// piece (the whole ring), resolved once from [`Transport::memory_shared_in_group`].
     all_gather_piece_bytes: usize,
     all_to_all_pairwise_bytes: usize,
-    /// reduce_scatter up to `small_bytes` of input runs recursive halving
-    /// ([`reducescatter::halving`]) rather than one direct exchange: on a power-of-two group
-    /// of more than two ranks none of which share memory ([`Transport::memory_shared_in_group`],
-    /// alike on every rank), as between hosts. There each rank's n − 1 messages of the direct
-    /// exchange cost a system call and a socket wake-up each, where halving sends log2 n
-    /// (Open MPI runs recursive halving there too). Measured with gloo_bench over loopback
-    /// TCP only on a 2-core host, 4 ranks, alternated 5 times, us (per-rank output): 16 B
-    /// 49.5-88.7 against 88.8-92.9 direct, 1 KiB 58.9-65.8 against 83.9-84.9, 4 KiB
-    /// 68.1-82.1 against 97.7-98.5, 16 KiB 83.7-126.2 against 144.1-151.8, 64 KiB 194.5-270.6
-    /// against 383.6-389.3. Through shared memory the direct exchange was as fast from 32 KiB
-    /// per rank and faster below (1 KiB: 11.6-14.6 against 20.2-25.6), so it stays there.
-    reduce_scatter_halving: bool,
+    /// reduce_scatter and all_gather up to `small_bytes` run recursive halving
+    /// ([`reducescatter::halving`]) and recursive doubling ([`allgather::doubling`]) rather than
+    /// one direct exchange: on a power-of-two group of more than two ranks none of which share
+    /// memory ([`Transport::memory_shared_in_group`], alike on every rank), as between hosts.
+    /// There each of a rank's n − 1 messages in the direct exchange costs a system call and a
+    /// socket wake-up, where these send log2 n (Open MPI runs them there too). Measured with
+    /// gloo_bench over loopback TCP only on a 2-core host, 4 ranks, alternated 4-5 times, us
+    /// (per-rank output). reduce_scatter: 4 B 45.5-46.3 against 66.6-82.5 direct, 1 KiB
+    /// 50.4-51.7 against 69.1-70.2, 16 KiB 79.1-83.9 against 97.7-100.7, 64 KiB 186.9-196.8
+    /// against 204.4-207.5. all_gather: see docs/BENCHMARKS.md. Through shared memory the
+    /// direct exchange was as fast from 32 KiB per rank and faster below (reduce_scatter of
+    /// 1 KiB: 11.6-14.6 against 20.2-25.6), so it stays there.
+    pairs_over_sockets: bool,
     fused_agreement_max_ranks: usize,
     /// Whether this rank, as a rooted op's root, verifies the others' agreement frames
     /// lazily ([`GlooOptions::lazy_root_verification`]).
@@ -381,9 +382,7 @@ impl GlooBackend {
             all_to_all_pairwise_bytes: opts.all_to_all_pairwise_bytes.unwrap_or_else(|| {
                 GlooOptions::auto_all_to_all_pairwise_bytes(world_size, memory_shared)
             }),
-            reduce_scatter_halving: !memory_shared
-                && world_size > 2
-                && world_size.is_power_of_two(),
+            pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
                 .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
@@ -826,7 +825,9 @@ impl Backend for GlooBackend {
             |o, _| {
                 let blocks = blocks_of(counts, dtype.size());
                 copy_to_output(&mut output[blocks[self.rank].clone()], input);
-                if output.len() <= self.small_bytes {
+                if output.len() <= self.small_bytes && self.pairs_over_sockets {
+                    allgather::doubling(o, output, &blocks)
+                } else if output.len() <= self.small_bytes {
                     allgather::direct(o, output, &blocks)
                 } else {
                     allgather::ring_in_pieces(o, output, &blocks, self.all_gather_piece_bytes)
@@ -862,7 +863,7 @@ impl Backend for GlooBackend {
             |o, scratch| {
                 let blocks = blocks_of(counts, dtype.size());
                 let run = |input: &[u8], output: &mut [u8], scratch: &mut Vec<u64>| {
-                    if input.len() <= self.small_bytes && self.reduce_scatter_halving {
+                    if input.len() <= self.small_bytes && self.pairs_over_sockets {
                         reducescatter::halving(o, input, output, &blocks, op, scratch)
                     } else if input.len() <= self.small_bytes {
                         reducescatter::direct(o, input, output, &blocks, op, scratch)

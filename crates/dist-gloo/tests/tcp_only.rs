@@ -166,13 +166,14 @@ fn all_to_all_schedules_mix_over_sockets_and_by_reference() {
     }
 }
 
-/// all_gather's ring in pieces (every byte over the sockets, no two ranks sharing memory), with
-/// pieces of 64 KiB so that the large counts run many: even and uneven blocks (some empty, and
-/// with the large counts one of 3 elements, fewer than there are pieces, so that most pieces
-/// carry an empty part of it) on 1 to 5 ranks.
+/// all_gather where every byte crosses a socket (no two ranks sharing memory): the ring in
+/// pieces of 64 KiB so that the large counts run many, and, for the small counts on 4 and 8
+/// ranks, recursive doubling; even and uneven blocks (some empty, and with the large counts
+/// one of 3 elements, fewer than there are pieces, so that most pieces carry an empty part of
+/// it) on 1 to 5 and 8 ranks.
 #[test]
-fn all_gather_in_pieces_over_sockets_on_1_to_5_ranks() {
-    for n in 1..=5 {
+fn all_gather_in_pieces_over_sockets_on_1_to_5_and_8_ranks() {
+    for n in (1..=5).chain([8]) {
         let mut o = GlooOptions {
             ring_piece_bytes: Some(64 << 10),
             ..GlooOptions::default()

@@ -4,7 +4,7 @@
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{Op, even_blocks, piece_first_step, ring, ring_pieces, split_pair, tags};
+use super::{Op, even_blocks, piece_first_step, ring, ring_pieces, tags};
 
 /// Reduces `data` in place across all ranks with recursive doubling: ⌈log2 n⌉ exchanges of the
 /// whole buffer. A non-power-of-two rank count first folds the extra ranks into the lowest ones
@@ -70,32 +70,10 @@ pub(crate) fn halving_doubling(
         return Ok(());
     };
     let blocks = even_blocks(data.len() / elem, p2, elem);
-    // The byte range of blocks lo..hi (consecutive, so one range).
-    let span = |lo: usize, hi: usize| blocks[lo].start..blocks[hi - 1].end;
-    let (mut lo, mut hi) = super::reducescatter::halve_in_place(o, data, &blocks, op, scratch)?;
+    super::reducescatter::halve_in_place(o, data, &blocks, op, scratch)?;
     let own = blocks[r].clone();
     dist_wire::finalize(op, o.dtype(), &mut data[own], n).map_err(|e| o.wire(e))?;
-    let mut mask = 1;
-    let mut step = 0;
-    while mask < p2 {
-        let partner = r ^ mask;
-        // The partner holds the sibling of this rank's run of blocks.
-        let width = hi - lo;
-        let theirs = if r & mask == 0 {
-            (hi, hi + width)
-        } else {
-            (lo - width, lo)
-        };
-        let (out, into) = split_pair(data, span(lo, hi), span(theirs.0, theirs.1));
-        let tag = tags::RD_AG | step;
-        o.step(
-            &[o.send(partner, out, tag)],
-            &mut [o.recv(partner, into, tag)],
-        )?;
-        (lo, hi) = (lo.min(theirs.0), hi.max(theirs.1));
-        mask <<= 1;
-        step += 1;
-    }
+    super::allgather::double_in_place(o, data, &blocks)?;
     unfold(o, data, p2, extra)
 }
 

@@ -72,7 +72,7 @@ pub(crate) fn direct(
 /// rounds it holds its own block, reduced. Each rank sends (n − 1)/n of the buffer, as in
 /// [`direct`], but to one peer at a time: over TCP, every rank feeding all others at once
 /// cost n − 1 messages per rank, each a system call and a wake-up (the backend's
-/// `reduce_scatter_halving` says when, with the figures). The input is copied once, since each
+/// `pairs_over_sockets` says when, with the figures). The input is copied once, since each
 /// round combines into the blocks the rank keeps.
 pub(crate) fn halving(
     o: &Op<'_>,
@@ -90,16 +90,15 @@ pub(crate) fn halving(
 
 /// The rounds of [`halving`] on `data`, split into `blocks` (one per rank of a power-of-two
 /// group, this rank among them), reducing in place: afterwards block `rank` of `data` holds
-/// the reduction of every rank's. Returns the run of blocks this rank ended with
-/// (`rank..rank + 1`), for an all-gather by recursive doubling to widen again (Rabenseifner's
-/// all_reduce, [`super::allreduce::halving_doubling`]).
+/// the reduction of every rank's. Also the reduce-scatter half of Rabenseifner's all_reduce
+/// ([`super::allreduce::halving_doubling`]).
 pub(crate) fn halve_in_place(
     o: &Op<'_>,
     data: &mut [u8],
     blocks: &[Range<usize>],
     op: ReduceOp,
     scratch: &mut Vec<u64>,
-) -> Result<(usize, usize)> {
+) -> Result<()> {
     let (p2, r) = (blocks.len(), o.rank());
     debug_assert!(p2.is_power_of_two() && r < p2);
     // The byte range of blocks lo..hi (consecutive, so one range).
@@ -129,7 +128,7 @@ pub(crate) fn halve_in_place(
         mask >>= 1;
         step += 1;
     }
-    Ok((lo, hi))
+    Ok(())
 }
 
 /// The ring reduce-scatter ([`ring::reduce_scatter_into`]) run on pieces of about
