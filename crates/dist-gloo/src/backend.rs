@@ -237,7 +237,8 @@ pub struct GlooBackend {
     /// gloo_bench over loopback TCP only on a 2-core host, 4 ranks, alternated 4-5 times, us
     /// (per-rank output). reduce_scatter: 4 B 45.5-46.3 against 66.6-82.5 direct, 1 KiB
     /// 50.4-51.7 against 69.1-70.2, 16 KiB 79.1-83.9 against 97.7-100.7, 64 KiB 186.9-196.8
-    /// against 204.4-207.5. all_gather: see docs/BENCHMARKS.md. Through shared memory the
+    /// against 204.4-207.5. all_gather: 64 B 45.4-53.8 against 66.6-90.6, 1 KiB 50.0-60.5
+    /// against 68.6-85.5, 16 KiB 71.4-111.5 against 93.5-140.1. Through shared memory the
     /// direct exchange was as fast from 32 KiB per rank and faster below (reduce_scatter of
     /// 1 KiB: 11.6-14.6 against 20.2-25.6), so it stays there.
     pairs_over_sockets: bool,

@@ -2,8 +2,9 @@
 //! goes through the sockets, on 1..=5 ranks, every root, sizes 0, 1, uneven and large (many
 //! segments, so the chain broadcast's pipeline and the staggered all_to_all both run with
 //! several frames in flight per peer), all_to_all's two schedules mixed rank by rank, over
-//! sockets and by reference, and all_gather's ring in pieces. Checked against the values each
-//! rank was built from.
+//! sockets and by reference, all_gather's ring in pieces and recursive doubling, and
+//! reduce_scatter by recursive halving. Checked against the values each rank was built from
+//! (reduce_scatter against the independent reference).
 
 mod common;
 

@@ -37,8 +37,8 @@ pub(crate) fn direct(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Re
 /// the others by recursive doubling: in round k each rank swaps the run of 2^k blocks it holds
 /// with the rank 2^k away, which holds the run beside it, so after log2 n rounds every rank
 /// holds all. Each rank sends (n − 1)/n of the buffer, as in [`direct`], in log2 n messages
-/// instead of n − 1 (over TCP each costs a system call and a wake-up: see the backend's
-/// `all_gather_doubling`).
+/// instead of n − 1 (over TCP each costs a system call and a wake-up: the backend's
+/// `pairs_over_sockets` says when, with the figures).
 pub(crate) fn doubling(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Result<()> {
     debug_assert!(o.n().is_power_of_two());
     double_in_place(o, data, blocks)

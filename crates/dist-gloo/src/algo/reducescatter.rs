@@ -1,6 +1,6 @@
-//! reduce_scatter: one direct exchange for small buffers (latency-bound), recursive halving
-//! for middling ones on a power-of-two group, the ring for large ones (bandwidth-bound,
-//! [`super::ring::reduce_scatter_into`]).
+//! reduce_scatter: one direct exchange for small buffers (latency-bound; recursive halving on
+//! a power-of-two group where every byte crosses a socket), the ring for large ones
+//! (bandwidth-bound, [`super::ring::reduce_scatter_into`]).
 
 use std::ops::Range;
 
