@@ -256,6 +256,9 @@ pub struct GlooBackend {
     poisoned: Mutex<Option<String>>,
     /// Receive scratch, as `u64` so that typed views of it are aligned.
     scratch: Mutex<Vec<u64>>,
+    /// reduce_scatter's copy of its input for the rounds that combine in place
+    /// ([`reducescatter::halving`]), kept so that they allocate nothing.
+    halving_work: Mutex<Vec<u8>>,
 }
 
 impl std::fmt::Debug for GlooBackend {
@@ -393,6 +396,7 @@ impl GlooBackend {
             last_rooted: Mutex::new(None),
             poisoned: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
+            halving_work: Mutex::new(Vec::new()),
         }
     }
 
@@ -865,7 +869,8 @@ impl Backend for GlooBackend {
                 let blocks = blocks_of(counts, dtype.size());
                 let run = |input: &[u8], output: &mut [u8], scratch: &mut Vec<u64>| {
                     if input.len() <= self.small_bytes && self.pairs_over_sockets {
-                        reducescatter::halving(o, input, output, &blocks, op, scratch)
+                        let mut work = self.halving_work.lock().unwrap_or_else(|e| e.into_inner());
+                        reducescatter::halving(o, input, output, &blocks, op, scratch, &mut work)
                     } else if input.len() <= self.small_bytes {
                         reducescatter::direct(o, input, output, &blocks, op, scratch)
                     } else {

@@ -33,22 +33,15 @@ pub(crate) fn direct(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Re
     o.step(&sends, &mut recvs)
 }
 
-/// Given that every rank of a power-of-two group holds its own block `rank` of `data`, fills in
-/// the others by recursive doubling: in round k each rank swaps the run of 2^k blocks it holds
-/// with the rank 2^k away, which holds the run beside it, so after log2 n rounds every rank
-/// holds all. Each rank sends (n − 1)/n of the buffer, as in [`direct`], in log2 n messages
-/// instead of n − 1 (over TCP each costs a system call and a wake-up: the backend's
-/// `pairs_over_sockets` says when, with the figures).
+/// Given that every rank of a power-of-two group holds its own block `rank` of `data` (split
+/// into `blocks`, one per rank), fills in the others by recursive doubling: in round k each
+/// rank swaps the run of 2^k blocks it holds with the rank 2^k away, which holds the run beside
+/// it, so after log2 n rounds every rank holds all. Each rank sends (n − 1)/n of the buffer, as
+/// in [`direct`], in log2 n messages instead of n − 1 (over TCP each costs a system call and a
+/// wake-up: the backend's `pairs_over_sockets` says when, with the figures). Also the
+/// all-gather half of Rabenseifner's all_reduce ([`super::allreduce::halving_doubling`]),
+/// after its reduce-scatter by [`super::reducescatter::halve_in_place`].
 pub(crate) fn doubling(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Result<()> {
-    debug_assert!(o.n().is_power_of_two());
-    double_in_place(o, data, blocks)
-}
-
-/// The rounds of [`doubling`] on `data`, split into `blocks` (one per rank of a power-of-two
-/// group), of which this rank holds block `rank`: also the all-gather half of Rabenseifner's
-/// all_reduce ([`super::allreduce::halving_doubling`]), after its reduce-scatter by
-/// [`super::reducescatter::halve_in_place`].
-pub(crate) fn double_in_place(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Result<()> {
     let (p2, r) = (blocks.len(), o.rank());
     debug_assert!(p2.is_power_of_two() && r < p2);
     // The byte range of blocks lo..hi (consecutive, so one range).

@@ -73,7 +73,7 @@ pub(crate) fn halving_doubling(
     super::reducescatter::halve_in_place(o, data, &blocks, op, scratch)?;
     let own = blocks[r].clone();
     dist_wire::finalize(op, o.dtype(), &mut data[own], n).map_err(|e| o.wire(e))?;
-    super::allgather::double_in_place(o, data, &blocks)?;
+    super::allgather::doubling(o, data, &blocks)?;
     unfold(o, data, p2, extra)
 }
 

@@ -72,8 +72,9 @@ pub(crate) fn direct(
 /// rounds it holds its own block, reduced. Each rank sends (n − 1)/n of the buffer, as in
 /// [`direct`], but to one peer at a time: over TCP, every rank feeding all others at once
 /// cost n − 1 messages per rank, each a system call and a wake-up (the backend's
-/// `pairs_over_sockets` says when, with the figures). The input is copied once, since each
-/// round combines into the blocks the rank keeps.
+/// `pairs_over_sockets` says when, with the figures). The input is copied once into `work`
+/// (the caller's, kept between operations so that they allocate nothing), since each round
+/// combines into the blocks the rank keeps.
 pub(crate) fn halving(
     o: &Op<'_>,
     input: &[u8],
@@ -81,9 +82,11 @@ pub(crate) fn halving(
     blocks: &[Range<usize>],
     op: ReduceOp,
     scratch: &mut Vec<u64>,
+    work: &mut Vec<u8>,
 ) -> Result<()> {
-    let mut work = input.to_vec();
-    halve_in_place(o, &mut work, blocks, op, scratch)?;
+    work.clear();
+    work.extend_from_slice(input);
+    halve_in_place(o, work, blocks, op, scratch)?;
     output.copy_from_slice(&work[blocks[o.rank()].clone()]);
     Ok(())
 }
