@@ -13,6 +13,7 @@ use common::{
     on_all, reference, shm_rings_transports, tcp_world, tcp_world_with, value, world,
 };
 use std::sync::Barrier;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use dist_backend::{Backend, BufMut, BufRef, Error, OpOptions};
@@ -511,34 +512,46 @@ fn a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank() {
             released.wait();
             Some((e, took))
         });
-        let mut named = false;
-        for (r, o) in out.into_iter().enumerate().take(2) {
-            let (e, took) = o.expect("ranks 0 and 1 fail");
-            assert!(
-                took < timeout + Duration::from_secs(1),
-                "{driver} rank {r} took {took:?}"
-            );
-            match &e {
-                Error::Timeout {
-                    rank,
-                    op,
-                    missing_peers,
-                    ..
-                } => {
-                    assert_eq!((*rank, *op), (r, CollectiveOp::AllReduce), "{driver}: {e}");
-                    assert!(
-                        !missing_peers.is_empty() && !missing_peers.contains(&r),
-                        "{driver} rank {r}: {e}"
-                    );
-                    named |= missing_peers.contains(&2);
-                }
-                other => panic!("{driver} rank {r}: expected a timeout, got {other}"),
-            }
-        }
-        // Which deadline fires first is a race; the rank waiting for the stalled one names it
-        // (itself, or told by a peer that gave up on it).
-        assert!(named, "{driver}: no rank named the stalled rank 2");
+        assert_timeouts_name_the_stalled_rank(driver, CollectiveOp::AllReduce, out, 2, timeout);
     }
+}
+
+/// `out` holds, for every rank but `stalled`, the error of `op` and how long it took: each is
+/// a timeout within `timeout` plus a second naming ranks it waited for, not itself, and some
+/// rank names `stalled`. Which deadline fires first is a race; the rank waiting for the
+/// stalled one names it (itself, or told by a peer that gave up on it).
+fn assert_timeouts_name_the_stalled_rank(
+    driver: &str,
+    op: CollectiveOp,
+    out: Vec<Option<(Error, Duration)>>,
+    stalled: usize,
+    timeout: Duration,
+) {
+    let mut named = false;
+    for (r, o) in out.into_iter().enumerate().filter(|(r, _)| *r != stalled) {
+        let (e, took) = o.expect("the other ranks fail");
+        assert!(
+            took < timeout + Duration::from_secs(1),
+            "{driver} rank {r} took {took:?}"
+        );
+        match &e {
+            Error::Timeout {
+                rank,
+                op: failed,
+                missing_peers,
+                ..
+            } => {
+                assert_eq!((*rank, *failed), (r, op), "{driver}: {e}");
+                assert!(
+                    !missing_peers.is_empty() && !missing_peers.contains(&r),
+                    "{driver} rank {r}: {e}"
+                );
+                named |= missing_peers.contains(&stalled);
+            }
+            other => panic!("{driver} rank {r}: expected a timeout, got {other}"),
+        }
+    }
+    assert!(named, "{driver}: no rank named the stalled rank {stalled}");
 }
 
 /// A rank whose process dies (here: its transport aborted and dropped, which closes its
@@ -547,36 +560,112 @@ fn a_stalled_rank_is_a_timeout_naming_it_on_every_other_rank() {
 fn a_crashed_rank_is_peer_lost_naming_it_on_every_survivor() {
     for &(driver, make) in DRIVERS {
         let n = 4;
-        let mut ts = make(n, &gloo_opts());
-        let dead = ts.pop().expect("a rank");
-        let ranks: Vec<GlooBackend> = ts
-            .into_iter()
-            .map(|t| GlooBackend::over(t, 0, &gloo_opts()))
-            .collect();
-        let errs = std::thread::scope(|s| {
-            let h = s.spawn(|| {
-                on_all(&ranks, |b| {
-                    let mut v = vec![1u8; 1 << 20];
-                    b.all_reduce(
-                        BufMut::Host(&mut v),
-                        DType::U8,
-                        ReduceOp::Sum,
-                        &quick(Duration::from_secs(30)),
-                    )
-                    .unwrap_err()
-                })
-            });
-            dead.abort();
-            drop(dead);
-            h.join().expect("survivors")
+        let errs = while_the_last_rank_dies(make, n, |b| {
+            let mut v = vec![1u8; 1 << 20];
+            b.all_reduce(
+                BufMut::Host(&mut v),
+                DType::U8,
+                ReduceOp::Sum,
+                &quick(Duration::from_secs(30)),
+            )
+            .unwrap_err()
         });
-        for (r, e) in errs.iter().enumerate() {
-            match e {
-                Error::PeerLost { rank, peer, .. } => {
-                    assert_eq!((*rank, *peer), (r, n - 1), "{driver}: {e}");
+        assert_peer_lost_on_every_survivor(driver, &errs, n - 1);
+    }
+}
+
+/// A barrier lets no rank out before every rank is in: each round a different rank comes
+/// last (after a pause longer than a waiting rank spins, so the others go to sleep and must
+/// be woken), and every rank, on leaving, counts the ranks that entered that round.
+#[test]
+fn a_barrier_lets_no_rank_out_before_the_last_one_enters() {
+    for &(driver, make) in DRIVERS {
+        for n in [2, 4] {
+            let ranks = world(make, n, &gloo_opts());
+            let entered: Vec<AtomicUsize> = (0..3 * n).map(|_| AtomicUsize::new(0)).collect();
+            on_all(&ranks, |b| {
+                for (round, count) in entered.iter().enumerate() {
+                    if b.rank() == round % n {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    count.fetch_add(1, Ordering::SeqCst);
+                    b.barrier(&opts()).unwrap();
+                    assert_eq!(
+                        count.load(Ordering::SeqCst),
+                        n,
+                        "{driver}, {n} ranks, round {round}: rank {} left early",
+                        b.rank()
+                    );
                 }
-                other => panic!("{driver} rank {r}: expected PeerLost naming rank 3, got {other}"),
+            });
+        }
+    }
+}
+
+/// A rank that never comes to a barrier: the others time out within their timeout plus a
+/// second, each naming ranks it waited for, and the stalled rank among them.
+#[test]
+fn a_rank_that_never_comes_to_a_barrier_is_a_timeout_naming_it() {
+    for &(driver, make) in DRIVERS {
+        let n = 4;
+        let ranks = world(make, n, &gloo_opts());
+        let timeout = Duration::from_secs(1);
+        let released = Barrier::new(n);
+        let out = on_all(&ranks, |b| {
+            if b.rank() == 2 {
+                released.wait();
+                return None;
             }
+            let t0 = Instant::now();
+            let e = b.barrier(&quick(timeout)).unwrap_err();
+            let took = t0.elapsed();
+            released.wait();
+            Some((e, took))
+        });
+        assert_timeouts_name_the_stalled_rank(driver, CollectiveOp::Barrier, out, 2, timeout);
+    }
+}
+
+/// A rank that dies while the others wait in a barrier: every survivor fails with `PeerLost`
+/// naming it, long before its timeout.
+#[test]
+fn a_rank_that_dies_during_a_barrier_is_peer_lost_naming_it_on_every_survivor() {
+    for &(driver, make) in DRIVERS {
+        let n = 4;
+        let errs = while_the_last_rank_dies(make, n, |b| b.barrier(&opts()).unwrap_err());
+        assert_peer_lost_on_every_survivor(driver, &errs, n - 1);
+    }
+}
+
+/// Runs `f` on the first `n - 1` of `n` ranks while the last one dies (its transport aborted
+/// and dropped, which closes its connections without a goodbye); returns their results.
+fn while_the_last_rank_dies<R: Send>(
+    make: MakeTransports,
+    n: usize,
+    f: impl Fn(&GlooBackend) -> R + Sync,
+) -> Vec<R> {
+    let mut ts = make(n, &gloo_opts());
+    let dead = ts.pop().expect("a rank");
+    let ranks: Vec<GlooBackend> = ts
+        .into_iter()
+        .map(|t| GlooBackend::over(t, 0, &gloo_opts()))
+        .collect();
+    std::thread::scope(|s| {
+        let h = s.spawn(|| on_all(&ranks, &f));
+        dead.abort();
+        drop(dead);
+        h.join().expect("survivors")
+    })
+}
+
+/// Every survivor's error in `errs` (indexed by rank) is `PeerLost` naming `dead`.
+fn assert_peer_lost_on_every_survivor(driver: &str, errs: &[Error], dead: usize) {
+    for (r, e) in errs.iter().enumerate() {
+        match e {
+            Error::PeerLost { rank, peer, .. } => {
+                assert_eq!((*rank, *peer), (r, dead), "{driver}: {e}");
+            }
+            other => panic!("{driver} rank {r}: expected PeerLost naming rank {dead}, got {other}"),
         }
     }
 }

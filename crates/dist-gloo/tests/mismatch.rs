@@ -684,3 +684,39 @@ fn a_waiting_receiver_finds_the_disagreement_in_frames_it_does_not_wait_for() {
         assert_eq!(roots, [Some(0), Some(1)], "round {round}: {}", outs[3].err);
     }
 }
+
+/// A rank that runs an all_reduce while the others run a barrier: every rank fails with a
+/// mismatch naming a barrier and an all_reduce, over every driver (through shared memory the
+/// barrier sends no frame, so the ranks in it must find the all_reduce's frames among what
+/// arrives while they wait), and none waits for its timeout.
+#[test]
+fn a_barrier_met_by_another_operation_fails_every_rank_at_once() {
+    for &(driver, make) in DRIVERS {
+        for n in 2..=4 {
+            let ranks = common::world(make, n, &GlooOptions::default());
+            let t0 = Instant::now();
+            let errs = on_all(&ranks, |b| {
+                if b.rank() == 1 {
+                    sum_ones(b, 16).expect_err("the others run a barrier")
+                } else {
+                    b.barrier(&opts()).expect_err("rank 1 runs an all_reduce")
+                }
+            });
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{driver} {n} ranks: {:?}",
+                t0.elapsed()
+            );
+            for (r, e) in errs.iter().enumerate() {
+                let (a, b) = sides(e);
+                let mut ops = [a.op, b.op];
+                ops.sort_by_key(|op| op.name());
+                assert_eq!(
+                    ops,
+                    [CollectiveOp::AllReduce, CollectiveOp::Barrier],
+                    "{driver} {n} ranks, rank {r}: {e}"
+                );
+            }
+        }
+    }
+}

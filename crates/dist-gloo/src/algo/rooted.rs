@@ -185,9 +185,16 @@ pub(crate) fn all_to_all(
     o.step(&sends, &mut recvs)
 }
 
-/// Dissemination barrier: in round k each rank signals rank + 2^k and waits for rank − 2^k;
-/// after ⌈log2 n⌉ rounds every rank has transitively heard from all.
+/// Barrier: through the transport's shared memory where the whole group has it
+/// ([`crate::transport::Transport::shared_memory_barrier`]), else by dissemination: in round
+/// k each rank signals rank + 2^k and waits for rank − 2^k; after ⌈log2 n⌉ rounds every rank
+/// has transitively heard from all.
 pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
+    if o.n() > 1
+        && let Some(done) = o.t.shared_memory_barrier(&o.ctx)
+    {
+        return done;
+    }
     let (n, r) = (o.n(), o.rank());
     let mut dist = 1;
     let mut round = 0;

@@ -438,6 +438,23 @@ impl Core {
         status
     }
 
+    /// [`Core::poll`] for a step with no messages whose driver learns by other means which
+    /// peers it still waits for (`missing`): a barrier through shared memory. It fails as a
+    /// step waiting for their messages would: a peer lost, gone or aborted, a stashed frame of
+    /// this operation that disagrees with it, the deadline (naming `missing`).
+    pub fn poll_waiting_for(&mut self, step: &mut Step, missing: &[usize], now: Instant) -> Status {
+        let Some(ctx) = step.ctx else {
+            return Status::Done;
+        };
+        if step.failed.is_some() {
+            return Status::Failed;
+        }
+        if step.finished {
+            return Status::Done;
+        }
+        self.check(&ctx, step, &[], &[], missing, now)
+    }
+
     /// The rest of [`Core::poll`], for a live step waiting for `missing`.
     fn check(
         &mut self,

@@ -271,6 +271,15 @@ pub trait Transport: Send + Sync {
     /// by comparing values): closing it then says no goodbye, which would tell the peers that
     /// this rank left cleanly. A failed step marks it by itself.
     fn abort(&self) {}
+    /// Runs the barrier `ctx` through memory that every rank of the group maps, where the
+    /// transport has such memory (every pair of the group talks through shared-memory rings):
+    /// no messages, and the same errors as a barrier of messages (a peer lost or gone, an
+    /// abort, a rank that runs another operation, the deadline). `None` where it has none, and
+    /// the algorithms' barrier of messages runs instead; every rank of the group gets the same
+    /// answer.
+    fn shared_memory_barrier(&self, _ctx: &StepCtx) -> Option<Result<()>> {
+        None
+    }
     /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the peer
     /// is gone. Never blocks: reads ahead what has arrived from `peer` into the stash.
     fn probe(&self, peer: usize, tag: u32) -> bool;

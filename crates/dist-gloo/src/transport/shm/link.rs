@@ -49,7 +49,7 @@ impl ShmLink {
 
     /// Wakes the peer. A full socket buffer already holds doorbells it has not read, and a
     /// broken connection shows as EOF on the read side, so neither is an error here.
-    fn ring_doorbell(&mut self) {
+    pub(crate) fn ring_doorbell(&mut self) {
         let _ = self.stream.write(&[1]);
     }
 

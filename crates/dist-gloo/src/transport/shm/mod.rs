@@ -16,6 +16,7 @@
 //! group. `DIST_GLOO_TRANSPORT=tcp` keeps every pair on TCP, `=shm` makes a pair that cannot
 //! use rings an error naming it.
 
+pub(crate) mod group_area;
 pub(crate) mod link;
 pub(crate) mod ring;
 pub(crate) mod segment;
@@ -26,6 +27,7 @@ use std::time::Instant;
 
 use dist_backend::{Error, Result, Store};
 
+use group_area::GroupArea;
 use ring::{RxRing, TxRing};
 use segment::Segment;
 
@@ -169,6 +171,9 @@ pub(crate) struct Negotiated {
     /// Some two ranks of the group published segments with one host id, so some pairs may
     /// talk through rings. Every rank computes it from the same records, like `one_host`.
     pub(crate) rings_in_group: bool,
+    /// Rank 0's group area, mapped, when every pair of the group talks through rings (every
+    /// rank computes that from the same records, so all have an area or none has).
+    pub(crate) group_area: Option<GroupArea>,
 }
 
 /// Decides, with every peer, which pairs use rings, and sets them up. Every rank of the group
@@ -188,6 +193,7 @@ pub(crate) fn negotiate(
             rings: out,
             one_host: true,
             rings_in_group: false,
+            group_area: None,
         });
     }
     let shm = o.mode == TransportMode::Shm;
@@ -247,6 +253,11 @@ pub(crate) fn negotiate(
     let mut txs: Vec<Option<TxRing>> = (0..world).map(|_| None).collect();
     let mut why_not: Vec<Option<Error>> = (0..world).map(|_| None).collect();
     let mut strict: Vec<bool> = vec![shm; world];
+    // Rank 0's group area, which every rank uses when all pairs use rings.
+    let mut leader_area = match (rank, seg.as_ref()) {
+        (0, Some(s)) => Some(s.group_area(world)),
+        _ => None,
+    };
     // Judged on the records as every rank reads them (this rank's own decoded as the peers
     // decode it), so that the answer depends on the records alone, not on who reads them.
     let host_of = |r: Option<&Record>| r.and_then(|r| r.seg.as_ref()).map(|l| l.host.clone());
@@ -290,6 +301,9 @@ pub(crate) fn negotiate(
             (_, Some(Some(Locator { cap, pid, fd, .. }))) => {
                 match segment::open_peer(*pid, *fd, world, *cap, rank) {
                     Ok(tx) => {
+                        if peer == 0 {
+                            leader_area = Some(segment::group_area(tx.mapping(), world, *cap));
+                        }
                         txs[peer] = Some(tx);
                         None
                     }
@@ -310,8 +324,15 @@ pub(crate) fn negotiate(
         .map(|p| if txs[p].is_some() { '1' } else { '0' })
         .collect();
     store.set_by(&format!("{prefix}/shm-ok/{rank}"), can.as_bytes(), deadline)?;
+    // Every rank opened every other's segment: all pairs use rings (read from the records
+    // alone, so every rank reaches the same answer).
+    let opened_all = |r: usize, record: &[u8]| {
+        record.len() == world && record.iter().enumerate().all(|(p, &c)| p == r || c == b'1')
+    };
+    let mut all_rings = opened_all(rank, can.as_bytes());
     for peer in (0..world).filter(|&p| p != rank) {
         let theirs = store.get_by(&format!("{prefix}/shm-ok/{peer}"), deadline)?;
+        all_rings &= opened_all(peer, &theirs);
         let both = txs[peer].is_some() && theirs.get(rank) == Some(&b'1');
         if both && let (Some(seg), Some(tx)) = (seg.as_ref(), txs[peer].take()) {
             let rx = seg.rx_from(peer).map_err(|source| Error::Io {
@@ -337,9 +358,18 @@ pub(crate) fn negotiate(
     if let Some(s) = seg.as_mut() {
         s.close_fd();
     }
+    let group_area = match leader_area.filter(|_| all_rings && own_err.is_none()) {
+        Some(area) => Some(area.map_err(|source| Error::Io {
+            rank,
+            context: "mapping the group area of rank 0's shared-memory segment".into(),
+            source,
+        })?),
+        None => None,
+    };
     match own_err {
         Some(e) => Err(e),
         None => Ok(Negotiated {
+            group_area,
             rings: out,
             one_host,
             rings_in_group: {

@@ -218,6 +218,11 @@ impl TxRing {
         })
     }
 
+    /// The whole mapping the ring lies in: the peer's segment, group area included.
+    pub(crate) fn mapping(&self) -> Arc<MmapRaw> {
+        self.ring.map.clone()
+    }
+
     /// Free space, rereading the reader's `head` only when the cached one shows none.
     fn space(&mut self) -> io::Result<usize> {
         let cap = self.ring.cap as u64;

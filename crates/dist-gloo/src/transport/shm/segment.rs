@@ -1,6 +1,8 @@
 //! The shared-memory segment of one rank: an anonymous `memfd` holding the rings its peers on
 //! this host write to it, one slot per rank of the group.
 //!
+//! After the rings comes the group area (`group_area`), used in rank 0's segment only.
+//!
 //! A `memfd` has no name in `/dev/shm` or anywhere else: it lives exactly as long as some
 //! process holds its descriptor or a mapping of it, so a group killed with `kill -9` leaves
 //! nothing behind. A peer opens it through `/proc/<pid>/fd/<n>`, which needs the same access to
@@ -16,11 +18,25 @@ use memmap2::MmapRaw;
 use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 
+use super::group_area::{GroupArea, area_bytes};
 use super::ring::{CONTROL_BYTES, RxRing, TxRing};
 
 /// Bytes of one slot: a ring's control lines and its data.
 fn slot_bytes(cap: usize) -> usize {
     CONTROL_BYTES + cap
+}
+
+/// Bytes of a segment of `world` rings of `cap` bytes and the group area.
+fn segment_bytes(world: usize, cap: usize) -> io::Result<usize> {
+    world
+        .checked_mul(slot_bytes(cap))
+        .and_then(|b| b.checked_add(area_bytes(world)))
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment size overflows"))
+}
+
+/// The group area of the segment mapped as `map`, of `world` rings of `cap` bytes.
+pub(crate) fn group_area(map: Arc<MmapRaw>, world: usize, cap: usize) -> io::Result<GroupArea> {
+    GroupArea::new(map, world * slot_bytes(cap), world)
 }
 
 /// This rank's segment, and what peers need to find it.
@@ -33,7 +49,8 @@ pub(crate) struct Segment {
 }
 
 impl Segment {
-    /// A zeroed segment of `world` rings of `cap` bytes (a power of two), sealed at that size.
+    /// A zeroed segment of `world` rings of `cap` bytes (a power of two) and the group area,
+    /// sealed at that size.
     pub(crate) fn create(world: usize, cap: usize) -> io::Result<Self> {
         let fd = memfd_create(
             c"dist-gloo-shm",
@@ -41,10 +58,7 @@ impl Segment {
         )
         .map_err(io::Error::from)?;
         let file = File::from(fd);
-        let len = world
-            .checked_mul(slot_bytes(cap))
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment size overflows"))?;
-        file.set_len(len as u64)?;
+        file.set_len(segment_bytes(world, cap)? as u64)?;
         fcntl(
             &file,
             FcntlArg::F_ADD_SEALS(
@@ -78,6 +92,11 @@ impl Segment {
         self.file = None;
     }
 
+    /// This segment's group area, for a group of `world` ranks.
+    pub(crate) fn group_area(&self, world: usize) -> io::Result<GroupArea> {
+        group_area(self.map.clone(), world, self.cap)
+    }
+
     /// The reading end of the ring `peer` writes to this rank.
     pub(crate) fn rx_from(&self, peer: usize) -> io::Result<RxRing> {
         RxRing::new(self.map.clone(), peer * slot_bytes(self.cap), self.cap)
@@ -95,14 +114,14 @@ pub(crate) fn open_peer(
 ) -> io::Result<TxRing> {
     let path = format!("/proc/{pid}/fd/{fd}");
     let file = OpenOptions::new().read(true).write(true).open(&path)?;
-    let want = world
-        .checked_mul(slot_bytes(cap))
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment size overflows"))?;
+    let want = segment_bytes(world, cap)?;
     let len = file.metadata()?.len();
     if len != want as u64 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("{path} holds {len} bytes, not the {want} of {world} rings of {cap} bytes"),
+            format!(
+                "{path} holds {len} bytes, not the {want} of {world} rings of {cap} bytes and their group area"
+            ),
         ));
     }
     // The owner sealed the size; a file that is not sealed is not the owner's segment.

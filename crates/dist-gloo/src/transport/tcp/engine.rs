@@ -16,6 +16,7 @@ use super::conn::Conn;
 use super::linger;
 use crate::output_copy::STREAMING_BYTES;
 use crate::proto::{Core, Status, Step};
+use crate::transport::shm::group_area::GroupArea;
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx};
 
 /// The longest an aborted mesh spends, when it is closed, delivering its abort notices and
@@ -39,6 +40,41 @@ fn streams_output(op: CollectiveOp) -> bool {
         op,
         CollectiveOp::AllGather | CollectiveOp::AllToAll | CollectiveOp::Gather
     )
+}
+
+/// How long a step has waited with nothing to do, and so how it waits next.
+#[derive(Default)]
+struct Idle {
+    spin_until: Option<Instant>,
+    idle_since: Option<Instant>,
+}
+
+impl Idle {
+    /// Something moved: the next wait spins afresh.
+    fn reset(&mut self) {
+        *self = Idle::default();
+    }
+
+    /// At `now`, with nothing to do: spins once or yields once and returns true while within
+    /// `spin` of the first idle pass, else returns false (time to sleep in the poller). A CPU
+    /// spin first, for `busy_spin` (see `MeshOptions::busy_spin`): a peer on another core
+    /// answers through shared memory within a microsecond, while a yield on a busy host may
+    /// hand the core to another process for a whole time slice. Then yields, which let a peer
+    /// that shares this core run.
+    fn spin(&mut self, now: Instant, spin: Duration, busy_spin: Duration) -> bool {
+        let until = *self
+            .spin_until
+            .get_or_insert(dist_backend::deadline_after(now, spin));
+        if now >= until {
+            return false;
+        }
+        if now.duration_since(*self.idle_since.get_or_insert(now)) < busy_spin {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+        true
+    }
 }
 
 #[derive(Debug)]
@@ -108,8 +144,7 @@ impl Engine {
             }
         }
         let peers = self.conns.len();
-        let mut spin_until: Option<Instant> = None;
-        let mut idle_since: Option<Instant> = None;
+        let mut idle = Idle::default();
         // Read again only after a pass that moved nothing: while bytes flow, the deadline
         // cannot pass (a step that progresses does not time out), and reading the clock each
         // pass was a tenth of a 4-byte all-reduce's time.
@@ -151,37 +186,85 @@ impl Engine {
                 Status::Failed => return self.fail(&mut step, sends, recvs, on_frame, now),
                 Status::Pending { deadline } => {
                     if progress {
-                        spin_until = None;
-                        idle_since = None;
+                        idle.reset();
                         continue;
                     }
                     now = Instant::now();
-                    let until =
-                        *spin_until.get_or_insert(dist_backend::deadline_after(now, self.spin));
-                    if now < until {
-                        // A CPU spin first (see `MeshOptions::busy_spin`): a peer on another
-                        // core answers through shared memory within a microsecond, while a
-                        // yield on a busy host may hand the core to another process for a
-                        // whole time slice. Then yields, which let a peer that shares this
-                        // core run.
-                        if now.duration_since(*idle_since.get_or_insert(now)) < self.busy_spin {
-                            std::hint::spin_loop();
-                        } else {
-                            std::thread::yield_now();
-                        }
+                    if idle.spin(now, self.spin, self.busy_spin) {
                         continue;
                     }
-                    if let Err(source) = self.wait(deadline.saturating_duration_since(now)) {
-                        self.core.abort();
-                        return Err(Error::Io {
-                            rank: ctx.rank,
-                            context: format!("{} #{}: polling sockets", ctx.op, ctx.seq),
-                            source,
-                        });
-                    }
+                    let slept = self.wait(deadline.saturating_duration_since(now));
+                    self.check_slept(ctx, slept)?;
                 }
             }
         }
+    }
+
+    /// The barrier `ctx` through the group `area` (every peer is on a shared-memory link):
+    /// this rank stores its arrival, wakes the ranks asleep waiting for one, and waits until
+    /// every rank has arrived, spinning, yielding, then sleeping in the poller as [`Engine::run`]
+    /// does. Meanwhile it reads every link that signals, as a step does, so that a peer that
+    /// dies, leaves, aborts or runs another operation fails the barrier as it fails a barrier
+    /// of messages, and the deadline fails it naming the ranks that have not arrived.
+    pub(super) fn barrier(&mut self, ctx: &StepCtx, area: &GroupArea) -> Result<()> {
+        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        let mut step = self.core.begin(*ctx, &[], &[]);
+        let peers = self.conns.len();
+        let mut missing: Vec<usize> = (0..peers).filter(|&p| p != ctx.rank).collect();
+        let mut now = Instant::now();
+        // A barrier that must fail on what this rank already holds fails before it arrives, so
+        // that no peer passes a barrier this rank fails.
+        if self.core.may_fail_at_once(&step, &[], &[])
+            && let Status::Failed = self.core.poll_waiting_for(&mut step, &missing, now)
+        {
+            return self.fail(&mut step, &[], &mut [], noop, now);
+        }
+        let mut sleepers = Vec::new();
+        let mark = area.arrive(ctx.rank, &mut sleepers);
+        for &p in &sleepers {
+            if let Some(Some(c)) = self.conns.get_mut(p) {
+                c.link.doorbell();
+            }
+        }
+        let mut idle = Idle::default();
+        loop {
+            let before = missing.len();
+            area.missing_into(mark, &mut missing);
+            if missing.len() < before {
+                // Ranks are arriving: spin on for the rest.
+                idle.reset();
+            }
+            for peer in 0..peers {
+                self.write(&mut step, &[], &mut [], noop, peer);
+                self.read(&mut step, &[], &mut [], noop, peer);
+            }
+            match self.core.poll_waiting_for(&mut step, &missing, now) {
+                Status::Done => return self.core.finish(&mut step, &[], now),
+                Status::Failed => return self.fail(&mut step, &[], &mut [], noop, now),
+                Status::Pending { deadline } => {
+                    now = Instant::now();
+                    if idle.spin(now, self.spin, self.busy_spin) || area.sleep(ctx.rank, mark) {
+                        continue;
+                    }
+                    let slept = self.wait(deadline.saturating_duration_since(now));
+                    area.wake(ctx.rank);
+                    now = Instant::now();
+                    self.check_slept(ctx, slept)?;
+                }
+            }
+        }
+    }
+
+    /// A failed sleep in the poller ends the group: the step cannot know what it missed.
+    fn check_slept(&mut self, ctx: &StepCtx, slept: io::Result<()>) -> Result<()> {
+        slept.map_err(|source| {
+            self.core.abort();
+            Error::Io {
+                rank: ctx.rank,
+                context: format!("{} #{}: polling sockets", ctx.op, ctx.seq),
+                source,
+            }
+        })
     }
 
     /// Ends a failed step: reads what the peers have said (a notice may name the real

@@ -66,6 +66,14 @@ impl Link {
 }
 
 impl Link {
+    /// Wakes the peer if it sleeps in its poller: a doorbell on a shared-memory link; nothing
+    /// on a TCP one, whose peer wakes for the bytes themselves.
+    pub(super) fn doorbell(&mut self) {
+        if let Link::Shm(l) = self {
+            l.ring_doorbell();
+        }
+    }
+
     /// [`Read::read`]; `streaming` says the bytes go where nothing reads them again soon, so
     /// that a shared-memory link may copy them out of its ring bypassing the cache (the
     /// kernel makes a socket's copy, so TCP ignores it).

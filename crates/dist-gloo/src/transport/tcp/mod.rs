@@ -47,6 +47,9 @@ pub struct TcpTransport {
     segment: usize,
     one_host: bool,
     memory_shared_in_group: bool,
+    /// Where every pair of the group talks through rings: rank 0's group area, through which
+    /// barriers run (`Engine::barrier`).
+    group_area: Option<shm::group_area::GroupArea>,
     engine: Mutex<Engine>,
 }
 
@@ -91,6 +94,7 @@ impl TcpTransport {
             rings,
             one_host,
             rings_in_group,
+            group_area,
         } = shm::negotiate(
             store,
             prefix,
@@ -143,6 +147,7 @@ impl TcpTransport {
             segment: core.segment_bytes(),
             one_host,
             memory_shared_in_group: rings_in_group || cma_in_group,
+            group_area,
             engine: Mutex::new(Engine {
                 poll,
                 events: mio::Events::with_capacity(64),
@@ -188,6 +193,12 @@ impl Transport for TcpTransport {
     ) -> Result<()> {
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         eng.run(ctx, sends, recvs, on_frame)
+    }
+
+    fn shared_memory_barrier(&self, ctx: &StepCtx) -> Option<Result<()>> {
+        let area = self.group_area.as_ref()?;
+        let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        Some(eng.barrier(ctx, area))
     }
 
     fn probe(&self, peer: usize, tag: u32) -> bool {
