@@ -721,7 +721,10 @@ impl Backend for GlooBackend {
             opts,
             |o, scratch| {
                 self.prepare(o, op, data)?;
-                if data.len() > HALVING_DOUBLING_MIN_BYTES
+                if let Some(done) = allreduce::through_shared_memory(o, data, op, scratch) {
+                    done?;
+                    self.finalize(o, op, data)
+                } else if data.len() > HALVING_DOUBLING_MIN_BYTES
                     && data.len() <= self.halving_doubling_bytes
                     && count >= self.world_size
                 {

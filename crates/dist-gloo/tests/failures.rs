@@ -18,7 +18,9 @@ fn quick(timeout_ms: u64) -> OpOptions {
 fn different_ops_fail_on_both_sides_with_both_named() {
     let ranks = tcp_world(2, &GlooOptions::default());
     let errs = on_all(&ranks, |b| {
-        let mut v = vec![0u8; 4000];
+        // Past the 4 KiB an all_reduce may put through the shared-memory group area, so that
+        // rank 1 sends frames (see mismatch.rs for the area's own cases).
+        let mut v = vec![0u8; 8000];
         // Both ranks are at sequence 0; rank 0 broadcasts, rank 1 all-reduces.
         let r = if b.rank() == 0 {
             b.broadcast(BufMut::Host(&mut v), DType::F32, 0, &quick(5000))
@@ -44,7 +46,7 @@ fn different_ops_fail_on_both_sides_with_both_named() {
     assert!(matches!(errs[1], Error::Mismatch { .. }), "{msg1}");
     assert_eq!(
         msg1,
-        "rank 1 all_reduce #0 (f32 × 1000, SUM) met rank 0 broadcast #0 (f32 × 1000, root 0)"
+        "rank 1 all_reduce #0 (f32 × 2000, SUM) met rank 0 broadcast #0 (f32 × 2000, root 0)"
     );
     // Rank 0 reads rank 1's all_reduce frame (which comes before rank 1's abort notice on the
     // connection) in its broadcast's first step.
@@ -52,7 +54,7 @@ fn different_ops_fail_on_both_sides_with_both_named() {
     assert!(matches!(errs[0], Error::Mismatch { .. }), "{msg0}");
     assert_eq!(
         msg0,
-        "rank 0 broadcast #0 (f32 × 1000, root 0) met rank 1 all_reduce #0 (f32 × 1000, SUM)"
+        "rank 0 broadcast #0 (f32 × 2000, root 0) met rank 1 all_reduce #0 (f32 × 2000, SUM)"
     );
 }
 

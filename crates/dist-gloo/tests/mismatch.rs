@@ -248,8 +248,10 @@ fn ranks_over_a_transport_running_different_algorithms_fail_on_every_rank_at_onc
                 })
                 .collect();
             let t0 = Instant::now();
+            // 8 KiB: past what goes through the shared-memory group area, whatever the
+            // settings, so every driver runs messages.
             let errs = on_all(&ranks, |b| {
-                sum_ones(b, 100).expect_err("ranks that run different algorithms must not succeed")
+                sum_ones(b, 2048).expect_err("ranks that run different algorithms must not succeed")
             });
             let took = t0.elapsed();
             assert!(
@@ -714,6 +716,40 @@ fn a_barrier_met_by_another_operation_fails_every_rank_at_once() {
                 assert_eq!(
                     ops,
                     [CollectiveOp::AllReduce, CollectiveOp::Barrier],
+                    "{driver} {n} ranks, rank {r}: {e}"
+                );
+            }
+        }
+    }
+}
+
+/// Ranks that disagree on the size of a small all_reduce where one rank's buffer goes through
+/// the shared-memory group area (4 KiB) and another's is too large for it and goes over
+/// messages: each finds the other's choice (a frame of this very operation, or no arrival and
+/// an abort notice), so every rank fails with a mismatch naming both counts, over every driver,
+/// and none waits for its timeout.
+#[test]
+fn an_all_reduce_whose_sizes_straddle_the_shared_memory_area_fails_every_rank_at_once() {
+    for &(driver, make) in DRIVERS {
+        for n in 2..=4 {
+            let ranks = common::world(make, n, &GlooOptions::default());
+            let t0 = Instant::now();
+            let errs = on_all(&ranks, |b| {
+                let count = if b.rank() == 1 { 2000 } else { 1000 };
+                sum_ones(b, count).expect_err("the counts differ")
+            });
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{driver} {n} ranks: {:?}",
+                t0.elapsed()
+            );
+            for (r, e) in errs.iter().enumerate() {
+                let (a, b) = sides(e);
+                let mut counts = [a.count, b.count];
+                counts.sort();
+                assert_eq!(counts, [1000, 2000], "{driver} {n} ranks, rank {r}: {e}");
+                assert!(
+                    a.op == CollectiveOp::AllReduce && b.op == CollectiveOp::AllReduce,
                     "{driver} {n} ranks, rank {r}: {e}"
                 );
             }

@@ -6,6 +6,37 @@ use dist_wire::ReduceOp;
 
 use super::{Op, even_blocks, piece_first_step, ring, ring_pieces, tags};
 
+/// Reduces `data` in place across all ranks through memory the whole group maps
+/// ([`crate::transport::Transport::shared_memory_exchange`]): every rank publishes its buffer
+/// and reduces all of them, in rank order, so all end with identical bits. One arrival per
+/// rank instead of ⌈log2 n⌉ exchanges, which is what small buffers cost: 4 bytes on 4 ranks
+/// sharing 2 cores took (see `docs/BENCHMARKS.md`). `None` where the transport has no such
+/// memory or the buffer does not fit, and the caller reduces over messages.
+pub(crate) fn through_shared_memory(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+) -> Option<Result<()>> {
+    if o.n() == 1 || data.len() > o.t.shared_memory_bytes() {
+        return None;
+    }
+    if scratch.len() * 8 < data.len() {
+        scratch.resize(data.len().div_ceil(8), 0);
+    }
+    let acc = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
+    let done =
+        o.t.shared_memory_exchange(&o.ctx, o.count, data, &mut |p, theirs| {
+            if p == 0 {
+                acc.copy_from_slice(theirs);
+                Ok(())
+            } else {
+                o.combine(op, acc, theirs)
+            }
+        })?;
+    Some(done.map(|()| data.copy_from_slice(acc)))
+}
+
 /// Reduces `data` in place across all ranks with recursive doubling: ⌈log2 n⌉ exchanges of the
 /// whole buffer. A non-power-of-two rank count first folds the extra ranks into the lowest ones
 /// and sends them the result at the end. Every rank combines the same partial results in the

@@ -185,13 +185,15 @@ pub(crate) fn all_to_all(
     o.step(&sends, &mut recvs)
 }
 
-/// Barrier: through the transport's shared memory where the whole group has it
-/// ([`crate::transport::Transport::shared_memory_barrier`]), else by dissemination: in round
+/// Barrier: through memory the whole group maps where the transport has it (an exchange of
+/// nothing, [`crate::transport::Transport::shared_memory_exchange`]), else by dissemination:
+/// in round
 /// k each rank signals rank + 2^k and waits for rank − 2^k; after ⌈log2 n⌉ rounds every rank
 /// has transitively heard from all.
 pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
     if o.n() > 1
-        && let Some(done) = o.t.shared_memory_barrier(&o.ctx)
+        && let Some(done) =
+            o.t.shared_memory_exchange(&o.ctx, 0, &[], &mut |_, _| Ok(()))
     {
         return done;
     }

@@ -438,11 +438,20 @@ impl Core {
         status
     }
 
-    /// [`Core::poll`] for a step with no messages whose driver learns by other means which
-    /// peers it still waits for (`missing`): a barrier through shared memory. It fails as a
-    /// step waiting for their messages would: a peer lost, gone or aborted, a stashed frame of
-    /// this operation that disagrees with it, the deadline (naming `missing`).
-    pub fn poll_waiting_for(&mut self, step: &mut Step, missing: &[usize], now: Instant) -> Status {
+    /// [`Core::poll`] for an operation that sends no frames, whose driver learns by other
+    /// means which peers it still waits for (`missing`): one through memory the whole group
+    /// maps, announcing `count`. It fails as a step waiting for their messages would: a peer
+    /// lost, gone or aborted, a stashed frame of this operation that disagrees with it, the
+    /// deadline (naming `missing`); and on any frame of this very operation, since a peer
+    /// that sends one runs it over messages, which the ranks choose alike only when they agree
+    /// on its arguments.
+    pub fn poll_waiting_for(
+        &mut self,
+        step: &mut Step,
+        count: u64,
+        missing: &[usize],
+        now: Instant,
+    ) -> Status {
         let Some(ctx) = step.ctx else {
             return Status::Done;
         };
@@ -451,6 +460,21 @@ impl Core {
         }
         if step.finished {
             return Status::Done;
+        }
+        let this_op = |h: &&FrameHeader| {
+            h.seq == ctx.seq
+                && h.group == ctx.group
+                && !matches!(h.op, CollectiveOp::SendRecv | CollectiveOp::Close)
+        };
+        if let Some(h) = self
+            .conns
+            .iter()
+            .flatten()
+            .flat_map(Conn::stashed_headers)
+            .find(this_op)
+        {
+            step.fail(ctx.mismatch(h, count));
+            return Status::Failed;
         }
         self.check(&ctx, step, &[], &[], missing, now)
     }

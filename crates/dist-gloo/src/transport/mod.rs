@@ -271,13 +271,27 @@ pub trait Transport: Send + Sync {
     /// by comparing values): closing it then says no goodbye, which would tell the peers that
     /// this rank left cleanly. A failed step marks it by itself.
     fn abort(&self) {}
-    /// Runs the barrier `ctx` through memory that every rank of the group maps, where the
-    /// transport has such memory (every pair of the group talks through shared-memory rings):
-    /// no messages, and the same errors as a barrier of messages (a peer lost or gone, an
-    /// abort, a rank that runs another operation, the deadline). `None` where it has none, and
-    /// the algorithms' barrier of messages runs instead; every rank of the group gets the same
+    /// Bytes a rank may publish in one [`Transport::shared_memory_exchange`]: 0 where the
+    /// transport has no memory the whole group maps. Every rank of the group gets the same
     /// answer.
-    fn shared_memory_barrier(&self, _ctx: &StepCtx) -> Option<Result<()>> {
+    fn shared_memory_bytes(&self) -> usize {
+        0
+    }
+    /// Runs operation `ctx` through memory every rank of the group maps (where every pair of
+    /// the group talks through shared-memory rings): this rank publishes `mine` (at most
+    /// [`Transport::shared_memory_bytes`]) with its header, announcing `count`, and once every
+    /// rank has published, `each(p, data)` gets every rank p's data in rank order, this
+    /// rank's own included. No messages; the same errors as over messages (a peer lost or
+    /// gone, an abort, the deadline naming the ranks that did not come, ranks that disagree
+    /// about the operation or its arguments). `None` where the transport has no such memory
+    /// or `mine` does not fit, and the caller runs the operation over messages instead.
+    fn shared_memory_exchange(
+        &self,
+        _ctx: &StepCtx,
+        _count: u64,
+        _mine: &[u8],
+        _each: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Option<Result<()>> {
         None
     }
     /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the peer

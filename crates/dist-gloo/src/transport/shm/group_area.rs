@@ -1,5 +1,7 @@
-//! The group area: a few cache lines after the rings in rank 0's segment, which every rank
-//! maps when every pair of the group talks through rings, for a barrier that sends no message.
+//! The group area: a few pages after the rings in rank 0's segment, which every rank maps when
+//! every pair of the group talks through rings, for operations that send no message: the
+//! barrier, and small all_reduces (each rank publishes its buffer; every rank reduces them all
+//! in rank order).
 //!
 //! Why: with four ranks on two cores, a barrier of messages (two dissemination rounds, each a
 //! frame written into a ring and read by the engine) took 9.8 us against Open MPI's 4.7. A
@@ -15,9 +17,14 @@
 //! | --: | --- | --- |
 //! | 8 r | `arrived[r]`: u64, barriers rank r has arrived at | rank r |
 //! | `arrivals_bytes` + 4 r | `sleeping[r]`: u32, rank r sleeps in its poller until woken | rank r |
+//! | `slots_at` + `SLOT_BYTES` (2 r + k mod 2) | rank r's header and data for its k-th operation | rank r |
 //!
-//! A rank's k-th barrier in the group stores k in its own word, so the words only grow and
-//! never need resetting; it is done once every word holds at least k. A rank that found the
+//! A rank's k-th operation through the area writes its slot of parity k mod 2, then stores k
+//! in its own arrival word (release), so the words only grow and never need resetting; the
+//! operation is done once every word holds at least k, and what each slot holds is then that
+//! rank's publication (acquire). Two slots per rank are enough: a rank that writes its slot
+//! for operation k + 2 has seen every rank arrive at k + 1, and each read its slots of k
+//! before it arrived there. A rank that found the
 //! others missing for its whole spin raises its `sleeping` flag, looks once more, and sleeps in
 //! the poller over its links; a rank that arrives rings the doorbell of every rank whose flag
 //! is up. Both sides store, issue a `SeqCst` fence, then load what the other stored (as the
@@ -36,17 +43,30 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
+use dist_wire::HEADER_LEN;
 use memmap2::MmapRaw;
+
+/// Data bytes a rank may publish in one operation: all_reduces up to this size go through the
+/// area (see `backend.rs` for the measurements that set it).
+pub(crate) const AREA_DATA_BYTES: usize = 4096;
+
+/// Bytes of one slot: the publisher's frame header, then its data.
+const SLOT_BYTES: usize = HEADER_LEN + AREA_DATA_BYTES;
 
 /// Bytes of the arrival words of `world` ranks, a whole number of 128-byte lines.
 fn arrivals_bytes(world: usize) -> usize {
     (world * 8).next_multiple_of(128)
 }
 
-/// Bytes of the area for `world` ranks: the arrival words, then the sleep flags, each on
-/// lines of their own (a sleeper's flag store must not invalidate the line every waiter reads).
-pub(crate) fn area_bytes(world: usize) -> usize {
+/// Where the slots begin: after the arrival words and the sleep flags, each on lines of their
+/// own (a sleeper's flag store must not invalidate the line every waiter reads).
+fn slots_at(world: usize) -> usize {
     arrivals_bytes(world) + (world * 4).next_multiple_of(128)
+}
+
+/// Bytes of the area for `world` ranks.
+pub(crate) fn area_bytes(world: usize) -> usize {
+    slots_at(world) + world * 2 * SLOT_BYTES
 }
 
 /// One group's area, seen from one rank.
@@ -114,20 +134,69 @@ impl GroupArea {
         unsafe { self.atomic_at(arrivals_bytes(self.world) + 4 * rank) }
     }
 
-    /// Marks `rank` arrived at its next barrier and returns that barrier's number (1 for the
-    /// first), after putting into `sleepers` the ranks asleep waiting for it or a later
-    /// arrival, whose doorbells the caller must ring.
-    pub(crate) fn arrive(&self, rank: usize, sleepers: &mut Vec<usize>) -> u64 {
-        let word = self.arrived(rank);
-        let mark = word.load(Ordering::Relaxed) + 1;
-        word.store(mark, Ordering::SeqCst);
+    /// The number of `rank`'s next operation through the area (1 for the first).
+    pub(crate) fn next_mark(&self, rank: usize) -> u64 {
+        self.arrived(rank).load(Ordering::Relaxed) + 1
+    }
+
+    /// Writes `header` and `data` (at most [`AREA_DATA_BYTES`]) into `rank`'s slot for its
+    /// operation `mark`, before it arrives there.
+    pub(crate) fn publish(&self, rank: usize, mark: u64, header: &[u8; HEADER_LEN], data: &[u8]) {
+        assert!(data.len() <= AREA_DATA_BYTES, "{} bytes", data.len());
+        let at = self.slot_at(rank, mark);
+        // SAFETY: `slot_at` is a slot inside the area `new` checked to lie in the live mapping,
+        // `SLOT_BYTES` long, which `HEADER_LEN + data.len()` does not exceed. Only this rank
+        // writes it, and no rank reads it between this write and the arrival store that
+        // follows (see the module docs), so nothing reads the bytes while they change.
+        unsafe {
+            let dst = self.map.as_mut_ptr().add(at);
+            std::ptr::copy_nonoverlapping(header.as_ptr(), dst, HEADER_LEN);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), dst.add(HEADER_LEN), data.len());
+        }
+    }
+
+    /// Copies `rank`'s header and the first `out.len()` bytes of its data for operation
+    /// `mark` (which every rank has arrived at) into `header` and `out`.
+    pub(crate) fn read(
+        &self,
+        rank: usize,
+        mark: u64,
+        header: &mut [u8; HEADER_LEN],
+        out: &mut [u8],
+    ) {
+        assert!(out.len() <= AREA_DATA_BYTES, "{} bytes", out.len());
+        let at = self.slot_at(rank, mark);
+        // SAFETY: as in `publish`; the writer arrived at `mark` after writing (the caller saw
+        // its word with acquire ordering) and writes this slot again only after every rank
+        // has arrived at `mark + 1`, which this one has not, so the bytes do not change while
+        // they are copied.
+        unsafe {
+            let src = self.map.as_ptr().add(at);
+            std::ptr::copy_nonoverlapping(src, header.as_mut_ptr(), HEADER_LEN);
+            std::ptr::copy_nonoverlapping(src.add(HEADER_LEN), out.as_mut_ptr(), out.len());
+        }
+    }
+
+    fn slot_at(&self, rank: usize, mark: u64) -> usize {
+        assert!(
+            rank < self.world,
+            "rank {rank} outside a group of {}",
+            self.world
+        );
+        self.at + slots_at(self.world) + (2 * rank + (mark % 2) as usize) * SLOT_BYTES
+    }
+
+    /// Marks `rank` arrived at its operation `mark` (from [`GroupArea::next_mark`], its slot
+    /// already written) and puts into `sleepers` the ranks asleep waiting for an arrival,
+    /// whose doorbells the caller must ring.
+    pub(crate) fn arrive(&self, rank: usize, mark: u64, sleepers: &mut Vec<usize>) {
+        self.arrived(rank).store(mark, Ordering::SeqCst);
         // Pairs with the fence in `sleep`: see the module docs.
         fence(Ordering::SeqCst);
         sleepers.clear();
         sleepers.extend(
             (0..self.world).filter(|&p| p != rank && self.sleeping(p).load(Ordering::SeqCst) != 0),
         );
-        mark
     }
 
     /// Puts into `missing` the ranks that have not arrived at barrier `mark`.
@@ -172,22 +241,59 @@ mod tests {
         )
     }
 
+    /// `rank` arrives at its next operation with nothing published; returns its number.
+    fn arrive(area: &GroupArea, rank: usize, sleepers: &mut Vec<usize>) -> u64 {
+        let mark = area.next_mark(rank);
+        area.arrive(rank, mark, sleepers);
+        mark
+    }
+
+    #[test]
+    fn what_a_rank_publishes_for_an_operation_stays_until_every_rank_is_past_it() {
+        let (a, b) = area(2);
+        let mut sleepers = Vec::new();
+        let (mut h, mut out) = ([0u8; HEADER_LEN], [0u8; 5]);
+        for (rank, area) in [(0, &a), (1, &b)] {
+            let mark = area.next_mark(rank);
+            area.publish(
+                rank,
+                mark,
+                &[rank as u8 + 1; HEADER_LEN],
+                &[10 + rank as u8; 5],
+            );
+            area.arrive(rank, mark, &mut sleepers);
+        }
+        // Rank 0 goes on to its second operation: its first publication is still there.
+        let mark = a.next_mark(0);
+        assert_eq!(mark, 2);
+        a.publish(0, mark, &[9; HEADER_LEN], &[99; 5]);
+        for rank in 0..2 {
+            b.read(rank, 1, &mut h, &mut out);
+            assert_eq!(
+                (h, out),
+                ([rank as u8 + 1; HEADER_LEN], [10 + rank as u8; 5])
+            );
+        }
+        a.read(0, 2, &mut h, &mut out);
+        assert_eq!((h, out), ([9; HEADER_LEN], [99; 5]));
+    }
+
     #[test]
     fn a_barrier_is_done_only_once_every_rank_arrived_at_it() {
         let (a, b) = area(3);
         let mut sleepers = Vec::new();
         let mut missing = Vec::new();
-        assert_eq!(a.arrive(0, &mut sleepers), 1);
+        assert_eq!(arrive(&a, 0, &mut sleepers), 1);
         a.missing_into(1, &mut missing);
         assert_eq!(missing, [1, 2]);
-        assert_eq!(b.arrive(2, &mut sleepers), 1);
+        assert_eq!(arrive(&b, 2, &mut sleepers), 1);
         b.missing_into(1, &mut missing);
         assert_eq!(missing, [1]);
-        assert_eq!(b.arrive(1, &mut sleepers), 1);
+        assert_eq!(arrive(&b, 1, &mut sleepers), 1);
         a.missing_into(1, &mut missing);
         assert!(missing.is_empty());
         // Rank 0 runs ahead into barrier 2: the others are missing there, not in barrier 1.
-        assert_eq!(a.arrive(0, &mut sleepers), 2);
+        assert_eq!(arrive(&a, 0, &mut sleepers), 2);
         b.missing_into(1, &mut missing);
         assert!(missing.is_empty());
         b.missing_into(2, &mut missing);
@@ -198,15 +304,15 @@ mod tests {
     fn an_arriving_rank_learns_who_sleeps_and_a_sleeper_does_not_sleep_past_the_last_arrival() {
         let (a, b) = area(3);
         let mut sleepers = Vec::new();
-        a.arrive(0, &mut sleepers);
+        arrive(&a, 0, &mut sleepers);
         assert!(sleepers.is_empty());
         assert!(!a.sleep(0, 1), "ranks 1 and 2 have not arrived");
-        b.arrive(1, &mut sleepers);
+        arrive(&b, 1, &mut sleepers);
         assert_eq!(sleepers, [0]);
-        b.arrive(2, &mut sleepers);
+        arrive(&b, 2, &mut sleepers);
         assert_eq!(sleepers, [0]);
         a.wake(0);
-        b.arrive(1, &mut sleepers);
+        arrive(&b, 1, &mut sleepers);
         assert!(sleepers.is_empty(), "rank 0 woke");
         // Everyone is at barrier 1 now: a rank about to sleep for it finds it done instead.
         assert!(a.sleep(0, 1));
@@ -218,8 +324,18 @@ mod tests {
         let map = Arc::new(MmapRaw::from(
             memmap2::MmapOptions::new().len(4096).map_anon().unwrap(),
         ));
-        assert!(GroupArea::new(map.clone(), 4096 - 128, 64).is_err());
+        assert!(
+            GroupArea::new(map.clone(), 0, 1).is_err(),
+            "two slots do not fit"
+        );
+        let map = Arc::new(MmapRaw::from(
+            memmap2::MmapOptions::new()
+                .len(area_bytes(2) + 64)
+                .map_anon()
+                .unwrap(),
+        ));
+        assert!(GroupArea::new(map.clone(), 128, 2).is_err(), "past the end");
         assert!(GroupArea::new(map.clone(), 8, 2).is_err(), "misaligned");
-        assert!(GroupArea::new(map, 0, 2).is_ok());
+        assert!(GroupArea::new(map, 64, 2).is_ok());
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dist_backend::{Error, Result};
-use dist_wire::CollectiveOp;
+use dist_wire::{CollectiveOp, FrameHeader, HEADER_LEN};
 use mio::{Events, Poll};
 
 use super::by_reference::SingleCopyRule;
@@ -97,7 +97,13 @@ pub(super) struct Engine {
     pub(super) single_copy: SingleCopyRule,
     /// How long closing waits for each peer to close its end (the group's timeout).
     pub(super) linger: Duration,
+    /// Where each rank's publication in the group area is copied to (see
+    /// [`Engine::through_area`]), kept from one operation to the next.
+    pub(super) area_buf: Vec<u8>,
 }
+
+/// The tag of every operation through the group area, in the headers the ranks publish.
+const AREA_TAG: u32 = 0;
 
 impl Engine {
     /// Runs one step to its end: moves bytes until the core says it is done or failed, then
@@ -200,27 +206,40 @@ impl Engine {
         }
     }
 
-    /// The barrier `ctx` through the group `area` (every peer is on a shared-memory link):
-    /// this rank stores its arrival, wakes the ranks asleep waiting for one, and waits until
-    /// every rank has arrived, spinning, yielding, then sleeping in the poller as [`Engine::run`]
-    /// does. Meanwhile it reads every link that signals, as a step does, so that a peer that
-    /// dies, leaves, aborts or runs another operation fails the barrier as it fails a barrier
-    /// of messages, and the deadline fails it naming the ranks that have not arrived.
-    pub(super) fn barrier(&mut self, ctx: &StepCtx, area: &GroupArea) -> Result<()> {
+    /// Operation `ctx` through the group `area` (every peer is on a shared-memory link):
+    /// this rank publishes its header (announcing `count`) and `mine`, stores its arrival,
+    /// wakes the ranks asleep waiting for one, and waits until every rank has arrived,
+    /// spinning, yielding, then sleeping in the poller as [`Engine::run`] does. Meanwhile it
+    /// reads every link that signals, as a step does, so that a peer that dies, leaves, aborts
+    /// or runs another operation fails it as it fails an operation over messages, and the
+    /// deadline fails it naming the ranks that have not arrived. Then it checks every rank's
+    /// header against its own (ranks that disagree fail as a mismatch, every one of them,
+    /// since all read the same headers) and hands `each` every rank's data in rank order.
+    pub(super) fn through_area(
+        &mut self,
+        ctx: &StepCtx,
+        area: &GroupArea,
+        count: u64,
+        mine: &[u8],
+        each: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
         let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
         let mut step = self.core.begin(*ctx, &[], &[]);
         let peers = self.conns.len();
         let mut missing: Vec<usize> = (0..peers).filter(|&p| p != ctx.rank).collect();
         let mut now = Instant::now();
-        // A barrier that must fail on what this rank already holds fails before it arrives, so
-        // that no peer passes a barrier this rank fails.
+        // An operation that must fail on what this rank already holds fails before it
+        // arrives, so that no peer completes one this rank fails.
         if self.core.may_fail_at_once(&step, &[], &[])
-            && let Status::Failed = self.core.poll_waiting_for(&mut step, &missing, now)
+            && let Status::Failed = self.core.poll_waiting_for(&mut step, count, &missing, now)
         {
             return self.fail(&mut step, &[], &mut [], noop, now);
         }
+        let header = ctx.header(count, AREA_TAG, 0, mine.len());
+        let mark = area.next_mark(ctx.rank);
+        area.publish(ctx.rank, mark, &header.encode(), mine);
         let mut sleepers = Vec::new();
-        let mark = area.arrive(ctx.rank, &mut sleepers);
+        area.arrive(ctx.rank, mark, &mut sleepers);
         for &p in &sleepers {
             if let Some(Some(c)) = self.conns.get_mut(p) {
                 c.link.doorbell();
@@ -238,8 +257,8 @@ impl Engine {
                 self.write(&mut step, &[], &mut [], noop, peer);
                 self.read(&mut step, &[], &mut [], noop, peer);
             }
-            match self.core.poll_waiting_for(&mut step, &missing, now) {
-                Status::Done => return self.core.finish(&mut step, &[], now),
+            match self.core.poll_waiting_for(&mut step, count, &missing, now) {
+                Status::Done => break,
                 Status::Failed => return self.fail(&mut step, &[], &mut [], noop, now),
                 Status::Pending { deadline } => {
                     now = Instant::now();
@@ -253,6 +272,36 @@ impl Engine {
                 }
             }
         }
+        self.core.finish(&mut step, &[], now)?;
+        let mut theirs = [0u8; HEADER_LEN];
+        let mut data = std::mem::take(&mut self.area_buf);
+        data.resize(mine.len(), 0);
+        let mut result = Ok(());
+        for p in 0..peers {
+            area.read(p, mark, &mut theirs, &mut data);
+            let agrees = FrameHeader::decode(&theirs).map(|h| {
+                let mut h_as_ours = h;
+                h_as_ours.sender = header.sender;
+                (h_as_ours == header).then_some(()).ok_or(h)
+            });
+            result = match agrees {
+                Ok(Ok(())) => each(p, &data),
+                Ok(Err(h)) => Err(ctx.mismatch(&h, count)),
+                Err(source) => Err(Error::Wire {
+                    rank: ctx.rank,
+                    op: ctx.op.name(),
+                    source,
+                }),
+            };
+            if result.is_err() {
+                // Every rank reads the same headers, so every one fails here: no notice is
+                // owed, but the group is done.
+                self.core.abort();
+                break;
+            }
+        }
+        self.area_buf = data;
+        result
     }
 
     /// A failed sleep in the poller ends the group: the step cannot know what it missed.

@@ -48,7 +48,7 @@ pub struct TcpTransport {
     one_host: bool,
     memory_shared_in_group: bool,
     /// Where every pair of the group talks through rings: rank 0's group area, through which
-    /// barriers run (`Engine::barrier`).
+    /// barriers and small all_reduces run (`Engine::through_area`).
     group_area: Option<shm::group_area::GroupArea>,
     engine: Mutex<Engine>,
 }
@@ -157,6 +157,7 @@ impl TcpTransport {
                 busy_spin,
                 cma,
                 linger: opts.timeout,
+                area_buf: Vec::new(),
                 single_copy: SingleCopyRule {
                     over_rings: single_copy_over_rings,
                     min_bytes: opts.cross_memory_min_bytes,
@@ -195,10 +196,26 @@ impl Transport for TcpTransport {
         eng.run(ctx, sends, recvs, on_frame)
     }
 
-    fn shared_memory_barrier(&self, ctx: &StepCtx) -> Option<Result<()>> {
+    fn shared_memory_bytes(&self) -> usize {
+        match self.group_area {
+            Some(_) => shm::group_area::AREA_DATA_BYTES,
+            None => 0,
+        }
+    }
+
+    fn shared_memory_exchange(
+        &self,
+        ctx: &StepCtx,
+        count: u64,
+        mine: &[u8],
+        each: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Option<Result<()>> {
         let area = self.group_area.as_ref()?;
+        if mine.len() > shm::group_area::AREA_DATA_BYTES {
+            return None;
+        }
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
-        Some(eng.barrier(ctx, area))
+        Some(eng.through_area(ctx, area, count, mine, each))
     }
 
     fn probe(&self, peer: usize, tag: u32) -> bool {
