@@ -687,6 +687,23 @@ fn a_waiting_receiver_finds_the_disagreement_in_frames_it_does_not_wait_for() {
     }
 }
 
+/// Runs `f` on every rank, which returns the error its operation must end with; checks that
+/// they took less than half of [`opts`]' timeout (a mismatch found by timing out is a failure).
+fn errors_long_before_the_timeout(
+    ranks: &[GlooBackend],
+    what: &str,
+    f: impl Fn(&GlooBackend) -> Error + Sync,
+) -> Vec<Error> {
+    let t0 = Instant::now();
+    let errs = on_all(ranks, f);
+    assert!(
+        t0.elapsed() < opts().timeout / 2,
+        "{what}: {:?}",
+        t0.elapsed()
+    );
+    errs
+}
+
 /// A rank that runs an all_reduce while the others run a barrier: every rank fails with a
 /// mismatch naming a barrier and an all_reduce, over every driver (through shared memory the
 /// barrier sends no frame, so the ranks in it must find the all_reduce's frames among what
@@ -696,19 +713,13 @@ fn a_barrier_met_by_another_operation_fails_every_rank_at_once() {
     for &(driver, make) in DRIVERS {
         for n in 2..=4 {
             let ranks = common::world(make, n, &GlooOptions::default());
-            let t0 = Instant::now();
-            let errs = on_all(&ranks, |b| {
+            let errs = errors_long_before_the_timeout(&ranks, &format!("{driver} {n}"), |b| {
                 if b.rank() == 1 {
                     sum_ones(b, 16).expect_err("the others run a barrier")
                 } else {
                     b.barrier(&opts()).expect_err("rank 1 runs an all_reduce")
                 }
             });
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "{driver} {n} ranks: {:?}",
-                t0.elapsed()
-            );
             for (r, e) in errs.iter().enumerate() {
                 let (a, b) = sides(e);
                 let mut ops = [a.op, b.op];
@@ -733,16 +744,10 @@ fn an_all_reduce_whose_sizes_straddle_the_shared_memory_area_fails_every_rank_at
     for &(driver, make) in DRIVERS {
         for n in 2..=4 {
             let ranks = common::world(make, n, &GlooOptions::default());
-            let t0 = Instant::now();
-            let errs = on_all(&ranks, |b| {
+            let errs = errors_long_before_the_timeout(&ranks, &format!("{driver} {n}"), |b| {
                 let count = if b.rank() == 1 { 2000 } else { 1000 };
                 sum_ones(b, count).expect_err("the counts differ")
             });
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "{driver} {n} ranks: {:?}",
-                t0.elapsed()
-            );
             for (r, e) in errs.iter().enumerate() {
                 let (a, b) = sides(e);
                 let mut counts = [a.count, b.count];
