@@ -833,7 +833,9 @@ impl Backend for GlooBackend {
             |o, _| {
                 let blocks = blocks_of(counts, dtype.size());
                 copy_to_output(&mut output[blocks[self.rank].clone()], input);
-                if output.len() <= self.small_bytes && self.pairs_over_sockets {
+                if let Some(done) = allgather::through_shared_memory(o, input, output, &blocks) {
+                    done
+                } else if output.len() <= self.small_bytes && self.pairs_over_sockets {
                     allgather::doubling(o, output, &blocks)
                 } else if output.len() <= self.small_bytes {
                     allgather::direct(o, output, &blocks)
@@ -871,7 +873,11 @@ impl Backend for GlooBackend {
             |o, scratch| {
                 let blocks = blocks_of(counts, dtype.size());
                 let run = |input: &[u8], output: &mut [u8], scratch: &mut Vec<u64>| {
-                    if input.len() <= self.small_bytes && self.pairs_over_sockets {
+                    if let Some(done) =
+                        reducescatter::through_shared_memory(o, input, output, &blocks, op)
+                    {
+                        done
+                    } else if input.len() <= self.small_bytes && self.pairs_over_sockets {
                         let mut work = self.halving_work.lock().unwrap_or_else(|e| e.into_inner());
                         reducescatter::halving(o, input, output, &blocks, op, scratch, &mut work)
                     } else if input.len() <= self.small_bytes {

@@ -9,6 +9,31 @@ use dist_backend::Result;
 
 use super::{Op, piece_first_step, pieces_of, ring, split_blocks, split_pair, tags};
 
+/// Every rank's `input` into its block of `output` through memory the whole group maps
+/// ([`crate::transport::Transport::shared_memory_exchange`]): each rank publishes its block
+/// and copies every other. One arrival per rank instead of a message to and from every other
+/// (4 ranks on 2 cores, see `docs/BENCHMARKS.md`). `None` where the transport has no such
+/// memory or a block does not fit (the counts are agreed, so every rank decides alike).
+pub(crate) fn through_shared_memory(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    blocks: &[Range<usize>],
+) -> Option<Result<()>> {
+    let largest = blocks.iter().map(Range::len).max().unwrap_or(0);
+    if o.n() == 1 || largest > o.t.shared_memory_bytes() {
+        return None;
+    }
+    let me = o.rank();
+    o.t.shared_memory_exchange(&o.ctx, o.count, input, &mut |p, theirs| {
+        super::expect_published(o, p, theirs, blocks[p].len())?;
+        if p != me {
+            output[blocks[p].clone()].copy_from_slice(theirs);
+        }
+        Ok(())
+    })
+}
+
 /// Given that every rank holds its own block `rank` of `data`, fills in every other block in
 /// one step: each rank sends its block to every other and receives theirs in place. One
 /// round instead of the ring's n − 1, each rank still sending and receiving (n − 1)/n of the

@@ -28,6 +28,7 @@ pub(crate) fn through_shared_memory(
     let acc = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
     let done =
         o.t.shared_memory_exchange(&o.ctx, o.count, data, &mut |p, theirs| {
+            super::expect_published(o, p, theirs, acc.len())?;
             if p == 0 {
                 acc.copy_from_slice(theirs);
                 Ok(())

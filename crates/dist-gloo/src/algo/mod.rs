@@ -197,6 +197,23 @@ impl<'a> Op<'a> {
     }
 }
 
+/// Checks that rank `p` published `len` bytes through the group area
+/// ([`crate::transport::Transport::shared_memory_exchange`]): headers that agree imply it, so
+/// anything else is a corrupt area, reported rather than indexed with.
+pub(crate) fn expect_published(o: &Op<'_>, p: usize, theirs: &[u8], len: usize) -> Result<()> {
+    if theirs.len() == len {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        o.rank(),
+        o.ctx.op.name(),
+        format!(
+            "rank {p} published {} bytes in the shared-memory group area where its header says {len}",
+            theirs.len()
+        ),
+    ))
+}
+
 /// Splits `count` elements into `n` blocks whose sizes differ by at most one, as byte ranges.
 pub(crate) fn even_blocks(count: usize, n: usize, elem: usize) -> Vec<Range<usize>> {
     (0..n).map(|i| even_block(count, n, i, elem)).collect()

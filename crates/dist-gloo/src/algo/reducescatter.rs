@@ -9,6 +9,33 @@ use dist_wire::ReduceOp;
 
 use super::{Op, ring, split_pair, tags};
 
+/// Reduces block `rank` of every rank's `input` into `output` through memory the whole group
+/// maps ([`crate::transport::Transport::shared_memory_exchange`]): each rank publishes its
+/// whole input and combines block `rank` of every rank's, in rank order. One arrival per rank
+/// instead of a message to and from every other. `None` where the transport has no such memory
+/// or the input does not fit (its length is agreed, so every rank decides alike).
+pub(crate) fn through_shared_memory(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    blocks: &[Range<usize>],
+    op: ReduceOp,
+) -> Option<Result<()>> {
+    if o.n() == 1 || input.len() > o.t.shared_memory_bytes() {
+        return None;
+    }
+    let mine = blocks[o.rank()].clone();
+    o.t.shared_memory_exchange(&o.ctx, o.count, input, &mut |p, theirs| {
+        super::expect_published(o, p, theirs, input.len())?;
+        if p == 0 {
+            output.copy_from_slice(&theirs[mine.clone()]);
+            Ok(())
+        } else {
+            o.combine(op, output, &theirs[mine.clone()])
+        }
+    })
+}
+
 /// Reduces block `rank` of every rank's `input` into `output` in one step: each rank sends
 /// block p of its input to rank p and receives its own block from every other rank, then
 /// combines them in rank order. One round instead of the ring's n − 1, each rank still

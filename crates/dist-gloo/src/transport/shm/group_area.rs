@@ -156,25 +156,28 @@ impl GroupArea {
         }
     }
 
-    /// Copies `rank`'s header and the first `out.len()` bytes of its data for operation
-    /// `mark` (which every rank has arrived at) into `header` and `out`.
-    pub(crate) fn read(
-        &self,
-        rank: usize,
-        mark: u64,
-        header: &mut [u8; HEADER_LEN],
-        out: &mut [u8],
-    ) {
+    /// Copies `rank`'s header for operation `mark` (which every rank has arrived at).
+    pub(crate) fn read_header(&self, rank: usize, mark: u64, header: &mut [u8; HEADER_LEN]) {
+        self.read_slot(rank, mark, 0, header);
+    }
+
+    /// Copies the first `out.len()` bytes of `rank`'s data for operation `mark` (which every
+    /// rank has arrived at).
+    pub(crate) fn read_data(&self, rank: usize, mark: u64, out: &mut [u8]) {
         assert!(out.len() <= AREA_DATA_BYTES, "{} bytes", out.len());
-        let at = self.slot_at(rank, mark);
-        // SAFETY: as in `publish`; the writer arrived at `mark` after writing (the caller saw
-        // its word with acquire ordering) and writes this slot again only after every rank
-        // has arrived at `mark + 1`, which this one has not, so the bytes do not change while
-        // they are copied.
+        self.read_slot(rank, mark, HEADER_LEN, out);
+    }
+
+    fn read_slot(&self, rank: usize, mark: u64, from: usize, out: &mut [u8]) {
+        debug_assert!(from + out.len() <= SLOT_BYTES);
+        let at = self.slot_at(rank, mark) + from;
+        // SAFETY: as in `publish`: `from + out.len()` lies within the slot (the callers bound
+        // it). The writer arrived at `mark` after writing (the caller saw its word with acquire
+        // ordering) and writes this slot again only after every rank has arrived at
+        // `mark + 1`, which this one has not, so the bytes do not change while they are copied.
         unsafe {
             let src = self.map.as_ptr().add(at);
-            std::ptr::copy_nonoverlapping(src, header.as_mut_ptr(), HEADER_LEN);
-            std::ptr::copy_nonoverlapping(src.add(HEADER_LEN), out.as_mut_ptr(), out.len());
+            std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len());
         }
     }
 
@@ -269,13 +272,15 @@ mod tests {
         assert_eq!(mark, 2);
         a.publish(0, mark, &[9; HEADER_LEN], &[99; 5]);
         for rank in 0..2 {
-            b.read(rank, 1, &mut h, &mut out);
+            b.read_header(rank, 1, &mut h);
+            b.read_data(rank, 1, &mut out);
             assert_eq!(
                 (h, out),
                 ([rank as u8 + 1; HEADER_LEN], [10 + rank as u8; 5])
             );
         }
-        a.read(0, 2, &mut h, &mut out);
+        a.read_header(0, 2, &mut h);
+        a.read_data(0, 2, &mut out);
         assert_eq!((h, out), ([9; HEADER_LEN], [99; 5]));
     }
 

@@ -16,7 +16,7 @@ use super::conn::Conn;
 use super::linger;
 use crate::output_copy::STREAMING_BYTES;
 use crate::proto::{Core, Status, Step};
-use crate::transport::shm::group_area::GroupArea;
+use crate::transport::shm::group_area::{AREA_DATA_BYTES, GroupArea};
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx};
 
 /// The longest an aborted mesh spends, when it is closed, delivering its abort notices and
@@ -292,17 +292,27 @@ impl Engine {
         self.core.finish(&mut step, &[], now)?;
         let mut theirs = [0u8; HEADER_LEN];
         let mut data = std::mem::take(&mut self.area_buf);
-        data.resize(mine.len(), 0);
+        data.resize(AREA_DATA_BYTES, 0);
         let mut result = Ok(());
         for p in 0..peers {
-            area.read(p, mark, &mut theirs, &mut data);
+            area.read_header(p, mark, &mut theirs);
+            // Ranks may publish different lengths (an all_gather's blocks); everything else in
+            // the headers must be alike.
             let agrees = FrameHeader::decode(&theirs).map(|h| {
-                let mut h_as_ours = h;
-                h_as_ours.sender = header.sender;
-                (h_as_ours == header).then_some(()).ok_or(h)
+                let as_ours = FrameHeader {
+                    sender: header.sender,
+                    payload_len: header.payload_len,
+                    ..h
+                };
+                (as_ours == header && h.payload_len as usize <= AREA_DATA_BYTES)
+                    .then_some(h.payload_len as usize)
+                    .ok_or(h)
             });
             result = match agrees {
-                Ok(Ok(())) => each(p, &data),
+                Ok(Ok(len)) => {
+                    area.read_data(p, mark, &mut data[..len]);
+                    each(p, &data[..len])
+                }
                 Ok(Err(h)) => Err(ctx.mismatch(&h, count)),
                 Err(source) => Err(Error::Wire {
                     rank: ctx.rank,
