@@ -1,4 +1,5 @@
-//! all_reduce: recursive doubling for small buffers (latency-bound), recursive halving and
+//! all_reduce: through the shared-memory group area up to 4 KiB where the whole group has one,
+//! else recursive doubling for small buffers (latency-bound), recursive halving and
 //! doubling (Rabenseifner) for mid-sized ones, the ring for large ones (bandwidth-bound).
 
 use dist_backend::Result;

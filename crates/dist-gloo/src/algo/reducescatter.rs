@@ -1,4 +1,5 @@
-//! reduce_scatter: one direct exchange for small buffers (latency-bound; recursive halving on
+//! reduce_scatter: through the shared-memory group area up to 4 KiB where the whole group has
+//! one, else one direct exchange for small buffers (latency-bound; recursive halving on
 //! a power-of-two group where every byte crosses a socket), the ring for large ones
 //! (bandwidth-bound, [`super::ring::reduce_scatter_into`]).
 
