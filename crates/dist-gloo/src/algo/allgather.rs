@@ -1,8 +1,8 @@
 //! all_gather: through the shared-memory group area for blocks up to 4 KiB where the whole
-//! group has one, else one direct exchange for small buffers (latency-bound; recursive doubling on a
-//! power-of-two group where every byte crosses a socket), the ring for large ones
-//! (bandwidth-bound, [`super::ring::all_gather`]), run in pieces where every byte crosses a
-//! socket.
+//! group has one, else one direct exchange for small buffers (latency-bound; recursive
+//! doubling on a power-of-two group where every byte crosses a socket), the ring for large
+//! ones (bandwidth-bound, [`super::ring::all_gather`]), run in pieces where every byte crosses
+//! a socket.
 
 use std::ops::Range;
 

@@ -187,9 +187,8 @@ pub(crate) fn all_to_all(
 
 /// Barrier: through memory the whole group maps where the transport has it (an exchange of
 /// nothing, [`crate::transport::Transport::shared_memory_exchange`]), else by dissemination:
-/// in round
-/// k each rank signals rank + 2^k and waits for rank − 2^k; after ⌈log2 n⌉ rounds every rank
-/// has transitively heard from all.
+/// in round k each rank signals rank + 2^k and waits for rank − 2^k; after ⌈log2 n⌉ rounds
+/// every rank has transitively heard from all.
 pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
     if o.n() > 1
         && let Some(done) =

@@ -47,8 +47,10 @@ use dist_wire::HEADER_LEN;
 use memmap2::MmapRaw;
 
 /// Data bytes a rank may publish in one operation: all_reduces and reduce_scatters whose
-/// buffer, and all_gathers whose every block, is no larger go through the area. At 4 ranks on 2 cores 4 KiB still took 8.6-12.5 us against 15.3-15.7 over messages;
-/// at 2 ranks the two are even from 1 KiB to 4 KiB (0.7 against 0.8 us, 1.3 against 1.2).
+/// buffer, and all_gathers whose every block, is no larger go through the area. At 4 ranks on
+/// 2 cores a 4 KiB all_reduce still took 8.6-12.5 us this way against 15.3-15.7 over
+/// messages; at 2 ranks the two are even from 1 KiB to 4 KiB (0.7 against 0.8 us, 1.3
+/// against 1.2).
 pub(crate) const AREA_DATA_BYTES: usize = 4096;
 
 /// Bytes of one slot: the publisher's frame header, then its data.
