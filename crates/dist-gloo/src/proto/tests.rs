@@ -460,3 +460,106 @@ fn receives_ahead_of_the_step_take_later_operations_frames_in_order() {
         }
     }
 }
+
+/// An operation that sends no frames (one through the shared-memory group area) waits only
+/// for the ranks its driver names: it is done once they are none; it fails on a frame of this
+/// very operation (that peer runs it over messages) with a mismatch naming both sides, while
+/// it keeps a later operation's; on the end of a peer it still waits for; and at the deadline,
+/// naming the ranks still missing.
+#[test]
+fn an_operation_without_frames_waits_for_the_ranks_named_and_fails_as_a_step_would() {
+    let t0 = Instant::now();
+    let c = ctx(1, CollectiveOp::Barrier, 5, t0);
+    let frame_of = |op, seq| {
+        let mut f = ctx(2, op, seq, t0).header(4, 0, 0, 4).encode().to_vec();
+        f.extend_from_slice(&[7; 4]);
+        f
+    };
+
+    let mut core = Core::new(1, 3, 64);
+    let mut step = core.begin(c, &[], &[]);
+    let pending = Status::Pending {
+        deadline: c.deadline,
+    };
+    assert_eq!(core.poll_waiting_for(&mut step, 0, &[0, 2], t0), pending);
+    // A frame of the next operation from a rank that is ahead waits in the stash.
+    feed(
+        &mut core,
+        &mut step,
+        &mut [],
+        2,
+        &frame_of(CollectiveOp::AllReduce, 6),
+    );
+    assert_eq!(core.poll_waiting_for(&mut step, 0, &[0], t0), pending);
+    assert_eq!(core.poll_waiting_for(&mut step, 0, &[], t0), Status::Done);
+    core.finish(&mut step, &[], t0).unwrap();
+
+    // Rank 2 runs the same all_reduce with 4 elements over messages, this rank 2 elements
+    // through the area: only the frame's existence says so (stashed frames' counts are not
+    // compared, since one operation's messages may differ in count).
+    let mut core = Core::new(1, 3, 64);
+    let mut step = core.begin(ctx(1, CollectiveOp::AllReduce, 5, t0), &[], &[]);
+    feed(
+        &mut core,
+        &mut step,
+        &mut [],
+        2,
+        &frame_of(CollectiveOp::AllReduce, 5),
+    );
+    assert_eq!(
+        core.poll_waiting_for(&mut step, 2, &[2], t0),
+        Status::Failed
+    );
+    match core.finish(&mut step, &[], t0).unwrap_err() {
+        Error::Mismatch { ours, theirs } => {
+            assert_eq!(
+                (ours.rank, ours.op, ours.count),
+                (1, CollectiveOp::AllReduce, 2)
+            );
+            assert_eq!(
+                (theirs.rank, theirs.op, theirs.count),
+                (2, CollectiveOp::AllReduce, 4)
+            );
+        }
+        other => panic!("expected a mismatch, got {other}"),
+    }
+
+    let mut core = Core::new(1, 3, 64);
+    let mut step = core.begin(c, &[], &[]);
+    feed(
+        &mut core,
+        &mut step,
+        &mut [],
+        0,
+        &CloseReason::Goodbye.encode(0),
+    );
+    assert_eq!(
+        core.poll_waiting_for(&mut step, 0, &[0], t0),
+        Status::Failed
+    );
+    match core.finish(&mut step, &[], t0).unwrap_err() {
+        Error::PeerLost {
+            rank: 1,
+            peer: 0,
+            reason,
+            ..
+        } => assert!(reason.contains("left the group"), "{reason}"),
+        other => panic!("expected PeerLost naming rank 0, got {other}"),
+    }
+
+    let mut core = Core::new(1, 3, 64);
+    let mut step = core.begin(c, &[], &[]);
+    let late = c.deadline + Duration::from_millis(1);
+    assert_eq!(
+        core.poll_waiting_for(&mut step, 0, &[2], late),
+        Status::Failed
+    );
+    match core.finish(&mut step, &[], late).unwrap_err() {
+        Error::Timeout {
+            rank: 1,
+            missing_peers,
+            ..
+        } => assert_eq!(missing_peers, [2]),
+        other => panic!("expected a timeout naming rank 2, got {other}"),
+    }
+}
