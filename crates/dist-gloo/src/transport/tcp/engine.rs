@@ -295,21 +295,27 @@ impl Engine {
         data.resize(AREA_DATA_BYTES, 0);
         let mut result = Ok(());
         for p in 0..peers {
-            area.read_header(p, mark, &mut theirs);
-            // Ranks may publish different lengths (an all_gather's blocks); everything else in
-            // the headers must be alike.
-            let agrees = FrameHeader::decode(&theirs).map(|h| {
-                let as_ours = FrameHeader {
-                    sender: header.sender,
-                    payload_len: header.payload_len,
-                    ..h
-                };
-                (as_ours == header && h.payload_len as usize <= AREA_DATA_BYTES)
-                    .then_some(h.payload_len as usize)
-                    .ok_or(h)
-            });
+            // This rank's own publication is `mine`: no need to read it back.
+            let agrees = if p == ctx.rank {
+                Ok(Ok(None))
+            } else {
+                area.read_header(p, mark, &mut theirs);
+                FrameHeader::decode(&theirs).map(|h| {
+                    // Ranks may publish different lengths (an all_gather's blocks); everything
+                    // else in the headers must be alike.
+                    let as_ours = FrameHeader {
+                        sender: header.sender,
+                        payload_len: header.payload_len,
+                        ..h
+                    };
+                    (as_ours == header && h.payload_len as usize <= AREA_DATA_BYTES)
+                        .then_some(Some(h.payload_len as usize))
+                        .ok_or(h)
+                })
+            };
             result = match agrees {
-                Ok(Ok(len)) => {
+                Ok(Ok(None)) => each(p, mine),
+                Ok(Ok(Some(len))) => {
                     area.read_data(p, mark, &mut data[..len]);
                     each(p, &data[..len])
                 }
