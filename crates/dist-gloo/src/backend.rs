@@ -165,7 +165,8 @@ impl GlooOptions {
     /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
     /// `DIST_GLOO_CMA_OVER_SHM` (`0` or `1`; unset decides by the host's CPUs),
     /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
-    /// `DIST_GLOO_BUSY_SPIN_NS`, `DIST_GLOO_SHM_RING_BYTES`,
+    /// `DIST_GLOO_BUSY_SPIN_NS`, `DIST_GLOO_SHM_RING_BYTES`, `DIST_GLOO_COPY_HELPER` (`0` or
+    /// `1`; unset decides by the host's CPUs),
     /// `DIST_GLOO_HALVING_DOUBLING_BYTES` ([`GlooOptions::halving_doubling_bytes`]),
     /// `DIST_GLOO_RING_PIECE_BYTES` ([`GlooOptions::ring_piece_bytes`]) and
     /// `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` ([`GlooOptions::all_to_all_pairwise_bytes`]).
@@ -209,6 +210,9 @@ impl GlooOptions {
         }
         if let Some(v) = var("DIST_GLOO_SHM_RING_BYTES") {
             o.mesh.shm_ring_bytes = v;
+        }
+        if let Some(v) = var("DIST_GLOO_COPY_HELPER") {
+            o.mesh.copy_helper = Some(v != 0);
         }
         o
     }
@@ -404,6 +408,12 @@ impl GlooBackend {
     /// this process's memory, see [`MeshOptions::cross_memory`]): for tests and diagnostics.
     pub fn messages_by_reference(&self) -> u64 {
         self.transport.messages_by_reference()
+    }
+
+    /// Frames this rank received by reference and copied half on a helper thread
+    /// (`MeshOptions::copy_helper`).
+    pub fn copies_split(&self) -> u64 {
+        self.transport.copies_split()
     }
 
     /// [`GlooBackend::messages_by_reference`] per receiving rank: which peers this rank shares

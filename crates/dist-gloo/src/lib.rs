@@ -43,8 +43,10 @@
 //! });
 //! ```
 
-// Denied, not forbidden: `transport::shm::ring` alone allows it, to read and write the rings
-// that live in memory shared with other processes (no safe API can share memory across them).
+// Denied, not forbidden: a few modules allow it, each saying why at its top: the shared-memory
+// rings and group area (memory shared with other processes, which no safe API can share),
+// the page-table query of `huge_pages` (an ioctl), and `read_helper` (a thread writing its half
+// of a caller's buffer).
 #![deny(unsafe_code)]
 mod algo;
 mod backend;

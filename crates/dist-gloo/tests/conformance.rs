@@ -237,6 +237,14 @@ fn over(driver: &str, make: MakeTransports, n: usize) {
         !matches!(driver, "mem" | "shm-rings") && n > 1 && cross_memory_available(),
         "{driver} ws {n}: {by_ref} messages sent by reference"
     );
+    // On the shared-memory driver, the large broadcasts and scatters went by reference and
+    // their receivers read each frame half on a helper thread.
+    let split: u64 = ranks.iter().map(GlooBackend::copies_split).sum();
+    assert_eq!(
+        split > 0,
+        driver == "shm" && n > 1 && cross_memory_available(),
+        "{driver} ws {n}: {split} frames copied half by a helper"
+    );
 }
 
 /// [`over`] for every driver, and for shared memory with large messages through the rings.

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::{on_all, tcp_world};
 use dist_backend::{Backend, BufMut, Error, OpOptions};
-use dist_gloo::GlooOptions;
+use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{CollectiveOp, DType, ReduceOp};
 
 fn quick(timeout_ms: u64) -> OpOptions {
@@ -63,26 +63,51 @@ fn different_ops_fail_on_both_sides_with_both_named() {
 /// the stale bytes of a buffer its owner has taken back.
 #[test]
 fn a_late_peer_cannot_copy_a_buffer_whose_sender_gave_up() {
+    if let Some(opts) = by_reference(false) {
+        a_late_peer_cannot_copy(&opts, |b, v, o| {
+            b.all_reduce(BufMut::Host(v), DType::U8, ReduceOp::Sum, o)
+        });
+    }
+}
+
+/// The same for a broadcast whose receiver splits its copies with a helper thread: both halves
+/// of a frame are read before the offer is checked, so the withdrawal is seen either way.
+#[test]
+fn a_late_peer_splitting_its_copies_cannot_copy_a_buffer_whose_sender_gave_up() {
+    if let Some(opts) = by_reference(true) {
+        a_late_peer_cannot_copy(&opts, |b, v, o| {
+            b.broadcast(BufMut::Host(v), DType::U8, 0, o)
+        });
+    }
+}
+
+/// Options that send large messages by reference over the rings too (a host with a CPU per
+/// rank would send nothing that way), receivers splitting their copies if `split`; `None`
+/// (the test skips) where this sandbox forbids cross-memory attach.
+fn by_reference(split: bool) -> Option<GlooOptions> {
     if !dist_gloo::transport::tcp::cross_memory_available() {
         eprintln!("skipped: this sandbox forbids cross-memory attach, nothing goes by reference");
-        return;
+        return None;
     }
-    // Over shared-memory rings a host with a CPU per rank sends nothing by reference.
     let mut opts = GlooOptions::default();
     opts.mesh.cross_memory_over_rings = Some(true);
-    let ranks = tcp_world(2, &opts);
+    opts.mesh.copy_helper = Some(split);
+    Some(opts)
+}
+
+/// Rank 1 comes to `op` (4 MiB) long after rank 0 timed out on it and scribbled on its buffer.
+fn a_late_peer_cannot_copy(
+    opts: &GlooOptions,
+    op: impl Fn(&GlooBackend, &mut [u8], &OpOptions) -> dist_backend::Result<()> + Sync,
+) {
+    let ranks = tcp_world(2, opts);
     let timeout = Duration::from_millis(400);
     let out = on_all(&ranks, |b| {
         let mut v = vec![1u8; 4 << 20];
         if b.rank() == 1 {
             std::thread::sleep(timeout * 3);
         }
-        let r = b.all_reduce(
-            BufMut::Host(&mut v),
-            DType::U8,
-            ReduceOp::Sum,
-            &OpOptions::with_timeout(timeout),
-        );
+        let r = op(b, &mut v, &OpOptions::with_timeout(timeout));
         // The sender's caller owns its buffer again: scribble on it, and keep it mapped so
         // that only the withdrawn offer can tell the late reader.
         v.fill(0xee);

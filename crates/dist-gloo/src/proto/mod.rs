@@ -47,7 +47,7 @@ mod step;
 
 use std::fmt;
 
-use dist_wire::PayloadRef;
+use dist_wire::{CollectiveOp, PayloadRef};
 
 pub use conn::PeerState;
 pub use core::Core;
@@ -57,9 +57,17 @@ pub use step::{Status, Step};
 /// for by callback, since where the bytes lie (another process's memory, read through
 /// `process_vm_readv`) is the driver's business.
 pub trait CopyIn: Send + Sync + fmt::Debug {
-    /// Copies the `dst.len()` bytes `peer` offers at `at` into `dst`, then checks that the
-    /// offer still stands. The error says why not, for the peer's loss.
-    fn copy_in(&self, peer: usize, at: PayloadRef, dst: &mut [u8]) -> Result<(), String>;
+    /// Copies the `dst.len()` bytes `peer` offers at `at` into `dst`, a frame of `op`, then
+    /// checks that the offer still stands. The error says why not, for the peer's loss. (A
+    /// driver may copy some operations' frames differently: the TCP transport splits large
+    /// ones of broadcast and scatter between two threads.)
+    fn copy_in(
+        &self,
+        peer: usize,
+        op: CollectiveOp,
+        at: PayloadRef,
+        dst: &mut [u8],
+    ) -> Result<(), String>;
 }
 
 #[cfg(test)]

@@ -102,7 +102,7 @@ pub(super) fn process(
                                 None
                             }
                             Payload::Remote(at) => {
-                                match copy(copier, peer, at, inc.slot(r.clone())) {
+                                match copy(copier, peer, h.op, at, inc.slot(r.clone())) {
                                     Ok(()) => Some(h),
                                     Err(why) => {
                                         conn.suspect = Some(why);
@@ -171,7 +171,7 @@ pub(super) fn process(
                     let i = cur.expect("a verdict needs a receive");
                     let (inc, st) = (&mut recvs[i], &mut step.rx[i]);
                     let r = st.got..st.got + h.payload_len as usize;
-                    if let Err(why) = copy(copier, peer, at, inc.slot(r.clone())) {
+                    if let Err(why) = copy(copier, peer, h.op, at, inc.slot(r.clone())) {
                         conn.suspect = Some(why);
                         continue;
                     }
@@ -264,11 +264,12 @@ fn deliver(
 fn copy(
     copier: Option<&dyn CopyIn>,
     peer: usize,
+    op: CollectiveOp,
     at: PayloadRef,
     dst: &mut [u8],
 ) -> std::result::Result<(), String> {
     match copier {
-        Some(c) => c.copy_in(peer, at, dst),
+        Some(c) => c.copy_in(peer, op, at, dst),
         None => Err("it sent a frame by reference, which this rank never agreed to".into()),
     }
 }

@@ -312,6 +312,11 @@ pub trait Transport: Send + Sync {
     fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         vec![0; self.world_size()]
     }
+    /// Frames this rank copied by reference half on its own thread and half on a helper
+    /// thread (0 for transports that never do).
+    fn copies_split(&self) -> u64 {
+        0
+    }
     /// Whether every rank of the group published a shared-memory segment with one host id
     /// (some pairs may still talk over TCP), for the algorithm defaults that follow it; every
     /// rank of the group must get the same answer (false for transports that never use shared

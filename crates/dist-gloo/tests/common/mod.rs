@@ -68,10 +68,12 @@ pub fn tcp_only_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transpor
 }
 
 /// [`tcp_transports`] with every pair on shared-memory rings (checked), large messages going
-/// by reference where the ranks can read each other (as on a host with fewer CPUs than ranks).
+/// by reference where the ranks can read each other (as on a host with fewer CPUs than ranks),
+/// broadcast's and scatter's too, read half by a helper thread (as on a host with spare cores).
 pub fn shm_transports(n: usize, opts: &GlooOptions) -> Vec<Box<dyn Transport>> {
     let mut o = opts.clone();
     o.mesh.cross_memory_over_rings = Some(true);
+    o.mesh.copy_helper = Some(true);
     rings(n, &o)
 }
 

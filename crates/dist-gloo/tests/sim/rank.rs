@@ -105,7 +105,13 @@ fn lock(o: &SharedOffers) -> std::sync::MutexGuard<'_, Offers> {
 struct Copier(SharedOffers);
 
 impl CopyIn for Copier {
-    fn copy_in(&self, peer: usize, at: PayloadRef, dst: &mut [u8]) -> Result<(), String> {
+    fn copy_in(
+        &self,
+        peer: usize,
+        _op: CollectiveOp,
+        at: PayloadRef,
+        dst: &mut [u8],
+    ) -> Result<(), String> {
         let o = lock(&self.0);
         let Some(Some((offer, msgs))) = o.by_rank.get(peer) else {
             return Err("its memory is gone, or it withdrew its offer".into());

@@ -16,6 +16,9 @@
 //!   returns, on success and on error, so a copy that raced with a sender that gave up (a
 //!   timeout) sees the withdrawal and fails instead of using stale bytes.
 //!
+//! Where the host has spare cores, a helper thread reads half of each large frame of a
+//! broadcast or scatter (`read_helper`); the offer word is checked once both halves are in.
+//!
 //! Which peers can be read is decided by experiment when the mesh is built: each rank
 //! publishes its pid and the address of a random token, every rank tries to read every
 //! peer's token and publishes what it managed. Ranks on other hosts, in other pid namespaces,
@@ -27,8 +30,9 @@ use std::sync::atomic::{AtomicU64, Ordering, fence};
 use std::time::Instant;
 
 use dist_backend::{Result, Store};
-use dist_wire::PayloadRef;
+use dist_wire::{CollectiveOp, PayloadRef};
 
+use super::read_helper::{ReadHelper, SPLIT_MIN_BYTES};
 use crate::proto::CopyIn;
 
 /// Where to read one peer's memory.
@@ -53,6 +57,13 @@ pub(super) struct Cma {
     offers: Arc<[AtomicU64]>,
     /// The probe token peers read when the mesh is built; kept alive with the mesh.
     _probe: Box<u64>,
+    rank: usize,
+    /// Large frames are read half by a helper thread ([`Cma::split_reads`]).
+    split: bool,
+    /// That thread, started at the first split read (`None` inside if it could not start).
+    helper: OnceLock<Option<ReadHelper>>,
+    /// Frames read half by the helper so far.
+    splits: AtomicU64,
 }
 
 impl Cma {
@@ -122,9 +133,53 @@ impl Cma {
                 readers,
                 offers,
                 _probe: probe,
+                rank,
+                split: false,
+                helper: OnceLock::new(),
+                splits: AtomicU64::new(0),
             }),
             in_group,
         ))
+    }
+
+    /// Has a helper thread read the second half of every frame from
+    /// [`SPLIT_MIN_BYTES`] this rank copies by reference, while this rank's thread reads the
+    /// first (see `read_helper`).
+    pub(super) fn split_reads(mut self, on: bool) -> Self {
+        self.split = on;
+        self
+    }
+
+    /// The peers whose memory this rank can read (this rank excluded).
+    pub(super) fn readable_peers(&self) -> usize {
+        self.sources.iter().flatten().count()
+    }
+
+    /// Whether large frames are read half by a helper thread.
+    pub(super) fn split_copies_on(&self) -> bool {
+        self.split
+    }
+
+    /// Frames read half by the helper thread so far.
+    pub(super) fn split_copies(&self) -> u64 {
+        self.splits.load(Ordering::Relaxed)
+    }
+
+    /// The helper thread, started on first use; `None` when reads are not split or it could
+    /// not start (then each frame is read by this thread alone).
+    fn helper(&self) -> Option<&ReadHelper> {
+        if !self.split {
+            return None;
+        }
+        self.helper
+            .get_or_init(|| {
+                ReadHelper::spawn(self.rank, read_remote)
+                    .inspect_err(|e| {
+                        tracing::warn!(rank = self.rank, error = %e, "no copy helper thread; copies stay whole");
+                    })
+                    .ok()
+            })
+            .as_ref()
     }
 
     /// Whether `peer` can read this rank's memory, so that messages to it may go by reference
@@ -166,14 +221,21 @@ impl CopyIn for Arc<Cma> {
     fn copy_in(
         &self,
         peer: usize,
+        op: CollectiveOp,
         at: PayloadRef,
         dst: &mut [u8],
     ) -> std::result::Result<(), String> {
         let Some(Some(src)) = self.sources.get(peer) else {
             return Err("it offered a buffer by reference, which this rank cannot read".into());
         };
-        read_remote(src.pid, at.addr, dst)
-            .map_err(|e| format!("copying {} bytes out of its memory: {e}", dst.len()))?;
+        let copied = match self.helper() {
+            Some(h) if dst.len() >= SPLIT_MIN_BYTES && splits(op) => {
+                self.splits.fetch_add(1, Ordering::Relaxed);
+                h.read(src.pid, at.addr, dst)
+            }
+            _ => read_remote(src.pid, at.addr, dst),
+        };
+        copied.map_err(|e| format!("copying {} bytes out of its memory: {e}", dst.len()))?;
         // The offer word must be read after the data (the syscalls already order them; this
         // states it for weakly ordered CPUs).
         fence(Ordering::Acquire);
@@ -189,6 +251,15 @@ impl CopyIn for Arc<Cma> {
         }
         Ok(())
     }
+}
+
+/// Whether large frames of `op` are read half by the helper thread: those of broadcast and
+/// scatter, whose sender only waits while the receiver copies. In all_gather and all_to_all
+/// every rank copies at once and a second thread each only adds contention (a lent 16-core
+/// VM, 4 ranks, all_gather of 4 MiB by reference: 3.0-3.4 ms with one thread, 5.4-6.4 with
+/// two).
+fn splits(op: CollectiveOp) -> bool {
+    matches!(op, CollectiveOp::Broadcast | CollectiveOp::Scatter)
 }
 
 /// Withdraws every offer of a mesh when dropped (see [`Cma::withdrawal`]).
@@ -248,7 +319,7 @@ fn random_token() -> u64 {
 
 /// Reads `dst.len()` bytes at `addr` in process `pid`.
 #[cfg(target_os = "linux")]
-fn read_remote(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+pub(super) fn read_remote(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
     use nix::sys::uio::{RemoteIoVec, process_vm_readv};
     use nix::unistd::Pid;
     let mut done = 0;
@@ -275,7 +346,7 @@ fn read_remote(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn read_remote(_pid: i32, _addr: u64, _dst: &mut [u8]) -> std::io::Result<()> {
+pub(super) fn read_remote(_pid: i32, _addr: u64, _dst: &mut [u8]) -> std::io::Result<()> {
     Err(std::io::Error::new(
         std::io::ErrorKind::Unsupported,
         "cross-memory attach is Linux-only",

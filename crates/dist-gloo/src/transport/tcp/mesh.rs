@@ -50,7 +50,8 @@ pub struct MeshOptions {
     /// copy saved gives a core back to a rank that shares it).
     pub cross_memory_min_bytes: Option<usize>,
     /// Whether large messages to a peer reached through shared-memory rings go that way too
-    /// (broadcast and scatter never do). `None` decides by whether this host's ranks of the
+    /// (broadcast and scatter only where receivers split their copies, see
+    /// [`MeshOptions::copy_helper`]). `None` decides by whether this host's ranks of the
     /// group outnumber its CPUs: the rings' two copies run at once on two cores and beat one
     /// copy by reference, unless the ranks must share cores (even there reduce_scatter's
     /// messages stay on the rings); where they do not, the large messages of all_gather,
@@ -58,6 +59,14 @@ pub struct MeshOptions {
     /// reference when their bytes lie wholly in huge pages, which the kernel pins cheaply (see
     /// `by_reference` for the sizes).
     pub cross_memory_over_rings: Option<bool>,
+    /// Whether a second thread per rank reads half of each large message received by
+    /// reference (from 256 KiB a frame), so that two cores copy it. `None` starts it where
+    /// this host has at least two CPUs per rank of the group it can read: one core's copy does
+    /// not reach some machines' memory bandwidth (a lent 16-core VM: 64 MiB in 9.6 ms by one
+    /// thread, 4.0-4.5 by two), and while a broadcast's root waits its core is free. There
+    /// broadcast and scatter send their large messages by reference over shared-memory rings
+    /// too (see `by_reference`).
+    pub copy_helper: Option<bool>,
     /// Shared-memory rings between ranks on one host, TCP between hosts, or one of the two
     /// for every pair (see [`crate::transport::shm`]).
     pub transport: TransportMode,
@@ -84,6 +93,7 @@ impl Default for MeshOptions {
             cross_memory: true,
             cross_memory_min_bytes: None,
             cross_memory_over_rings: None,
+            copy_helper: None,
             transport: TransportMode::Auto,
             shm_ring_bytes: crate::transport::shm::DEFAULT_RING_BYTES,
             host_id: None,

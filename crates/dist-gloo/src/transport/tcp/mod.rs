@@ -3,8 +3,9 @@
 //! `mesh.rs` connects the pairs; `engine.rs` drives the peer protocol's [`Core`] over them
 //! (or over the shared-memory rings a pair on one host moves onto, `link.rs`); `cma.rs` is the
 //! single-copy path between processes on one host, which the core asks for through
-//! [`crate::proto::CopyIn`], and `by_reference.rs` the sender's rule for which messages
-//! take it; `linger.rs` reads each connection after closing until the peer
+//! [`crate::proto::CopyIn`], `read_helper.rs` the second thread that reads half of a large
+//! broadcast's frames where the host has spare cores, and `by_reference.rs` the sender's rule
+//! for which messages take it; `linger.rs` reads each connection after closing until the peer
 //! closes its end.
 
 mod by_reference;
@@ -23,6 +24,7 @@ mod huge_pages {
 mod linger;
 mod link;
 mod mesh;
+mod read_helper;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -131,7 +133,16 @@ impl TcpTransport {
         let (cma, cma_in_group) =
             cma::Cma::negotiate(store, prefix, rank, world_size, opts.cross_memory, deadline)
                 .map_err(ranked)?;
-        let cma = cma.map(Arc::new);
+        // A helper thread per rank takes half of each large copy where the host has two CPUs
+        // for each of its ranks: one core cannot stream some machines' memory.
+        let cma = cma.map(|c| {
+            let local = c.readable_peers() + 1;
+            let split = opts
+                .copy_helper
+                .unwrap_or_else(|| local > 1 && shm::online_cpus().is_some_and(|n| n >= 2 * local));
+            Arc::new(c.split_reads(split))
+        });
+        let split_reads = cma.as_ref().is_some_and(|c| c.split_copies_on());
         let mut core = Core::new(rank, world_size, opts.segment_bytes);
         if let Some(cma) = &cma {
             core.set_copier(Box::new(Arc::clone(cma)));
@@ -161,6 +172,7 @@ impl TcpTransport {
                 single_copy: SingleCopyRule {
                     over_rings: single_copy_over_rings,
                     min_bytes: opts.cross_memory_min_bytes,
+                    split_reads,
                 },
             }),
         })
@@ -250,6 +262,11 @@ impl Transport for TcpTransport {
     fn messages_by_reference_per_peer(&self) -> Vec<u64> {
         let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         (0..self.world_size).map(|p| eng.core.offered(p)).collect()
+    }
+
+    fn copies_split(&self) -> u64 {
+        let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        eng.cma.as_ref().map_or(0, |c| c.split_copies())
     }
 
     fn abort(&self) {
