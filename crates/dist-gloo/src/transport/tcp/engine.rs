@@ -269,6 +269,12 @@ impl Engine {
                 }
                 continue;
             }
+            if missing.is_empty() {
+                // Every rank arrived at this operation, so it ran nowhere else: nothing the
+                // links could hold now would fail it (a peer's failure or a frame of this
+                // operation sent over messages would have kept that peer from arriving).
+                break;
+            }
             quick = 0;
             for peer in 0..peers {
                 self.write(&mut step, &[], &mut [], noop, peer);
