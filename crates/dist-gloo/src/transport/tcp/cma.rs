@@ -57,6 +57,7 @@ pub(super) struct Cma {
     offers: Arc<[AtomicU64]>,
     /// The probe token peers read when the mesh is built; kept alive with the mesh.
     _probe: Box<u64>,
+    /// This rank, to name the helper thread.
     rank: usize,
     /// Large frames are read half by a helper thread ([`Cma::split_reads`]).
     split: bool,
@@ -228,12 +229,16 @@ impl CopyIn for Arc<Cma> {
         let Some(Some(src)) = self.sources.get(peer) else {
             return Err("it offered a buffer by reference, which this rank cannot read".into());
         };
-        let copied = match self.helper() {
-            Some(h) if dst.len() >= SPLIT_MIN_BYTES && splits(op) => {
+        // Asked only for frames it would take, so that a mesh that copies none never starts it.
+        let helper = (dst.len() >= SPLIT_MIN_BYTES && splits(op))
+            .then(|| self.helper())
+            .flatten();
+        let copied = match helper {
+            Some(h) => {
                 self.splits.fetch_add(1, Ordering::Relaxed);
                 h.read(src.pid, at.addr, dst)
             }
-            _ => read_remote(src.pid, at.addr, dst),
+            None => read_remote(src.pid, at.addr, dst),
         };
         copied.map_err(|e| format!("copying {} bytes out of its memory: {e}", dst.len()))?;
         // The offer word must be read after the data (the syscalls already order them; this
