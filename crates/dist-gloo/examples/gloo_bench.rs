@@ -9,8 +9,10 @@
 //! Arguments (all optional): `--ops a,b,c` `--sizes bytes,...` `-n iters` `-w warmup`
 //! `-c 0|1` `--json path` `--budget seconds`, and nccl-tests' `-d` (int8, uint8, int32,
 //! uint32, int64, uint64, half, bfloat16, float, double), `-o` (sum, prod, min, max, avg) and
-//! `-r` (broadcast and reduce root), and `--huge-pages 0|1`: buffers from 4 MiB in memory advised to use
-//! transparent huge pages, as numpy (the Open MPI peer's buffers) does (see [`Buf`]).
+//! `-r` (the root of broadcast, reduce, gather and scatter), and `--huge-pages 0|1`: buffers
+//! from 4 MiB in memory advised to use transparent huge pages, as numpy (the Open MPI peer's
+//! buffers) does (see [`Buf`]). Besides the default ops, `--ops` takes `reduce`, `gather` and
+//! `scatter` (a size is then one rank's block, as for all_gather).
 
 #![allow(missing_docs, reason = "an example binary")]
 
@@ -129,7 +131,9 @@ fn bus_factor(op: &str, n: usize) -> Option<f64> {
     let n = n as f64;
     match op {
         "all_reduce" => Some(2.0 * (n - 1.0) / n),
-        "all_gather" | "reduce_scatter" | "all_to_all" => Some((n - 1.0) / n),
+        "all_gather" | "reduce_scatter" | "all_to_all" | "gather" | "scatter" => {
+            Some((n - 1.0) / n)
+        }
         "broadcast" | "reduce" => Some(1.0),
         _ => None,
     }
@@ -137,7 +141,7 @@ fn bus_factor(op: &str, n: usize) -> Option<f64> {
 
 fn total_bytes(op: &str, size: usize, n: usize) -> usize {
     match op {
-        "all_gather" | "reduce_scatter" => size * n,
+        "all_gather" | "reduce_scatter" | "gather" | "scatter" => size * n,
         "allreduce_4B" => 4,
         "barrier" => 0,
         _ => size,
@@ -241,6 +245,21 @@ fn run_once(pg: &GlooBackend, op: &str, c: &mut Case, args: &Args, opts: &OpOpti
                 opts,
             )
         }
+        // Every rank's block is the size given, as for all_gather.
+        "gather" => pg.gather(
+            BufRef::Host(&c.a),
+            (pg.rank() == args.root).then_some(BufMut::Host(&mut c.b)),
+            d,
+            args.root,
+            opts,
+        ),
+        "scatter" => pg.scatter(
+            (pg.rank() == args.root).then_some(BufRef::Host(&c.a)),
+            BufMut::Host(&mut c.b),
+            d,
+            args.root,
+            opts,
+        ),
         other => panic!("unknown op {other}"),
     };
     r.unwrap_or_else(|e| panic!("{op}: {e}"));
@@ -276,11 +295,11 @@ fn setup(op: &str, size: usize, n: usize, rank: usize, args: &Args) -> Case {
             a: fill(1),
             b: none(),
         },
-        "all_gather" => Case {
+        "all_gather" | "gather" => Case {
             a: fill(elems),
             b: zeros(elems * n),
         },
-        "reduce_scatter" => Case {
+        "reduce_scatter" | "scatter" => Case {
             a: fill(elems * n),
             b: zeros(elems),
         },
@@ -347,6 +366,14 @@ fn wrong(op: &str, c: &Case, n: usize, rank: usize, args: &Args) -> u64 {
         "all_to_all" => {
             let per = (c.a.len() / size / n).max(1);
             count(&c.b, &|i| v(i / per, rank * per + i % per))
+        }
+        "gather" if rank == root => {
+            let e = c.a.len() / size;
+            count(&c.b, &|i| v(i / e, i % e))
+        }
+        "scatter" => {
+            let e = c.b.len() / size;
+            count(&c.b, &|i| v(root, rank * e + i))
         }
         _ => 0,
     }
@@ -460,7 +487,7 @@ fn main() {
                     } else {
                         "none"
                     },
-                    if op == "broadcast" {
+                    if matches!(op.as_str(), "broadcast" | "reduce" | "gather" | "scatter") {
                         args.root.to_string()
                     } else {
                         "-1".into()

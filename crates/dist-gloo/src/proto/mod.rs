@@ -60,7 +60,7 @@ pub trait CopyIn: Send + Sync + fmt::Debug {
     /// Copies the `dst.len()` bytes `peer` offers at `at` into `dst`, a frame of `op`, then
     /// checks that the offer still stands. The error says why not, for the peer's loss. (A
     /// driver may copy some operations' frames differently: the TCP transport splits large
-    /// ones of broadcast and scatter between two threads.)
+    /// ones of broadcast, scatter and gather between two threads.)
     fn copy_in(
         &self,
         peer: usize,

@@ -56,8 +56,8 @@ pub(super) enum OverRings {
     /// unset, and this host's ranks outnumber its CPUs.
     SharedCores,
     /// Those of all_gather, all_to_all, all_reduce and reduce_scatter whose bytes lie wholly
-    /// in huge pages, and broadcast's and scatter's from 1 MiB where the receivers split
-    /// their copies: unset, and this host's ranks fit its CPUs. From [`HUGE_PAGE_BYTES`] for
+    /// in huge pages, and broadcast's, scatter's and gather's from 1 MiB where the receivers
+    /// split their copies: unset, and this host's ranks fit its CPUs. From [`HUGE_PAGE_BYTES`] for
     /// the first two, [`REDUCTION_FROM_HUGE_PAGES_MIN_BYTES`] for the reductions, and for
     /// all_reduce only up to [`ALL_REDUCE_FROM_HUGE_PAGES_MAX_BYTES`] of buffer.
     FromHugePages,
@@ -93,8 +93,8 @@ pub(super) const SINGLE_COPY_MIN_BYTES: usize = 256 << 10;
 /// for the other's acknowledgement), and all_gather gained nothing.
 pub(super) const ALL_TO_ALL_SHARED_CORES_MIN_BYTES: usize = 64 << 10;
 
-/// The smallest message of broadcast and scatter that goes by reference over shared-memory
-/// rings, where receivers split their copies with a helper thread (`split_reads`): then two
+/// The smallest message of broadcast and scatter (and, where the ranks fit the CPUs, of
+/// gather) that goes by reference over shared-memory rings, where receivers split their copies with a helper thread (`split_reads`): then two
 /// cores copy each message straight into place, where the rings' pipeline runs at one
 /// core's pace on a machine whose cores each stream a fraction of its memory (a lent 16-core
 /// VM, 2 ranks, broadcast of 64 MiB: the rings 12-14 ms, one thread by reference 9.6, two
@@ -111,7 +111,8 @@ pub(super) struct SingleCopyRule {
     pub(super) min_bytes: Option<usize>,
     /// The receivers on this host read large messages by reference half on a helper thread
     /// (`MeshOptions::copy_helper`): broadcast's and scatter's go by reference over the rings
-    /// too, from [`SPLIT_PIPELINE_MIN_BYTES`].
+    /// too, from [`SPLIT_PIPELINE_MIN_BYTES`], and gather's even where the ranks fit the
+    /// CPUs.
     pub(super) split_reads: bool,
 }
 
@@ -150,7 +151,9 @@ impl SingleCopyRule {
                         data.len() >= REDUCTION_FROM_HUGE_PAGES_MIN_BYTES
                             && op_bytes <= ALL_REDUCE_FROM_HUGE_PAGES_MAX_BYTES
                     }
-                    CollectiveOp::Broadcast | CollectiveOp::Scatter => return pipeline_split,
+                    CollectiveOp::Broadcast | CollectiveOp::Scatter | CollectiveOp::Gather => {
+                        return pipeline_split;
+                    }
                     _ => false,
                 };
                 wanted && at_least(SINGLE_COPY_MIN_BYTES) && super::huge_pages::in_huge_pages(data)
@@ -192,6 +195,16 @@ mod tests {
                 );
             }
         }
+        // Gather's root copies every block while the senders wait: where the ranks fit the
+        // CPUs it goes by reference only when split (told to, it always does).
+        let split = SingleCopyRule {
+            split_reads: true,
+            ..rule(OverRings::FromHugePages, None)
+        };
+        assert!(split.pays(true, CollectiveOp::Gather, at, ANY_OP));
+        assert!(!split.pays(true, CollectiveOp::Gather, below, ANY_OP));
+        let whole = rule(OverRings::FromHugePages, None);
+        assert!(!whole.pays(true, CollectiveOp::Gather, at, ANY_OP));
         // Never means never; a user's minimum holds.
         let never = SingleCopyRule {
             split_reads: true,

@@ -63,9 +63,10 @@ pub struct MeshOptions {
     /// reference (from 256 KiB a frame), so that two cores copy it. `None` starts it where
     /// this host has at least two CPUs per rank of the group it can read: one core's copy does
     /// not reach some machines' memory bandwidth (a lent 16-core VM: 64 MiB in 9.6 ms by one
-    /// thread, 4.0-4.5 by two), and while a broadcast's root waits its core is free. There
-    /// broadcast and scatter send their large messages by reference over shared-memory rings
-    /// too (see `by_reference`).
+    /// thread, 4.0-4.5 by two), and while a broadcast's root waits its core is free. Only
+    /// broadcast's, scatter's and gather's frames are split (their senders only wait), and
+    /// there those ops send their large messages by reference over shared-memory rings too
+    /// (see `by_reference`).
     pub copy_helper: Option<bool>,
     /// Shared-memory rings between ranks on one host, TCP between hosts, or one of the two
     /// for every pair (see [`crate::transport::shm`]).

@@ -5,8 +5,9 @@
 //! copying cannot stream what some machines' memory can: on a lent 16-core VM, 64 MiB took
 //! 9.6-9.7 ms read by one thread and 4.0-4.5 ms read half each by two (the same on this
 //! repository's 2-core host: 10.3 against 5.8 ms). While a large broadcast's root only waits,
-//! its core is idle; where the host has at least two CPUs per local rank, the receiver hands
-//! half of each large frame to this thread and reads the other half itself.
+//! its core is idle; where the host has at least two CPUs per local rank, the receiver of a
+//! broadcast, scatter or gather hands half of each large frame to this thread and reads the
+//! other half itself.
 //!
 //! The helper is owned by the mesh's [`super::cma::Cma`], started at the first split copy, and
 //! joined when the mesh drops. It spins for [`HELPER_SPIN`] after each piece, since a large
