@@ -3,10 +3,10 @@
 //! `mesh.rs` connects the pairs; `engine.rs` drives the peer protocol's [`Core`] over them
 //! (or over the shared-memory rings a pair on one host moves onto, `link.rs`); `cma.rs` is the
 //! single-copy path between processes on one host, which the core asks for through
-//! [`crate::proto::CopyIn`], `read_helper.rs` the second thread that reads half of a large
-//! broadcast's frames where the host has spare cores, and `by_reference.rs` the sender's rule
-//! for which messages take it; `linger.rs` reads each connection after closing until the peer
-//! closes its end.
+//! [`crate::proto::CopyIn`], `read_helper.rs` the second thread that reads half of each large
+//! broadcast, scatter or gather frame where the host has spare cores, and `by_reference.rs` the
+//! sender's rule for which messages take it; `linger.rs` reads each connection after closing
+//! until the peer closes its end.
 
 mod by_reference;
 mod cma;
@@ -133,8 +133,9 @@ impl TcpTransport {
         let (cma, cma_in_group) =
             cma::Cma::negotiate(store, prefix, rank, world_size, opts.cross_memory, deadline)
                 .map_err(ranked)?;
-        // A helper thread per rank takes half of each large copy where the host has two CPUs
-        // for each of its ranks: one core cannot stream some machines' memory.
+        // A helper thread per rank takes half of each large broadcast, scatter or gather frame
+        // it copies where the host has two CPUs for each of its ranks: one core cannot stream
+        // some machines' memory.
         let cma = cma.map(|c| {
             let local = c.readable_peers() + 1;
             let split = opts
