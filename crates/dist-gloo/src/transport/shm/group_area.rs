@@ -15,7 +15,7 @@
 //!
 //! | offset | field | written by |
 //! | --: | --- | --- |
-//! | 8 r | `arrived[r]`: u64, operations rank r has arrived at (low 56 bits), and [`BARRIER`] when the last was a barrier | rank r |
+//! | 8 r | `arrived[r]`: u64, rank r's operation count, with [`BARRIER`] for a barrier | rank r |
 //! | `arrivals_bytes` + 4 r | `sleeping[r]`: u32, rank r sleeps in its poller until woken | rank r |
 //! | `slots_at` + `SLOT_BYTES` (2 r + k mod 2) | rank r's header and data for its k-th operation | rank r |
 //!
@@ -24,9 +24,9 @@
 //! operation is done once every word holds at least k, and what each slot holds is then that
 //! rank's publication (acquire). A barrier also sets [`BARRIER`] in the word: when every word
 //! reads exactly k with that bit, every rank is in barrier k and no header need be read (at 2
-//! ranks the peer's header line was a quarter of a barrier's time). Two slots per rank are enough: a rank that writes its slot
-//! for operation k + 2 has seen every rank arrive at k + 1, and each read its slots of k
-//! before it arrived there. A rank that found the
+//! ranks the peer's header line was a quarter of a barrier's time). Two slots per rank are
+//! enough: a rank that writes its slot for operation k + 2 has seen every rank arrive at
+//! k + 1, and each read its slots of k before it arrived there. A rank that found the
 //! others missing for its whole spin raises its `sleeping` flag, looks once more, and sleeps in
 //! the poller over its links; a rank that arrives rings the doorbell of every rank whose flag
 //! is up. Both sides store, issue a `SeqCst` fence, then load what the other stored (as the
