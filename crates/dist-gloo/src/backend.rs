@@ -59,7 +59,9 @@ pub struct GlooOptions {
     /// so that no step fills the shared-memory rings or socket buffers with megabytes that leave
     /// the caches before the peer reads them; so does the ring all_gather (on its output) where no
     /// two ranks share memory ([`Transport::memory_shared_in_group`]). `None` picks
-    /// [`GlooOptions::auto_ring_piece_bytes`]; `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs the
+    /// [`GlooOptions::auto_ring_piece_bytes`] once the mesh is built (it depends on whether ranks
+    /// share memory), and [`GlooOptions::auto_reduce_piece_bytes`] for the reduce;
+    /// `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs the
     /// whole buffer as one piece). Every rank must use the same value (checked when the group is
     /// built).
     pub ring_piece_bytes: Option<usize>,
@@ -119,14 +121,35 @@ impl GlooOptions {
         }
     }
 
-    /// The default of [`GlooOptions::ring_piece_bytes`]: 1 MiB per rank, so that each rank's
-    /// block of a piece fits its share of a 2 MiB L2. Measured with gloo_bench on a 2-core
-    /// host with 32 MiB of L3, against one piece: 2 ranks over shared memory took 0.83x the
-    /// time at 16 MiB and 0.85x at 64 MiB (pieces of 0.5, 1 and 2 MiB within noise of each
-    /// other); 4 ranks (two per core) 1.0x at 16 MiB and 0.8x at 64 MiB, where pieces of 1
-    /// MiB (more steps, each a round of context switches) took 1.1-1.3x.
-    pub fn auto_ring_piece_bytes(world_size: usize) -> usize {
-        world_size.saturating_mul(1 << 20)
+    /// The default of [`GlooOptions::ring_piece_bytes`], resolved once the mesh is built: 1 MiB
+    /// per rank where some ranks of the group share memory
+    /// ([`Transport::memory_shared_in_group`]), 512 KiB per rank where none do (TCP only), so
+    /// that each rank's block of a piece, with the socket buffers it passes through, stays in
+    /// its share of the L2.
+    ///
+    /// Measured with gloo_bench on a 2-core host (1 MiB of L2 per core, 32 MiB of L3). Over
+    /// shared memory, against one piece: 2 ranks took 0.83x the time at 16 MiB and 0.85x at 64
+    /// MiB (pieces of 0.5, 1 and 2 MiB within noise of each other); 4 ranks (two per core) 1.0x
+    /// at 16 MiB and 0.8x at 64 MiB, where pieces of 1 MiB (more steps, each a round of context
+    /// switches) took 1.1-1.3x, and pieces of 2 MiB were even with 4. Over TCP only
+    /// (`DIST_GLOO_TRANSPORT=tcp DIST_GLOO_CMA=0`), 512 KiB blocks against 1 MiB, alternated
+    /// (medians of 5-8 runs): 4-rank all_reduce 6.2 against 8.1 ms at 4 MiB, 22.7 against 29
+    /// at 16 MiB, 92 against 119 at 64 MiB; 2-rank all_reduce 1.6 against 2.0, 5.8 against
+    /// 8.2 and 28 against 32 ms; 4-rank reduce_scatter, all_gather and reduce 0.8-0.95x the
+    /// time, 2-rank reduce_scatter and all_gather even or faster. The 2-rank reduce lost
+    /// (1.15x), so it keeps 1 MiB per rank ([`GlooOptions::auto_reduce_piece_bytes`]).
+    pub fn auto_ring_piece_bytes(world_size: usize, memory_shared: bool) -> usize {
+        let per_rank = if memory_shared { 1 << 20 } else { 512 << 10 };
+        world_size.saturating_mul(per_rank)
+    }
+
+    /// The pieces of the ring reduce where [`GlooOptions::ring_piece_bytes`] is unset:
+    /// [`GlooOptions::auto_ring_piece_bytes`], except on two ranks none of which share memory,
+    /// where 1 MiB per rank took 0.85-0.89x the time of 512 KiB (TCP only, 4 to 64 MiB, alternated):
+    /// each of its pieces ends with the root waiting for the other rank's block, a round trip
+    /// that smaller pieces pay more often.
+    pub fn auto_reduce_piece_bytes(world_size: usize, memory_shared: bool) -> usize {
+        GlooOptions::auto_ring_piece_bytes(world_size, memory_shared || world_size == 2)
     }
 
     /// The default of [`GlooOptions::all_to_all_pairwise_bytes`]: blocks of 256 KiB when no two
@@ -228,6 +251,9 @@ pub struct GlooBackend {
     broadcast_scatter_bytes: usize,
     halving_doubling_bytes: usize,
     ring_piece_bytes: usize,
+    /// The ring reduce's pieces: `ring_piece_bytes`, or
+    /// [`GlooOptions::auto_reduce_piece_bytes`] where that is unset.
+    reduce_piece_bytes: usize,
     /// all_gather's ring pieces: `ring_piece_bytes` where no two ranks share memory, else one
     /// piece (the whole ring), resolved once from [`Transport::memory_shared_in_group`].
     all_gather_piece_bytes: usize,
@@ -338,9 +364,9 @@ impl GlooBackend {
             ),
             (
                 "ring_piece_bytes",
+                // Resolved once the mesh says whether ranks share memory, as above.
                 opts.ring_piece_bytes
-                    .unwrap_or_else(|| GlooOptions::auto_ring_piece_bytes(world_size))
-                    .to_string(),
+                    .map_or_else(|| "auto".to_string(), |v| v.to_string()),
             ),
         ]);
         let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
@@ -362,11 +388,12 @@ impl GlooBackend {
         let world_size = transport.world_size();
         let one_host = transport.one_host();
         let memory_shared = transport.memory_shared_in_group();
-        let ring_piece_bytes = match opts.ring_piece_bytes {
+        let pieces = |auto: fn(usize, bool) -> usize| match opts.ring_piece_bytes {
             Some(0) => usize::MAX,
             Some(v) => v,
-            None => GlooOptions::auto_ring_piece_bytes(world_size),
+            None => auto(world_size, memory_shared),
         };
+        let ring_piece_bytes = pieces(GlooOptions::auto_ring_piece_bytes);
         GlooBackend {
             rank: transport.rank(),
             world_size: transport.world_size(),
@@ -382,6 +409,7 @@ impl GlooBackend {
                 .halving_doubling_bytes
                 .unwrap_or_else(|| GlooOptions::auto_halving_doubling_bytes(world_size, one_host)),
             ring_piece_bytes,
+            reduce_piece_bytes: pieces(GlooOptions::auto_reduce_piece_bytes),
             all_gather_piece_bytes: if memory_shared {
                 usize::MAX
             } else {
@@ -807,7 +835,7 @@ impl Backend for GlooBackend {
                 if data.len() <= self.small_bytes || count < self.world_size {
                     rooted::reduce_tree(o, data, op, root, scratch)?;
                 } else {
-                    rooted::reduce_ring(o, data, op, root, scratch, self.ring_piece_bytes)?;
+                    rooted::reduce_ring(o, data, op, root, scratch, self.reduce_piece_bytes)?;
                 }
                 if self.rank == root {
                     self.finalize(o, op, data)
@@ -1120,5 +1148,39 @@ impl Backend for GlooBackend {
         // write at once, rather than leave them to die with the process. Under the lock, so no
         // operation starts on connections being closed; a second close finds none left.
         self.transport.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::mem::MemTransport;
+
+    fn backend(world_size: usize, opts: &GlooOptions) -> GlooBackend {
+        let t = MemTransport::network(world_size, 1 << 20).remove(0);
+        GlooBackend::over(Box::new(t), 0, opts)
+    }
+
+    #[test]
+    fn ring_pieces_follow_whether_ranks_share_memory() {
+        // The in-memory network shares no memory between ranks, as TCP between hosts.
+        let b = backend(4, &GlooOptions::default());
+        assert_eq!(b.ring_piece_bytes, 4 * (512 << 10));
+        assert_eq!(b.reduce_piece_bytes, 4 * (512 << 10));
+        let b = backend(2, &GlooOptions::default());
+        assert_eq!(b.ring_piece_bytes, 2 * (512 << 10));
+        assert_eq!(
+            b.reduce_piece_bytes,
+            2 << 20,
+            "the 2-rank reduce keeps 1 MiB per rank"
+        );
+        assert_eq!(GlooOptions::auto_ring_piece_bytes(4, true), 4 << 20);
+        assert_eq!(GlooOptions::auto_reduce_piece_bytes(4, true), 4 << 20);
+        let set = GlooOptions {
+            ring_piece_bytes: Some(12345),
+            ..GlooOptions::default()
+        };
+        let b = backend(2, &set);
+        assert_eq!((b.ring_piece_bytes, b.reduce_piece_bytes), (12345, 12345));
     }
 }
