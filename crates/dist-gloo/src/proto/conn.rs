@@ -121,6 +121,21 @@ impl Conn {
         self.end - self.start
     }
 
+    /// Bytes read ahead of the step that wants them: stashed payloads, the stashed frame
+    /// still being read, and what is staged. A payload sent by reference counts nothing: it
+    /// stays in the sender's memory until a receive copies it.
+    pub(super) fn read_ahead_bytes(&self) -> usize {
+        let stashed: usize = self
+            .stash
+            .iter()
+            .map(|(_, p)| match p {
+                Payload::Inline(bytes) => bytes.len(),
+                Payload::Remote(_) => 0,
+            })
+            .sum();
+        stashed + self.partial.as_ref().map_or(0, |(_, buf, _)| buf.len()) + self.staged()
+    }
+
     /// How many more bytes the staging buffer needs before the parser can take its next
     /// step: the rest of a skipped payload, of a header, or of a close frame or reference that
     /// is read whole with its header. At least 1.

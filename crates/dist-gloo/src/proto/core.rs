@@ -14,6 +14,11 @@ use crate::transport::{
     stashed_conflict, step_count,
 };
 
+/// How many bytes a connection may hold read ahead of the steps that want them before a
+/// driver stops reading it ahead ([`Core::reads_ahead`]): a few frames of the default segment,
+/// and about what a loopback TCP socket buffers on its own.
+pub const READ_AHEAD_BYTES: usize = 4 << 20;
+
 /// One rank's protocol state with each of its peers: no sockets, threads or clocks.
 ///
 /// A driver owns the byte streams. For each connection it asks [`Core::transmit`] what to
@@ -22,7 +27,8 @@ use crate::transport::{
 /// ([`Core::broken`], after feeding whatever the connection still held, which may say why the
 /// peer left). After any input it calls [`Core::poll`], and once that says the step is done
 /// or failed, [`Core::finish`], which returns the step's result and queues the abort notices
-/// that name the culprit to the other peers.
+/// that name the culprit to the other peers. It reads the peers a step awaits
+/// ([`Core::awaits`]), and the others while [`Core::reads_ahead`] allows.
 #[derive(Debug)]
 pub struct Core {
     rank: usize,
@@ -160,6 +166,28 @@ impl Core {
                     .iter()
                     .zip(&step.tx)
                     .any(|(s, t)| s.peer == peer && t.written && !t.done))
+    }
+
+    /// Whether a driver may read `peer` while `step` does not await it (see [`Core::awaits`]):
+    /// to learn of its goodbye, abort or loss at once, and to take frames of later steps off
+    /// the connection. Not once the connection holds [`READ_AHEAD_BYTES`] read ahead of the
+    /// steps that want them, unless `step` is point-to-point, whose sends stay eager (two
+    /// ranks may each send before receiving).
+    ///
+    /// Why the bound: a rank that runs ahead (a lazy broadcast root, a chain's first links)
+    /// can feed a connection as fast as the reader drains it. Read to exhaustion, the reader
+    /// copied every later message through its stash and forwarded none: a 4-rank 64 MiB
+    /// broadcast over TCP had its second rank hold 900 MB read ahead while the third and
+    /// fourth slept out their poller's timeouts, 250-390 ms a broadcast instead of 60-80.
+    /// Left in the kernel, the bytes throttle the sender through the transport's own flow
+    /// control, and they are read when a step awaits them.
+    pub fn reads_ahead(&self, step: &Step, peer: usize) -> bool {
+        step.ctx.is_some_and(|c| c.op == CollectiveOp::SendRecv)
+            || self
+                .conns
+                .get(peer)
+                .and_then(Option::as_ref)
+                .is_none_or(|c| c.read_ahead_bytes() < READ_AHEAD_BYTES)
     }
 
     /// Makes [`Core::read_buf`] for `peer` ask, between payloads, only for the bytes that

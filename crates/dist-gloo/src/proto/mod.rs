@@ -50,7 +50,7 @@ use std::fmt;
 use dist_wire::{CollectiveOp, PayloadRef};
 
 pub use conn::PeerState;
-pub use core::Core;
+pub use core::{Core, READ_AHEAD_BYTES};
 pub use step::{Status, Step};
 
 /// How a driver copies a frame a peer sent by reference: the one piece of I/O the core asks

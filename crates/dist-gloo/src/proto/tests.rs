@@ -563,3 +563,87 @@ fn an_operation_without_frames_waits_for_the_ranks_named_and_fails_as_a_step_wou
         other => panic!("expected a timeout naming rank 2, got {other}"),
     }
 }
+
+/// A connection holding [`READ_AHEAD_BYTES`] of frames for later steps is read ahead no more
+/// in a collective step (its sender is left to the transport's flow control), still in a
+/// point-to-point one (sends stay eager), and again once a step took the frames.
+#[test]
+fn read_ahead_stops_at_its_bound_until_a_step_takes_the_frames() {
+    use super::READ_AHEAD_BYTES;
+    let t0 = Instant::now();
+    let seg = 1 << 20;
+    let (mut a, mut b) = (Core::new(0, 2, seg), Core::new(1, 2, seg));
+    let len = READ_AHEAD_BYTES + seg;
+    let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let sends = [Outgoing {
+        peer: 1,
+        data: &data,
+        count: len as u64,
+        tag: 5,
+    }];
+    let later = ctx(0, CollectiveOp::Broadcast, 2, t0);
+    let mut sa = a.begin(later, &sends, &[]);
+    // Rank 1 is still in an earlier collective that awaits nothing from rank 0.
+    let earlier = StepCtx {
+        rank: 1,
+        ..ctx(1, CollectiveOp::AllReduce, 1, t0)
+    };
+    let mut sb = b.begin(earlier, &[], &[]);
+    assert!(b.reads_ahead(&sb, 0), "nothing is held yet");
+    let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+    let mut taken = 0;
+    while b.reads_ahead(&sb, 0) {
+        let parts = a.transmit(&mut sa, &sends, 1);
+        let mut bytes: Vec<u8> = parts.concat();
+        assert!(!bytes.is_empty(), "the bound was never reached");
+        bytes.truncate(64 << 10);
+        a.transmitted(&mut sa, &sends, 1, bytes.len());
+        let mut at = 0;
+        while at < bytes.len() {
+            let buf = b.read_buf(&sb, &mut [], 0);
+            let k = buf.len().min(bytes.len() - at);
+            buf[..k].copy_from_slice(&bytes[at..at + k]);
+            b.received(&mut sb, &mut [], 0, k, noop);
+            at += k;
+        }
+        taken += bytes.len();
+    }
+    assert!(
+        taken < len,
+        "stopped before the whole message: {taken} of {len}"
+    );
+    let p2p = b.begin(
+        StepCtx {
+            rank: 1,
+            ..ctx(1, CollectiveOp::SendRecv, 1, t0)
+        },
+        &[],
+        &[],
+    );
+    assert!(b.reads_ahead(&p2p, 0), "point-to-point steps read on");
+    // The step that wants the message takes it: what was held, then the rest.
+    let mut got = vec![0u8; len];
+    let mut recvs = [Incoming {
+        peer: 0,
+        buf: &mut got,
+        count: len as u64,
+        tag: 5,
+        streamed: None,
+        seq_ahead: 0,
+    }];
+    let mut sb = b.begin(StepCtx { rank: 1, ..later }, &[], &recvs);
+    assert!(b.awaits(&sb, &[], &recvs, 0));
+    pump(
+        &mut a,
+        &mut sa,
+        &sends,
+        &mut b,
+        &mut sb,
+        &mut recvs,
+        64 << 10,
+        noop,
+    );
+    assert_eq!(b.poll(&mut sb, &[], &mut recvs, noop, t0), Status::Done);
+    assert!(got == data, "the message arrived whole and in order");
+    assert!(b.reads_ahead(&sb, 0), "nothing is held any more");
+}

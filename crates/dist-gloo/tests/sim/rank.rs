@@ -344,17 +344,19 @@ impl RankSim {
             };
         // Reads what peer `p` has sent into this step, as a socket's reads would.
         macro_rules! read_peer {
-            ($p:expr) => {
+            ($p:expr, $whatever:expr) => {
                 read_from(
                     &mut self.core,
                     net,
                     rng,
                     step,
+                    &outs,
                     &mut ins,
                     &mut on_frame,
                     &mut self.eof,
                     rank,
                     $p,
+                    $whatever,
                 )
             };
         }
@@ -372,14 +374,14 @@ impl RankSim {
                         moved = true;
                     }
                     Err(why) => {
-                        read_peer!(p);
+                        read_peer!(p, true);
                         self.core.broken(p, why);
                         moved = true;
                         break;
                     }
                 }
             }
-            moved |= read_peer!(p);
+            moved |= read_peer!(p, false);
         }
         let at = base + now;
         match self.core.poll(step, &outs, &mut ins, &mut on_frame, at) {
@@ -412,7 +414,7 @@ impl RankSim {
             }
             Status::Failed => {
                 for p in (0..self.eof.len()).filter(|&p| p != rank) {
-                    read_peer!(p);
+                    read_peer!(p, true);
                 }
                 let error = match self.core.finish(step, &outs, at) {
                     Err(e) => e,
@@ -527,7 +529,9 @@ fn peers_in_random_order(rng: &mut Rng, n: usize, me: usize) -> Vec<usize> {
     v
 }
 
-/// Feeds the core what has arrived from `p`. Returns whether anything moved.
+/// Feeds the core what has arrived from `p`, as the real drivers do: while the step awaits
+/// `p` or the core lets it read ahead, or `whatever` has arrived (to learn why a peer left).
+/// Returns whether anything moved.
 #[allow(
     clippy::too_many_arguments,
     reason = "the pieces of one rank, borrowed apart"
@@ -537,14 +541,16 @@ fn read_from(
     net: &mut Net,
     rng: &mut Rng,
     step: &mut Step,
+    outs: &[Outgoing<'_>],
     ins: &mut [Incoming<'_>],
     on_frame: &mut OnFrame<'_>,
     eof: &mut [bool],
     me: usize,
     p: usize,
+    whatever: bool,
 ) -> bool {
     let mut moved = false;
-    while !eof[p] {
+    while !eof[p] && (whatever || core.reads_ahead(step, p) || core.awaits(step, outs, ins, p)) {
         let buf = core.read_buf(step, ins, p);
         if buf.is_empty() {
             break;

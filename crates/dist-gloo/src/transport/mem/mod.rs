@@ -112,7 +112,7 @@ impl Inner {
                 }
                 Err(why) => {
                     // The peer may have said why it left before its end went away.
-                    self.read(bells, step, recvs, on_frame, peer, usize::MAX);
+                    self.read(bells, step, sends, recvs, on_frame, peer, usize::MAX, true);
                     self.core.broken(peer, why);
                     return true;
                 }
@@ -120,22 +120,35 @@ impl Inner {
         }
     }
 
-    /// Feeds the core what the pipe from `peer` holds, in at most `reads` reads. Returns
-    /// whether a byte moved.
+    /// Feeds the core what the pipe from `peer` holds, in at most `reads` reads: while the
+    /// step awaits the peer or the core lets it read ahead ([`Core::reads_ahead`]), or
+    /// `whatever` it holds (to learn why a peer left, or for a probe). Returns whether a byte
+    /// moved.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the step's parts, as every driver call takes them"
+    )]
     fn read(
         &mut self,
         bells: &[Bell],
         step: &mut Step,
+        sends: &[Outgoing<'_>],
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
         peer: usize,
         mut reads: usize,
+        whatever: bool,
     ) -> bool {
         let Some(pipe) = self.inp[peer].clone() else {
             return false;
         };
         let mut moved = false;
-        while !self.eof[peer] && reads > 0 {
+        while !self.eof[peer]
+            && reads > 0
+            && (whatever
+                || self.core.reads_ahead(step, peer)
+                || self.core.awaits(step, sends, recvs, peer))
+        {
             reads -= 1;
             let buf = self.core.read_buf(step, recvs, peer);
             if buf.is_empty() {
@@ -219,7 +232,16 @@ impl Transport for MemTransport {
             let mut moved = false;
             for peer in (0..self.world_size).filter(|&p| p != self.rank) {
                 moved |= g.write(bells, &mut step, sends, recvs, on_frame, peer);
-                moved |= g.read(bells, &mut step, recvs, on_frame, peer, usize::MAX);
+                moved |= g.read(
+                    bells,
+                    &mut step,
+                    sends,
+                    recvs,
+                    on_frame,
+                    peer,
+                    usize::MAX,
+                    false,
+                );
             }
             let now = Instant::now();
             match g.core.poll(&mut step, sends, recvs, on_frame, now) {
@@ -233,7 +255,7 @@ impl Transport for MemTransport {
                     // What the peers said before the failure may decide whom it blames.
                     for peer in (0..self.world_size).filter(|&p| p != self.rank) {
                         if g.core.reads_after_failure(&step, peer) {
-                            g.read(bells, &mut step, recvs, on_frame, peer, 1);
+                            g.read(bells, &mut step, sends, recvs, on_frame, peer, 1, true);
                         }
                     }
                     let r = g.core.finish(&mut step, sends, now);
@@ -256,10 +278,12 @@ impl Transport for MemTransport {
         g.read(
             &self.bells,
             &mut idle,
+            &[],
             &mut [],
             &mut |_, _, _| Ok(()),
             peer,
             usize::MAX,
+            true,
         );
         g.core.probe(peer, tag)
     }

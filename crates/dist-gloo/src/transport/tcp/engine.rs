@@ -380,7 +380,7 @@ impl Engine {
                 && let Some(Some(c)) = self.conns.get_mut(peer)
             {
                 c.readable = true;
-                self.read_some(step, sends, recvs, on_frame, peer, 1);
+                self.read_some(step, sends, recvs, on_frame, peer, 1, true);
             }
         }
         let r = self.core.finish(step, sends, now);
@@ -428,7 +428,7 @@ impl Engine {
                     if let Some(Some(c)) = self.conns.get_mut(peer) {
                         c.readable = true;
                     }
-                    self.read(step, sends, recvs, on_frame, peer);
+                    self.read_some(step, sends, recvs, on_frame, peer, usize::MAX, true);
                     self.core.broken(peer, &e.to_string());
                     return true;
                 }
@@ -437,7 +437,8 @@ impl Engine {
     }
 
     /// Feeds the core what the link from `peer` holds: while the step waits for the peer's
-    /// input, or the poller said the link is readable, until it would block. Not further: a
+    /// input, or the poller said the link is readable and the core lets it read ahead
+    /// ([`Core::reads_ahead`]), until it would block. Not further: a
     /// message for a later step read now only goes through the stash (a copy more), and a
     /// sender whose message this rank drains that way may complete a step the group fails.
     /// Returns whether a byte moved (or the input ended).
@@ -449,10 +450,15 @@ impl Engine {
         on_frame: &mut OnFrame<'_>,
         peer: usize,
     ) -> bool {
-        self.read_some(step, sends, recvs, on_frame, peer, usize::MAX)
+        self.read_some(step, sends, recvs, on_frame, peer, usize::MAX, false)
     }
 
-    /// [`Engine::read`], in at most `reads` reads.
+    /// [`Engine::read`], in at most `reads` reads; `whatever` reads a readable link however
+    /// much the core holds read ahead of it (to learn why a peer left, or for a probe).
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the step's parts, as every driver call takes them"
+    )]
     fn read_some(
         &mut self,
         step: &mut Step,
@@ -461,6 +467,7 @@ impl Engine {
         on_frame: &mut OnFrame<'_>,
         peer: usize,
         mut reads: usize,
+        whatever: bool,
     ) -> bool {
         let Some(Some(c)) = self.conns.get_mut(peer) else {
             return false;
@@ -476,7 +483,13 @@ impl Engine {
                 .incoming_len(recvs, peer)
                 .is_some_and(|len| len >= STREAMING_BYTES);
         let mut moved = false;
-        while !c.ended && reads > 0 && (c.readable || self.core.awaits(step, sends, recvs, peer)) {
+        // A peer not awaited is read while it signals and the core lets it read ahead; one
+        // held back keeps its readiness for the pass whose step awaits it.
+        while !c.ended
+            && reads > 0
+            && ((c.readable && (whatever || self.core.reads_ahead(step, peer)))
+                || self.core.awaits(step, sends, recvs, peer))
+        {
             reads -= 1;
             let buf = self.core.read_buf(step, recvs, peer);
             match c.link.read_hinted(buf, streaming) {
@@ -560,7 +573,8 @@ impl Engine {
         };
         c.readable = true;
         let mut idle = Step::idle();
-        self.read(&mut idle, &[], &mut [], &mut |_, _, _| Ok(()), peer);
+        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        self.read_some(&mut idle, &[], &mut [], noop, peer, usize::MAX, true);
         self.core.probe(peer, tag)
     }
 
