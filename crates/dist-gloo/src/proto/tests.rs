@@ -30,26 +30,45 @@ fn pump(
     chunk: usize,
     on_frame: &mut OnFrame<'_>,
 ) -> usize {
-    let (from, to) = (a.rank(), b.rank());
     let mut moved = 0;
     loop {
-        let parts = a.transmit(a_step, sends, to);
-        let mut bytes: Vec<u8> = parts.concat();
-        if bytes.is_empty() {
-            return moved;
-        }
-        bytes.truncate(chunk);
-        a.transmitted(a_step, sends, to, bytes.len());
-        moved += bytes.len();
-        let mut at = 0;
-        while at < bytes.len() {
-            let buf = b.read_buf(b_step, recvs, from);
-            let k = buf.len().min(bytes.len() - at);
-            buf[..k].copy_from_slice(&bytes[at..at + k]);
-            b.received(b_step, recvs, from, k, on_frame);
-            at += k;
+        match pump_once(a, a_step, sends, b, b_step, recvs, chunk, on_frame) {
+            0 => return moved,
+            k => moved += k,
         }
     }
+}
+
+/// [`pump`]'s one move: at most `chunk` bytes of what `a` transmits, fed to `b`. Returns the
+/// bytes moved (0 when `a` has nothing to send).
+#[allow(
+    clippy::too_many_arguments,
+    reason = "both ends of one stream, borrowed apart"
+)]
+fn pump_once(
+    a: &mut Core,
+    a_step: &mut Step,
+    sends: &[Outgoing<'_>],
+    b: &mut Core,
+    b_step: &mut Step,
+    recvs: &mut [Incoming<'_>],
+    chunk: usize,
+    on_frame: &mut OnFrame<'_>,
+) -> usize {
+    let (from, to) = (a.rank(), b.rank());
+    let parts = a.transmit(a_step, sends, to);
+    let mut bytes: Vec<u8> = parts.concat();
+    bytes.truncate(chunk);
+    a.transmitted(a_step, sends, to, bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        let buf = b.read_buf(b_step, recvs, from);
+        let k = buf.len().min(bytes.len() - at);
+        buf[..k].copy_from_slice(&bytes[at..at + k]);
+        b.received(b_step, recvs, from, k, on_frame);
+        at += k;
+    }
+    bytes.len()
 }
 
 #[test]
@@ -593,20 +612,18 @@ fn read_ahead_stops_at_its_bound_until_a_step_takes_the_frames() {
     let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
     let mut taken = 0;
     while b.reads_ahead(&sb, 0) {
-        let parts = a.transmit(&mut sa, &sends, 1);
-        let mut bytes: Vec<u8> = parts.concat();
-        assert!(!bytes.is_empty(), "the bound was never reached");
-        bytes.truncate(64 << 10);
-        a.transmitted(&mut sa, &sends, 1, bytes.len());
-        let mut at = 0;
-        while at < bytes.len() {
-            let buf = b.read_buf(&sb, &mut [], 0);
-            let k = buf.len().min(bytes.len() - at);
-            buf[..k].copy_from_slice(&bytes[at..at + k]);
-            b.received(&mut sb, &mut [], 0, k, noop);
-            at += k;
-        }
-        taken += bytes.len();
+        let k = pump_once(
+            &mut a,
+            &mut sa,
+            &sends,
+            &mut b,
+            &mut sb,
+            &mut [],
+            64 << 10,
+            noop,
+        );
+        assert!(k > 0, "the bound was never reached");
+        taken += k;
     }
     assert!(
         taken < len,
