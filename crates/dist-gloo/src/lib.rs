@@ -15,7 +15,8 @@
 //!   `small_bytes`, ring above (all_gather's in pieces where no two ranks share memory);
 //!   gather, scatter: direct, all transfers in flight at once; all_to_all: the same, or n − 1
 //!   pairwise exchanges from [`GlooOptions::all_to_all_pairwise_bytes`]; barrier:
-//!   dissemination.
+//!   through the group's shared memory where every rank maps it, else recursive doubling
+//!   (power-of-two groups) or dissemination rounds.
 //!
 //! Every frame carries a [`dist_wire::FrameHeader`]; ranks that call different operations (or
 //! pass different arguments, the root included: rooted operations agree on them first) fail

@@ -50,7 +50,7 @@ pub(crate) mod tags {
             TREE => "binomial tree",
             CHAIN => "pipelined chain",
             DIRECT => "pairwise exchange",
-            BARRIER => "dissemination barrier",
+            BARRIER => "barrier rounds",
             GATHER => "direct gather",
             AGREE => "argument agreement",
             SCATTER => "scatter + all-gather",

@@ -186,9 +186,16 @@ pub(crate) fn all_to_all(
 }
 
 /// Barrier: through memory the whole group maps where the transport has it (an exchange of
-/// nothing, [`crate::transport::Transport::shared_memory_exchange`]), else by dissemination:
-/// in round k each rank signals rank + 2^k and waits for rank − 2^k; after ⌈log2 n⌉ rounds
-/// every rank has transitively heard from all.
+/// nothing, [`crate::transport::Transport::shared_memory_exchange`]), else in ⌈log2 n⌉
+/// rounds after which every rank has transitively heard from all. With a power-of-two group
+/// round k is a pairwise exchange with rank XOR 2^k (recursive doubling, Open MPI's choice
+/// there); otherwise dissemination: each rank signals rank + 2^k and waits for rank − 2^k.
+///
+/// Why pairs where they fit: each round then waits on the one peer it signalled, so a rank
+/// that is descheduled delays only its partner's round, not a third rank's. 4 ranks over TCP
+/// only on a 2-core host, alternated run by run: medians 60.4 against 73.6 us (20 runs each),
+/// 86 against 89 in a slower hour, 78.5 against 82.2 (30 runs; the 4-byte all_reduce beside
+/// it, unchanged, 80.5 against 81.5).
 pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
     if o.n() > 1
         && let Some(done) =
@@ -201,10 +208,12 @@ pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
     let mut round = 0;
     while dist < n {
         let tag = tags::BARRIER | round;
-        o.step(
-            &[o.send((r + dist) % n, &[], tag)],
-            &mut [o.recv((r + n - dist) % n, &mut [], tag)],
-        )?;
+        let (to, from) = if n.is_power_of_two() {
+            (r ^ dist, r ^ dist)
+        } else {
+            ((r + dist) % n, (r + n - dist) % n)
+        };
+        o.step(&[o.send(to, &[], tag)], &mut [o.recv(from, &mut [], tag)])?;
         dist <<= 1;
         round += 1;
     }
