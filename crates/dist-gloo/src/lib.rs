@@ -51,11 +51,12 @@
 #![deny(unsafe_code)]
 mod algo;
 mod backend;
+mod options;
 mod output_copy;
 pub mod proto;
 pub mod transport;
 
-pub use backend::{
-    FUSED_AGREEMENT_MAX_RANKS, GlooBackend, GlooOptions, HALVING_DOUBLING_MIN_BYTES,
-    LAZY_ROOT_MAX_DEFERRED,
+pub use backend::GlooBackend;
+pub use options::{
+    FUSED_AGREEMENT_MAX_RANKS, GlooOptions, HALVING_DOUBLING_MIN_BYTES, LAZY_ROOT_MAX_DEFERRED,
 };

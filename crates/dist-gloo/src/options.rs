@@ -1,0 +1,227 @@
+//! `GlooOptions`: the backend's tuning, its measured defaults and the environment that sets it.
+
+use crate::algo::agree;
+use crate::transport::tcp::MeshOptions;
+
+/// Tuning of the Gloo backend.
+#[derive(Clone, Debug, Default)]
+pub struct GlooOptions {
+    /// How the TCP mesh is built (address, timeout, segment size, busy-poll time).
+    pub mesh: MeshOptions,
+    /// Buffers up to this many bytes use the latency-bound algorithms (recursive doubling,
+    /// binomial trees); larger ones the bandwidth-bound ones (ring, chain). `None` picks
+    /// [`GlooOptions::auto_small_bytes`]. Every rank must use the same value: a disagreement
+    /// fails with an error naming the algorithm step.
+    pub small_bytes: Option<usize>,
+    /// Groups of up to this many ranks check a rooted op's arguments inside its first step
+    /// (no extra round); larger ones run a dissemination exchange before the data. `None`
+    /// picks [`FUSED_AGREEMENT_MAX_RANKS`]. Every rank must use the same value: a
+    /// disagreement fails with an error naming the algorithm step.
+    pub fused_agreement_max_ranks: Option<usize>,
+    /// Whether the root of a rooted op returns as soon as its data is out, leaving the other
+    /// ranks' agreement frames to be verified at the start of its next operation on the
+    /// group (or when the group is closed): a disagreement is then reported on the root one
+    /// operation later, still naming both sides, and the root no longer waits for every
+    /// rank to have entered the operation. `false` makes it read every frame before it
+    /// returns. `None` is `true` (`DIST_GLOO_EAGER_ROOT=1` sets `false`). Purely local:
+    /// ranks may differ.
+    pub lazy_root_verification: Option<bool>,
+    /// Broadcasts of at least this many bytes on more than two ranks scatter the buffer and
+    /// ring all-gather it (van de Geijn) instead of running the pipelined chain. `None`
+    /// picks [`GlooOptions::auto_broadcast_scatter_bytes`]; `DIST_GLOO_BCAST_SCATTER_BYTES`
+    /// sets it. Every rank must use the same value (checked when the group is built).
+    pub broadcast_scatter_bytes: Option<usize>,
+    /// all_reduce buffers of more than [`HALVING_DOUBLING_MIN_BYTES`] and up to this many bytes
+    /// run recursive halving and doubling (Rabenseifner) instead of recursive doubling or the
+    /// ring. `None` picks [`GlooOptions::auto_halving_doubling_bytes`] once the mesh is built
+    /// (it depends on whether the whole group is on one host); `0` turns it off;
+    /// `DIST_GLOO_HALVING_DOUBLING_BYTES` sets it. Every rank must use the same value (checked
+    /// when the group is built).
+    pub halving_doubling_bytes: Option<usize>,
+    /// The ring all_reduce runs on consecutive pieces of about this many bytes, each a whole
+    /// reduce-scatter and all-gather, so that a piece is still in cache when the all-gather touches
+    /// it again; the ring reduce_scatter (on its input) and reduce run on pieces of this size too,
+    /// so that no step fills the shared-memory rings or socket buffers with megabytes that leave
+    /// the caches before the peer reads them; so does the ring all_gather (on its output) where no
+    /// two ranks share memory ([`Transport::memory_shared_in_group`](crate::transport::Transport::memory_shared_in_group)). `None` picks
+    /// [`GlooOptions::auto_ring_piece_bytes`] once the mesh is built (it depends on whether ranks
+    /// share memory), and [`GlooOptions::auto_reduce_piece_bytes`] for the reduce;
+    /// `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs the
+    /// whole buffer as one piece). Every rank must use the same value (checked when the group is
+    /// built).
+    pub ring_piece_bytes: Option<usize>,
+    /// On more than two ranks, an all_to_all in which this rank sends or receives a block of at
+    /// least this many bytes to or from another rank runs as n − 1 pairwise exchanges (step k: send
+    /// to rank + k, receive from rank − k, as Open MPI does for large blocks) instead of every
+    /// block in flight at once. `None` picks [`GlooOptions::auto_all_to_all_pairwise_bytes`] once
+    /// the mesh is built; `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` sets it. Purely local: ranks may
+    /// differ (with uneven splits they may choose differently anyway), since every block of an
+    /// all_to_all carries the same step tag and a rank keeps a block that arrives before the
+    /// exchange that takes it.
+    pub all_to_all_pairwise_bytes: Option<usize>,
+}
+
+/// all_reduce buffers up to this size never run recursive halving and doubling: its 2·log2 n
+/// steps cost more than recursive doubling's log2 n while latency dominates (4 ranks over
+/// TCP: 16 KiB took 92 us against 83-89 us; from 32 KiB it is ahead).
+pub const HALVING_DOUBLING_MIN_BYTES: usize = 16 << 10;
+
+/// The default of [`GlooOptions::fused_agreement_max_ranks`].
+pub const FUSED_AGREEMENT_MAX_RANKS: usize = agree::FUSED_MAX_RANKS;
+
+/// How many rooted operations that only send a lazy root
+/// ([`GlooOptions::lazy_root_verification`]) may run before it reads its receivers'
+/// agreement frames: the bound on how many operations later such a root hears that its
+/// receivers disagreed with it.
+pub const LAZY_ROOT_MAX_DEFERRED: usize = agree::MAX_DEFERRED;
+
+impl GlooOptions {
+    /// The switch point, measured with `cargo xtask bench all_reduce -b 4K -e 4M -f 4` over
+    /// loopback on a 2-core host forcing each algorithm in turn (`DIST_GLOO_SMALL_BYTES=0` and
+    /// `=100000000`): with two ranks the ring (then one exchange each way per phase) wins from
+    /// 16 KiB; with more ranks recursive doubling's log2(n) whole-buffer exchanges win up to
+    /// about 256 KiB, where the ring's 2(n-1) latency-bound steps stop dominating.
+    pub fn auto_small_bytes(world_size: usize) -> usize {
+        if world_size <= 2 { 16 << 10 } else { 256 << 10 }
+    }
+
+    /// The default of [`GlooOptions::halving_doubling_bytes`], measured with
+    /// `cargo xtask bench all_reduce` on a 2-core host, alternating against recursive doubling
+    /// and the ring: at 4 ranks over TCP (`DIST_GLOO_CMA=0 DIST_GLOO_TRANSPORT=tcp`) it took
+    /// 0.56-0.72x their time from 64 KiB to 1 MiB, even at 2 MiB, 1.1-1.3x from 8 MiB (the
+    /// ring's pipelining wins); over shared memory 0.47-0.8x from 16 KiB to 4 MiB. With 2 or 3
+    /// ranks (one exchange pair, the third folded in) it has nothing to halve and loses
+    /// (1.2-1.3x at 3 ranks up to 256 KiB): off. When every rank of the group shares memory on
+    /// one host (`one_host`; [`Transport::one_host`](crate::transport::Transport::one_host)), the ring's steps cost no network round
+    /// trip, and since the ring learnt to run in pieces it wins from 512 KiB: 4 ranks on 2
+    /// cores, alternated with 2 MiB, 512 KiB took 134-144 us against 167-284 and 768 KiB
+    /// 183-280 against 277-365 (384 KiB even, 256 KiB and below halving-doubling's), so there
+    /// it stops at 256 KiB (measured only with the ranks outnumbering the cores; on a host
+    /// with a core per rank the ring's steps are cheaper still).
+    pub fn auto_halving_doubling_bytes(world_size: usize, one_host: bool) -> usize {
+        match (world_size >= 4, one_host) {
+            (false, _) => 0,
+            (true, false) => 2 << 20,
+            (true, true) => 256 << 10,
+        }
+    }
+
+    /// The default of [`GlooOptions::ring_piece_bytes`], resolved once the mesh is built: 1 MiB
+    /// per rank where some ranks of the group share memory
+    /// ([`Transport::memory_shared_in_group`](crate::transport::Transport::memory_shared_in_group)), 512 KiB per rank where none do (TCP only), so
+    /// that each rank's block of a piece, with the socket buffers it passes through, stays in
+    /// its share of the L2.
+    ///
+    /// Measured with gloo_bench on a 2-core host (1 MiB of L2 per core, 32 MiB of L3). Over
+    /// shared memory, against one piece: 2 ranks took 0.83x the time at 16 MiB and 0.85x at 64
+    /// MiB (pieces of 0.5, 1 and 2 MiB within noise of each other); 4 ranks (two per core) 1.0x
+    /// at 16 MiB and 0.8x at 64 MiB, where pieces of 1 MiB (more steps, each a round of context
+    /// switches) took 1.1-1.3x, and pieces of 2 MiB were even with 4. Over TCP only
+    /// (`DIST_GLOO_TRANSPORT=tcp DIST_GLOO_CMA=0`), 512 KiB blocks against 1 MiB, alternated
+    /// (medians of 5-8 runs): 4-rank all_reduce 6.2 against 8.1 ms at 4 MiB, 22.7 against 29
+    /// at 16 MiB, 92 against 119 at 64 MiB; 2-rank all_reduce 1.6 against 2.0, 5.8 against
+    /// 8.2 and 28 against 32 ms; 4-rank reduce_scatter, all_gather and reduce 0.8-0.95x the
+    /// time, 2-rank reduce_scatter and all_gather even or faster. The 2-rank reduce lost
+    /// (1.15x), so it keeps 1 MiB per rank ([`GlooOptions::auto_reduce_piece_bytes`]).
+    pub fn auto_ring_piece_bytes(world_size: usize, memory_shared: bool) -> usize {
+        let per_rank = if memory_shared { 1 << 20 } else { 512 << 10 };
+        world_size.saturating_mul(per_rank)
+    }
+
+    /// The pieces of the ring reduce where [`GlooOptions::ring_piece_bytes`] is unset:
+    /// [`GlooOptions::auto_ring_piece_bytes`], except on two ranks none of which share memory,
+    /// where 1 MiB per rank took 0.85-0.89x the time of 512 KiB (TCP only, 4 to 64 MiB, alternated):
+    /// each of its pieces ends with the root waiting for the other rank's block, a round trip
+    /// that smaller pieces pay more often.
+    pub fn auto_reduce_piece_bytes(world_size: usize, memory_shared: bool) -> usize {
+        GlooOptions::auto_ring_piece_bytes(world_size, memory_shared || world_size == 2)
+    }
+
+    /// The default of [`GlooOptions::all_to_all_pairwise_bytes`]: blocks of 256 KiB when no two
+    /// ranks of the group share memory (through rings or single copy;
+    /// [`Transport::memory_shared_in_group`](crate::transport::Transport::memory_shared_in_group)), as between hosts, where every block travels over a
+    /// TCP stream; never otherwise, nor on two ranks (one exchange either way). Measured with
+    /// gloo_bench over loopback TCP only on a 2-core host, all at once against pairwise,
+    /// alternated: 4 ranks, 1 MiB blocks took 4450-4894 us against 2063-3151, 4 MiB blocks
+    /// 13.9-15.3 ms against 10.2-10.9, 16 MiB 52-55 ms against 40-42; 3 ranks, 1.3 MiB blocks
+    /// 2605-3740 us against 1569-1761. With every block in flight, each rank feeds n − 1 sockets at
+    /// once and every receiver is fed by n − 1 senders. Through shared-memory rings all at once was
+    /// as fast or faster (4 ranks, 1 MiB blocks 370-507 us against 551-573), and so it was for
+    /// blocks sent by reference over TCP on one host (`DIST_GLOO_TRANSPORT=tcp` with single copy
+    /// on: 1 MiB blocks 475-490 us against 515-631; its 64 KiB blocks, which go over the sockets,
+    /// were faster pairwise, 137-306 against 371-374). Smaller blocks were faster pairwise too over
+    /// TCP only (4 ranks, 4 KiB blocks 53-66 us against 76-98), but each exchange is a network
+    /// round trip between hosts, which all at once pays only once.
+    pub fn auto_all_to_all_pairwise_bytes(world_size: usize, memory_shared: bool) -> usize {
+        if world_size <= 2 || memory_shared {
+            usize::MAX
+        } else {
+            256 << 10
+        }
+    }
+
+    /// The default of [`GlooOptions::broadcast_scatter_bytes`]: never (`usize::MAX`) until a
+    /// measurement says otherwise.
+    pub fn auto_broadcast_scatter_bytes(_world_size: usize) -> usize {
+        usize::MAX
+    }
+
+    /// Defaults, overridden by `DIST_GLOO_SMALL_BYTES` ([`GlooOptions::small_bytes`]),
+    /// `DIST_GLOO_EAGER_ROOT` ([`GlooOptions::lazy_root_verification`]),
+    /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
+    /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning), `DIST_GLOO_CMA`
+    /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
+    /// `DIST_GLOO_CMA_OVER_SHM` (`0` or `1`; unset decides by the host's CPUs),
+    /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
+    /// `DIST_GLOO_BUSY_SPIN_NS`, `DIST_GLOO_SHM_RING_BYTES`, `DIST_GLOO_COPY_HELPER` (`0` or
+    /// `1`; unset decides by the host's CPUs),
+    /// `DIST_GLOO_HALVING_DOUBLING_BYTES` ([`GlooOptions::halving_doubling_bytes`]),
+    /// `DIST_GLOO_RING_PIECE_BYTES` ([`GlooOptions::ring_piece_bytes`]) and
+    /// `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` ([`GlooOptions::all_to_all_pairwise_bytes`]).
+    pub fn from_env() -> Self {
+        fn var(name: &str) -> Option<usize> {
+            std::env::var(name).ok().and_then(|v| v.parse().ok())
+        }
+        let mut o = GlooOptions {
+            small_bytes: var("DIST_GLOO_SMALL_BYTES"),
+            lazy_root_verification: var("DIST_GLOO_EAGER_ROOT").map(|v| v == 0),
+            broadcast_scatter_bytes: var("DIST_GLOO_BCAST_SCATTER_BYTES"),
+            halving_doubling_bytes: var("DIST_GLOO_HALVING_DOUBLING_BYTES"),
+            ring_piece_bytes: var("DIST_GLOO_RING_PIECE_BYTES"),
+            all_to_all_pairwise_bytes: var("DIST_GLOO_ALLTOALL_PAIRWISE_BYTES"),
+            ..Default::default()
+        };
+        if let Some(v) = var("DIST_GLOO_SPIN_US") {
+            o.mesh.spin = std::time::Duration::from_micros(v as u64);
+        }
+        if let Some(v) = var("DIST_GLOO_SEGMENT_BYTES") {
+            o.mesh.segment_bytes = v;
+        }
+        o.mesh.socket_buffer = var("DIST_GLOO_SOCKET_BUFFER");
+        if let Some(v) = var("DIST_GLOO_CMA") {
+            o.mesh.cross_memory = v != 0;
+        }
+        if let Some(v) = var("DIST_GLOO_CMA_MIN_BYTES") {
+            o.mesh.cross_memory_min_bytes = Some(v);
+        }
+        if let Some(v) = var("DIST_GLOO_CMA_OVER_SHM") {
+            o.mesh.cross_memory_over_rings = Some(v != 0);
+        }
+        if let Ok(v) = std::env::var("DIST_GLOO_TRANSPORT") {
+            match v.parse() {
+                Ok(mode) => o.mesh.transport = mode,
+                Err(why) => o.mesh.transport_error = Some(why),
+            }
+        }
+        if let Some(v) = var("DIST_GLOO_BUSY_SPIN_NS") {
+            o.mesh.busy_spin = Some(std::time::Duration::from_nanos(v as u64));
+        }
+        if let Some(v) = var("DIST_GLOO_SHM_RING_BYTES") {
+            o.mesh.shm_ring_bytes = v;
+        }
+        if let Some(v) = var("DIST_GLOO_COPY_HELPER") {
+            o.mesh.copy_helper = Some(v != 0);
+        }
+        o
+    }
+}
