@@ -12,11 +12,11 @@
 pub(crate) const STREAMING_BYTES: usize = 8 << 20;
 
 /// Copies `src` into `dst`, which nothing reads again soon: bypassing the cache from
-/// [`STREAMING_BYTES`], plainly below.
+/// [`STREAMING_BYTES`], below with `dist_simd::copy::bulk` (`memcpy` but where it is slow).
 pub(crate) fn copy_to_output(dst: &mut [u8], src: &[u8]) {
     if dst.len() >= STREAMING_BYTES {
         dist_simd::copy::streaming(dst, src);
     } else {
-        dst.copy_from_slice(src);
+        dist_simd::copy::bulk(dst, src);
     }
 }

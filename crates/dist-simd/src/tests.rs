@@ -210,17 +210,19 @@ fn zip_map_rejects_slices_of_different_lengths() {
 }
 
 #[test]
-fn both_copies_equal_copy_from_slice_at_every_length_and_alignment() {
+fn every_copy_equals_copy_from_slice_at_every_length_and_alignment() {
     let mut rng = Rng(0x5eed);
-    let src: Vec<u8> = (0..4096 + 64).map(|_| rng.next() as u8).collect();
+    let src: Vec<u8> = (0..9000 + 64).map(|_| rng.next() as u8).collect();
     let mut dst = vec![0u8; src.len()];
     type Copy = fn(&mut [u8], &[u8]);
-    let copies: [(&str, Copy); 2] = [
+    let copies: [(&str, Copy); 3] = [
         ("streaming", crate::copy::streaming),
         ("cached", crate::copy::cached),
+        ("bulk", crate::copy::bulk),
     ];
     for (name, copy) in copies {
-        for len in (0..300).chain([1000, 4095, 4096]) {
+        // 4095/4096 and 9000 straddle `bulk`'s switch to the vector moves.
+        for len in (0..300).chain([1000, 4095, 4096, 9000]) {
             for d_off in 0..17 {
                 for s_off in [0, 1, 7, 16] {
                     dst.fill(0xaa);
@@ -240,6 +242,36 @@ fn both_copies_equal_copy_from_slice_at_every_length_and_alignment() {
 #[should_panic(expected = "different lengths")]
 fn streaming_copy_rejects_slices_of_different_lengths() {
     crate::copy::streaming(&mut [0u8; 3], &[0u8; 4]);
+}
+
+/// `bulk` at the page-offset distances where it takes the vector moves instead of `memcpy`
+/// (0-63 bytes past the source) and around them.
+#[test]
+fn bulk_copies_whole_at_every_page_offset_distance() {
+    let mut rng = Rng(0xb01c);
+    let len = 8192 + 3;
+    let src: Vec<u8> = (0..len + 4096).map(|_| rng.next() as u8).collect();
+    let mut dst = vec![0u8; len + 8192];
+    let s = 5;
+    let src_offset = (src.as_ptr() as usize + s) % 4096;
+    for distance in [0, 1, 16, 31, 32, 63, 64, 100, 4095] {
+        // The index of `dst` whose page offset is `distance` past the source's.
+        let d = (4096 + src_offset + distance - dst.as_ptr() as usize % 4096) % 4096;
+        dst.fill(0xaa);
+        crate::copy::bulk(&mut dst[d..d + len], &src[s..s + len]);
+        assert_eq!(&dst[d..d + len], &src[s..s + len], "distance {distance}");
+        assert!(dst[..d].iter().all(|&b| b == 0xaa), "distance {distance}");
+        assert!(
+            dst[d + len..].iter().all(|&b| b == 0xaa),
+            "distance {distance}"
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "different lengths")]
+fn bulk_copy_rejects_slices_of_different_lengths() {
+    crate::copy::bulk(&mut [0u8; 5000], &[0u8; 4999]);
 }
 
 #[test]

@@ -38,3 +38,8 @@ pub use op::ReduceOp;
 pub use reduce::{finalize, finalize_slice, prepare, prepare_slice, reduce_into, reduce_slice};
 
 pub use half::{bf16, f16};
+
+/// The bulk copies of `dist-simd`, for the crates above that may not depend on it directly:
+/// [`copy::bulk_of`] for every copy of user data whose size is not known to be small (it
+/// steers clear of `memcpy`'s slow distances on AMD CPUs).
+pub use dist_simd::copy;

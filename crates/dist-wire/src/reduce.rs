@@ -224,9 +224,9 @@ fn with_typed_mut<T: Kernel>(bytes: &mut [u8], mut f: impl FnMut(&mut [T], usize
     for (i, chunk) in bytes.chunks_mut(step).enumerate() {
         let n = chunk.len() / size_of::<T>();
         let s = &mut scratch[..n];
-        bytemuck::cast_slice_mut::<T, u8>(s).copy_from_slice(chunk);
+        dist_simd::copy::bulk(bytemuck::cast_slice_mut::<T, u8>(s), chunk);
         f(s, i * UNALIGNED_BLOCK);
-        chunk.copy_from_slice(bytemuck::cast_slice(s));
+        dist_simd::copy::bulk(chunk, bytemuck::cast_slice(s));
     }
 }
 
@@ -263,7 +263,7 @@ pub fn reduce_into(
                     let bytes = &src[at * size_of::<T>()..(at + d.len()) * size_of::<T>()];
                     for (piece, run) in d.chunks_mut(UNALIGNED_BLOCK).zip(bytes.chunks(UNALIGNED_BLOCK * size_of::<T>())) {
                         let s = &mut scratch[..piece.len()];
-                        bytemuck::cast_slice_mut::<T, u8>(s).copy_from_slice(run);
+                        dist_simd::copy::bulk(bytemuck::cast_slice_mut::<T, u8>(s), run);
                         T::combine(op, piece, s);
                     }
                 });

@@ -119,7 +119,7 @@ impl ProcessGroup {
     /// `buf.len()` elements.
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u32) -> Result<()> {
         let got = self.irecv(vec![T::zeroed(); buf.len()], src, tag)?.wait()?;
-        buf.copy_from_slice(&got);
+        dist_wire::copy::bulk_of(buf, &got);
         Ok(())
     }
 

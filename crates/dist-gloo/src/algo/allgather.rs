@@ -29,7 +29,7 @@ pub(crate) fn through_shared_memory(
     o.t.shared_memory_exchange(&o.ctx, o.count, input, &mut |p, theirs| {
         super::expect_published(o, p, theirs, blocks[p].len())?;
         if p != me {
-            output[blocks[p].clone()].copy_from_slice(theirs);
+            dist_simd::copy::bulk(&mut output[blocks[p].clone()], theirs);
         }
         Ok(())
     })

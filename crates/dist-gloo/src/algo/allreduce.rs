@@ -31,13 +31,13 @@ pub(crate) fn through_shared_memory(
         o.t.shared_memory_exchange(&o.ctx, o.count, data, &mut |p, theirs| {
             super::expect_published(o, p, theirs, acc.len())?;
             if p == 0 {
-                acc.copy_from_slice(theirs);
+                dist_simd::copy::bulk(acc, theirs);
                 Ok(())
             } else {
                 o.combine(op, acc, theirs)
             }
         })?;
-    Some(done.map(|()| data.copy_from_slice(acc)))
+    Some(done.map(|()| dist_simd::copy::bulk(data, acc)))
 }
 
 /// Reduces `data` in place across all ranks with recursive doubling: ⌈log2 n⌉ exchanges of the
@@ -73,7 +73,7 @@ pub(crate) fn recursive_doubling(
         // The lower rank's partial result goes on the left, so both sides compute a ⊕ b alike.
         if partner < r {
             o.combine(op, tmp, data)?;
-            data.copy_from_slice(tmp);
+            dist_simd::copy::bulk(data, tmp);
         } else {
             o.combine(op, data, tmp)?;
         }

@@ -29,7 +29,7 @@ pub(crate) fn through_shared_memory(
     o.t.shared_memory_exchange(&o.ctx, o.count, input, &mut |p, theirs| {
         super::expect_published(o, p, theirs, input.len())?;
         if p == 0 {
-            output.copy_from_slice(&theirs[mine.clone()]);
+            dist_simd::copy::bulk(output, &theirs[mine.clone()]);
             Ok(())
         } else {
             o.combine(op, output, &theirs[mine.clone()])
@@ -54,7 +54,7 @@ pub(crate) fn direct(
     let mine = blocks[r].clone();
     let len = mine.len();
     if n == 1 {
-        output.copy_from_slice(&input[mine]);
+        dist_simd::copy::bulk(output, &input[mine]);
         return Ok(());
     }
     // One 8-byte-aligned slot per peer: slot (p − r − 1) mod n holds rank p's block.
@@ -87,7 +87,7 @@ pub(crate) fn direct(
             &tmp[at..at + len]
         }
     };
-    output.copy_from_slice(part(0));
+    dist_simd::copy::bulk(output, part(0));
     for p in 1..n {
         o.combine(op, output, part(p))?;
     }
@@ -115,7 +115,7 @@ pub(crate) fn halving(
     work.clear();
     work.extend_from_slice(input);
     halve_in_place(o, work, blocks, op, scratch)?;
-    output.copy_from_slice(&work[blocks[o.rank()].clone()]);
+    dist_simd::copy::bulk(output, &work[blocks[o.rank()].clone()]);
     Ok(())
 }
 

@@ -84,7 +84,7 @@ pub(crate) fn reduce_scatter_into(
 ) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     if n == 1 {
-        output.copy_from_slice(&input[blocks[0].clone()]);
+        dist_simd::copy::bulk(output, &input[blocks[0].clone()]);
         return Ok(());
     }
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);

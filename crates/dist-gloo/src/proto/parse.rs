@@ -43,7 +43,10 @@ pub(super) fn process(
         }
         if let Some((_, v, filled)) = &mut conn.partial {
             let k = conn.end.saturating_sub(conn.start).min(v.len() - *filled);
-            v[*filled..*filled + k].copy_from_slice(&conn.stage[conn.start..conn.start + k]);
+            dist_simd::copy::bulk(
+                &mut v[*filled..*filled + k],
+                &conn.stage[conn.start..conn.start + k],
+            );
             conn.start += k;
             *filled += k;
             if *filled < v.len() {
@@ -71,8 +74,10 @@ pub(super) fn process(
             if let Some((flen, done)) = st.cur {
                 let k = conn.staged().min(flen - done);
                 let at = st.got + done;
-                inc.slot(at..at + k)
-                    .copy_from_slice(&conn.stage[conn.start..conn.start + k]);
+                dist_simd::copy::bulk(
+                    inc.slot(at..at + k),
+                    &conn.stage[conn.start..conn.start + k],
+                );
                 conn.start += k;
                 if done + k < flen {
                     st.cur = Some((flen, done + k));
@@ -98,7 +103,7 @@ pub(super) fn process(
                         let r = got..got + h.payload_len as usize;
                         let by_ref = match payload {
                             Payload::Inline(bytes) => {
-                                inc.slot(r.clone()).copy_from_slice(&bytes);
+                                dist_simd::copy::bulk(inc.slot(r.clone()), &bytes);
                                 None
                             }
                             Payload::Remote(at) => {

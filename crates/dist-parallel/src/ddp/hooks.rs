@@ -175,7 +175,7 @@ impl CommHook for PowerSgd {
         pg.all_reduce(&mut flat, ReduceOp::Avg)?;
         let mut at = 0;
         for &(off, len) in &plain {
-            bucket.data[off..off + len].copy_from_slice(&flat[at..at + len]);
+            dist_wire::copy::bulk_of(&mut bucket.data[off..off + len], &flat[at..at + len]);
             at += len;
         }
         if mats.is_empty() {

@@ -156,7 +156,7 @@ impl Ddp {
         pg.broadcast(&mut flat, 0)?;
         let mut at = 0;
         for v in values.iter_mut() {
-            v.copy_from_slice(&flat[at..at + v.len()]);
+            dist_wire::copy::bulk_of(v, &flat[at..at + v.len()]);
             at += v.len();
         }
         let order: Vec<usize> = (0..params.len()).rev().collect();
@@ -369,7 +369,7 @@ impl Ddp {
             let buf = self.bufs[b]
                 .as_mut()
                 .expect("a bucket is only launched once all its gradients are in");
-            buf[off..off + g.len()].copy_from_slice(g);
+            dist_wire::copy::bulk_of(&mut buf[off..off + g.len()], g);
         }
         self.pending[b] -= 1;
         self.launch_ready()
@@ -426,7 +426,7 @@ impl Ddp {
         let (comm, exposed) = self.drain(|spec, data| {
             if let Some(grads) = grads.as_deref_mut() {
                 for (&p, &off) in spec.params.iter().zip(&spec.offsets) {
-                    grads[p].copy_from_slice(&data[off..off + numels[p]]);
+                    dist_wire::copy::bulk_of(grads[p], &data[off..off + numels[p]]);
                 }
             }
         })?;

@@ -126,8 +126,8 @@ impl Pipe {
         let k = dst.len().min(g.bytes.len());
         let (a, b) = g.bytes.as_slices();
         let ka = k.min(a.len());
-        dst[..ka].copy_from_slice(&a[..ka]);
-        dst[ka..k].copy_from_slice(&b[..k - ka]);
+        dist_simd::copy::bulk(&mut dst[..ka], &a[..ka]);
+        dist_simd::copy::bulk(&mut dst[ka..k], &b[..k - ka]);
         g.bytes.drain(..k);
         Read::Bytes(k)
     }

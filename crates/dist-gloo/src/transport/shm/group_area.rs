@@ -159,12 +159,18 @@ impl GroupArea {
         // SAFETY: `slot_at` is a slot inside the area `new` checked to lie in the live mapping,
         // `SLOT_BYTES` long, which `HEADER_LEN + data.len()` does not exceed. Only this rank
         // writes it, and no rank reads it between this write and the arrival store that
-        // follows (see the module docs), so nothing reads the bytes while they change.
-        unsafe {
+        // follows (see the module docs), so nothing reads the bytes while they change. The two
+        // views are disjoint, end with this function, and alias neither `header` nor `data`,
+        // which are this process's own memory, not the mapping.
+        let (head, body) = unsafe {
             let dst = self.map.as_mut_ptr().add(at);
-            std::ptr::copy_nonoverlapping(header.as_ptr(), dst, HEADER_LEN);
-            std::ptr::copy_nonoverlapping(data.as_ptr(), dst.add(HEADER_LEN), data.len());
-        }
+            (
+                std::slice::from_raw_parts_mut(dst, HEADER_LEN),
+                std::slice::from_raw_parts_mut(dst.add(HEADER_LEN), data.len()),
+            )
+        };
+        head.copy_from_slice(header);
+        dist_simd::copy::bulk(body, data);
     }
 
     /// Copies `rank`'s header for operation `mark` (which every rank has arrived at).
@@ -186,10 +192,9 @@ impl GroupArea {
         // it). The writer arrived at `mark` after writing (the caller saw its word with acquire
         // ordering) and writes this slot again only after every rank has arrived at
         // `mark + 1`, which this one has not, so the bytes do not change while they are copied.
-        unsafe {
-            let src = self.map.as_ptr().add(at);
-            std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len());
-        }
+        // The view ends with this function; `out` is this process's memory, not the mapping.
+        let slot = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at), out.len()) };
+        dist_simd::copy::bulk(out, slot);
     }
 
     fn slot_at(&self, rank: usize, mark: u64) -> usize {

@@ -132,8 +132,8 @@ impl Ring {
             )
         };
         let (s_first, s_rest) = src.split_at(first);
-        to_end.copy_from_slice(s_first);
-        from_start.copy_from_slice(s_rest);
+        dist_simd::copy::bulk(to_end, s_first);
+        dist_simd::copy::bulk(from_start, s_rest);
     }
 
     /// Copies from position `pos` (wrapping) into `dst`, with stores that bypass the cache
@@ -161,8 +161,8 @@ impl Ring {
             dist_simd::copy::cached(d_first, wrapped);
             dist_simd::copy::cached(d_rest, start);
         } else {
-            d_first.copy_from_slice(wrapped);
-            d_rest.copy_from_slice(start);
+            dist_simd::copy::bulk(d_first, wrapped);
+            dist_simd::copy::bulk(d_rest, start);
         }
     }
 
