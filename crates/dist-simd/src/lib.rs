@@ -119,6 +119,11 @@ pub mod copy {
     /// vectors).
     pub const BULK_MIN_BYTES: usize = 4096;
 
+    /// The end of the sizes [`bulk`] may copy with [`cached`]'s moves: glibc stops using
+    /// `rep movsb` on AMD CPUs at their L2 size (512 KiB measured here; 1 MiB on newer
+    /// models), and from there `memcpy` ran at full speed at every distance.
+    pub const BULK_MAX_BYTES: usize = 1 << 20;
+
     /// How far past the source, within a 4 KiB page, a destination slows `rep movsb` (see
     /// [`bulk`]): 1-31 bytes measured here, and 0 too on other AMD models (glibc bug 30994),
     /// with a margin.
@@ -130,9 +135,9 @@ pub mod copy {
     const ALIASED_STREAMING_DISTANCES: core::ops::Range<usize> = 1..64;
 
     /// Copies `src` into `dst` as `copy_from_slice` does, except where the C library's
-    /// `memcpy` may be slow: from [`BULK_MIN_BYTES`], when the destination's offset within
-    /// its 4 KiB page lies 0 to 63 bytes past the source's, it copies with [`cached`]'s vector
-    /// moves. Use it for every copy of user data whose size is not known to be small.
+    /// `memcpy` may be slow: from [`BULK_MIN_BYTES`] up to [`BULK_MAX_BYTES`], when the
+    /// destination's offset within its 4 KiB page lies 0 to 63 bytes past the source's, it
+    /// copies with [`cached`]'s vector moves. Use it for every copy of user data whose size is not known to be small.
     ///
     /// Why: glibc's `memcpy` (2.36, Debian 12) moves 4 KiB up to a few hundred KiB with
     /// `rep movsb`, and on the AMD EPYC this project is measured on that ran 15-28x slower when
@@ -163,7 +168,9 @@ pub mod copy {
             "bulk copy between slices of different lengths"
         );
         let distance = (dst.as_ptr() as usize).wrapping_sub(src.as_ptr() as usize) % 4096;
-        if dst.len() >= BULK_MIN_BYTES && SLOW_DISTANCES.contains(&distance) {
+        if (BULK_MIN_BYTES..BULK_MAX_BYTES).contains(&dst.len())
+            && SLOW_DISTANCES.contains(&distance)
+        {
             cached(dst, src);
         } else {
             dst.copy_from_slice(src);
