@@ -1,6 +1,8 @@
 //! `GlooOptions`: the backend's tuning, its measured defaults and the environment that sets it.
 
 use crate::algo::agree;
+#[cfg(doc)]
+use crate::transport::Transport;
 use crate::transport::tcp::MeshOptions;
 
 /// Tuning of the Gloo backend.
@@ -43,7 +45,7 @@ pub struct GlooOptions {
     /// it again; the ring reduce_scatter (on its input) and reduce run on pieces of this size too,
     /// so that no step fills the shared-memory rings or socket buffers with megabytes that leave
     /// the caches before the peer reads them; so does the ring all_gather (on its output) where no
-    /// two ranks share memory ([`Transport::memory_shared_in_group`](crate::transport::Transport::memory_shared_in_group)). `None` picks
+    /// two ranks share memory ([`Transport::memory_shared_in_group`]). `None` picks
     /// [`GlooOptions::auto_ring_piece_bytes`] once the mesh is built (it depends on whether ranks
     /// share memory), and [`GlooOptions::auto_reduce_piece_bytes`] for the reduce;
     /// `DIST_GLOO_RING_PIECE_BYTES` sets it (`0` runs the
@@ -92,7 +94,7 @@ impl GlooOptions {
     /// ring's pipelining wins); over shared memory 0.47-0.8x from 16 KiB to 4 MiB. With 2 or 3
     /// ranks (one exchange pair, the third folded in) it has nothing to halve and loses
     /// (1.2-1.3x at 3 ranks up to 256 KiB): off. When every rank of the group shares memory on
-    /// one host (`one_host`; [`Transport::one_host`](crate::transport::Transport::one_host)), the ring's steps cost no network round
+    /// one host (`one_host`; [`Transport::one_host`]), the ring's steps cost no network round
     /// trip, and since the ring learnt to run in pieces it wins from 512 KiB: 4 ranks on 2
     /// cores, alternated with 2 MiB, 512 KiB took 134-144 us against 167-284 and 768 KiB
     /// 183-280 against 277-365 (384 KiB even, 256 KiB and below halving-doubling's), so there
@@ -108,7 +110,7 @@ impl GlooOptions {
 
     /// The default of [`GlooOptions::ring_piece_bytes`], resolved once the mesh is built: 1 MiB
     /// per rank where some ranks of the group share memory
-    /// ([`Transport::memory_shared_in_group`](crate::transport::Transport::memory_shared_in_group)), 512 KiB per rank where none do (TCP only), so
+    /// ([`Transport::memory_shared_in_group`]), 512 KiB per rank where none do (TCP only), so
     /// that each rank's block of a piece, with the socket buffers it passes through, stays in
     /// its share of the L2.
     ///
@@ -139,7 +141,7 @@ impl GlooOptions {
 
     /// The default of [`GlooOptions::all_to_all_pairwise_bytes`]: blocks of 256 KiB when no two
     /// ranks of the group share memory (through rings or single copy;
-    /// [`Transport::memory_shared_in_group`](crate::transport::Transport::memory_shared_in_group)), as between hosts, where every block travels over a
+    /// [`Transport::memory_shared_in_group`]), as between hosts, where every block travels over a
     /// TCP stream; never otherwise, nor on two ranks (one exchange either way). Measured with
     /// gloo_bench over loopback TCP only on a 2-core host, all at once against pairwise,
     /// alternated: 4 ranks, 1 MiB blocks took 4450-4894 us against 2063-3151, 4 MiB blocks

@@ -137,7 +137,8 @@ pub mod copy {
     /// Copies `src` into `dst` as `copy_from_slice` does, except where the C library's
     /// `memcpy` may be slow: from [`BULK_MIN_BYTES`] up to [`BULK_MAX_BYTES`], when the
     /// destination's offset within its 4 KiB page lies 0 to 63 bytes past the source's, it
-    /// copies with [`cached`]'s vector moves. Use it for every copy of user data whose size is not known to be small.
+    /// copies with [`cached`]'s vector moves. Use it for every copy of user data whose size is
+    /// not known to be small.
     ///
     /// Why: glibc's `memcpy` (2.36, Debian 12) moves 4 KiB up to a few hundred KiB with
     /// `rep movsb`, and on the AMD EPYC this project is measured on that ran 15-28x slower when

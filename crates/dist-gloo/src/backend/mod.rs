@@ -18,6 +18,8 @@ use crate::algo::{
 use crate::options::{FUSED_AGREEMENT_MAX_RANKS, GlooOptions};
 use crate::output_copy::copy_to_output;
 use crate::transport::mem::MemTransport;
+#[cfg(doc)]
+use crate::transport::tcp::MeshOptions;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{StepCtx, Transport};
 
@@ -86,7 +88,7 @@ impl std::fmt::Debug for GlooBackend {
 
 impl GlooBackend {
     /// Connects a full TCP mesh among `world_size` ranks through `store`, under the key prefix
-    /// `prefix` (one prefix per group), within [`MeshOptions::timeout`](crate::transport::tcp::MeshOptions::timeout) from now.
+    /// `prefix` (one prefix per group), within [`MeshOptions::timeout`] from now.
     pub fn connect(
         store: &dyn Store,
         prefix: &str,
@@ -101,7 +103,7 @@ impl GlooBackend {
 
     /// [`GlooBackend::connect`] ending by `deadline`, that of the call it serves (init, a
     /// sub-group's creation), instead of a timeout of its own from now: every store call and
-    /// connection of the rendezvous ends by it. [`MeshOptions::timeout`](crate::transport::tcp::MeshOptions::timeout) then only bounds how
+    /// connection of the rendezvous ends by it. [`MeshOptions::timeout`] then only bounds how
     /// long a closed connection lingers for its peer.
     pub fn connect_by(
         store: &dyn Store,
@@ -216,7 +218,7 @@ impl GlooBackend {
     }
 
     /// Messages this rank has sent as single-copy transfers (the receiver copied them out of
-    /// this process's memory, see [`MeshOptions::cross_memory`](crate::transport::tcp::MeshOptions::cross_memory)): for tests and diagnostics.
+    /// this process's memory, see [`MeshOptions::cross_memory`]): for tests and diagnostics.
     pub fn messages_by_reference(&self) -> u64 {
         self.transport.messages_by_reference()
     }
@@ -247,7 +249,7 @@ impl GlooBackend {
     }
 
     /// The peers this rank reaches through shared-memory rings rather than sockets (indexed by
-    /// rank; see [`MeshOptions::transport`](crate::transport::tcp::MeshOptions::transport)): for tests and diagnostics.
+    /// rank; see [`MeshOptions::transport`]): for tests and diagnostics.
     pub fn shared_memory_peers(&self) -> Vec<bool> {
         self.transport.shared_memory_peers()
     }
