@@ -134,6 +134,12 @@ pub mod copy {
     /// through the cache, 96 and beyond at full speed.
     const ALIASED_STREAMING_DISTANCES: core::ops::Range<usize> = 1..64;
 
+    /// How many bytes past the source's offset within its 4 KiB page the destination's lies:
+    /// what decides whether `rep movsb` and the streaming stores run at full speed.
+    fn page_distance(dst: &[u8], src: &[u8]) -> usize {
+        (dst.as_ptr() as usize).wrapping_sub(src.as_ptr() as usize) % 4096
+    }
+
     /// Copies `src` into `dst` as `copy_from_slice` does, except where the C library's
     /// `memcpy` may be slow: from [`BULK_MIN_BYTES`] up to [`BULK_MAX_BYTES`], when the
     /// destination's offset within its 4 KiB page lies 0 to 63 bytes past the source's, it
@@ -168,7 +174,7 @@ pub mod copy {
             src.len(),
             "bulk copy between slices of different lengths"
         );
-        let distance = (dst.as_ptr() as usize).wrapping_sub(src.as_ptr() as usize) % 4096;
+        let distance = page_distance(dst, src);
         if (BULK_MIN_BYTES..BULK_MAX_BYTES).contains(&dst.len())
             && SLOW_DISTANCES.contains(&distance)
         {
@@ -257,7 +263,7 @@ pub mod copy {
             src.len(),
             "streaming copy between slices of different lengths"
         );
-        let distance = (dst.as_ptr() as usize).wrapping_sub(src.as_ptr() as usize) % 4096;
+        let distance = page_distance(dst, src);
         if ALIASED_STREAMING_DISTANCES.contains(&distance) {
             cached(dst, src);
             return;
