@@ -12,7 +12,9 @@
 //! `-r` (the root of broadcast, reduce, gather and scatter), and `--huge-pages 0|1`: buffers
 //! from 4 MiB in memory advised to use transparent huge pages, as numpy (the Open MPI peer's
 //! buffers) does (see [`Buf`]). Besides the default ops, `--ops` takes `reduce`, `gather` and
-//! `scatter` (a size is then one rank's block, as for all_gather).
+//! `scatter` (a size is then one rank's block, as for all_gather). `--shift B` starts every
+//! buffer of the odd ranks B bytes into its memory, so that ranks' buffers sit at different
+//! offsets within their pages, as two programs' (or one program's heap) buffers may.
 
 #![allow(missing_docs, reason = "an example binary")]
 
@@ -36,6 +38,7 @@ struct Args {
     redop_name: String,
     root: usize,
     huge_pages: bool,
+    shift: usize,
 }
 
 /// nccl-tests' datatype names.
@@ -92,6 +95,7 @@ fn parse() -> Args {
         redop_name: "sum".into(),
         root: 0,
         huge_pages: false,
+        shift: 0,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -120,6 +124,7 @@ fn parse() -> Args {
             }
             "-r" => a.root = v.parse().expect("-r takes a rank"),
             "--huge-pages" => a.huge_pages = v != "0",
+            "--shift" => a.shift = v.parse().expect("--shift takes a byte count"),
             other => panic!("unknown argument {other}"),
         }
         i += 2;
@@ -164,26 +169,34 @@ const HUGE_PAGES_FROM: usize = 4 << 20;
 /// memory gets huge pages, so the two differ in page size: Open MPI's shared-memory all_gather
 /// of 64 MiB took 9.8-10.4 ms from numpy's arrays and 16.3-18.4 ms with numpy's advice off.
 /// `cargo xtask bench --vs mpi-*` passes `--huge-pages 1` so both sides' pages match.
+///
+/// The second field is how many bytes into its memory the buffer starts (`--shift`).
 enum Buf {
-    Plain(Vec<u8>),
+    Plain(Vec<u8>, usize),
     #[cfg(target_os = "linux")]
-    Huge(memmap2::MmapMut),
+    Huge(memmap2::MmapMut, usize),
 }
 
 impl Buf {
-    /// `bytes`, in memory of the kind `huge` asks for.
-    fn new(bytes: Vec<u8>, huge: bool) -> Buf {
+    /// `bytes`, in memory of the kind `huge` asks for, starting `shift` bytes into it.
+    fn new(bytes: Vec<u8>, huge: bool, shift: usize) -> Buf {
         #[cfg(target_os = "linux")]
         if huge && bytes.len() >= HUGE_PAGES_FROM {
-            let mut m = memmap2::MmapMut::map_anon(bytes.len()).expect("an anonymous mapping");
+            let mut m =
+                memmap2::MmapMut::map_anon(shift + bytes.len()).expect("an anonymous mapping");
             // Advised before the first write, so that the pages are huge from their first fault.
             m.advise(memmap2::Advice::HugePage)
                 .expect("madvise(MADV_HUGEPAGE)");
-            m.copy_from_slice(&bytes);
-            return Buf::Huge(m);
+            m[shift..].copy_from_slice(&bytes);
+            return Buf::Huge(m, shift);
         }
         let _ = huge;
-        Buf::Plain(bytes)
+        if shift == 0 {
+            return Buf::Plain(bytes, 0);
+        }
+        let mut shifted = vec![0u8; shift];
+        shifted.extend_from_slice(&bytes);
+        Buf::Plain(shifted, shift)
     }
 }
 
@@ -191,9 +204,9 @@ impl std::ops::Deref for Buf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match self {
-            Buf::Plain(v) => v,
+            Buf::Plain(v, at) => &v[*at..],
             #[cfg(target_os = "linux")]
-            Buf::Huge(m) => m,
+            Buf::Huge(m, at) => &m[*at..],
         }
     }
 }
@@ -201,9 +214,9 @@ impl std::ops::Deref for Buf {
 impl std::ops::DerefMut for Buf {
     fn deref_mut(&mut self) -> &mut [u8] {
         match self {
-            Buf::Plain(v) => v,
+            Buf::Plain(v, at) => &mut v[*at..],
             #[cfg(target_os = "linux")]
-            Buf::Huge(m) => m,
+            Buf::Huge(m, at) => &mut m[*at..],
         }
     }
 }
@@ -278,14 +291,16 @@ fn setup(op: &str, size: usize, n: usize, rank: usize, args: &Args) -> Case {
     let d = args.dtype;
     let elems = (size / d.size()).max(1);
     let huge = args.huge_pages;
+    let shift = if rank % 2 == 1 { args.shift } else { 0 };
     let fill = |len: usize| {
         Buf::new(
             d.encode_f64s((0..len).map(|i| value(args.redop, rank, i))),
             huge,
+            shift,
         )
     };
-    let zeros = |len: usize| Buf::new(vec![0u8; len * d.size()], huge);
-    let none = || Buf::Plain(Vec::new());
+    let zeros = |len: usize| Buf::new(vec![0u8; len * d.size()], huge, shift);
+    let none = || Buf::Plain(Vec::new(), 0);
     match op {
         "barrier" => Case {
             a: none(),
