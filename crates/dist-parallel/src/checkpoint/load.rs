@@ -182,7 +182,7 @@ fn copy_box(
     for _ in 0..outer {
         let s = (row_major_offset(from, &idx) - base) * elem;
         let d = row_major_offset(to, &idx) * elem;
-        dst[d..d + run].copy_from_slice(&src[s..s + run]);
+        dist_wire::copy::bulk(&mut dst[d..d + run], &src[s..s + run]);
         // Next index over every dimension but the last.
         for k in (0..nd - 1).rev() {
             idx[k] += 1;

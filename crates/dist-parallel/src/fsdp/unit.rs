@@ -91,18 +91,26 @@ impl UnitLayout {
     }
 
     /// Shard rank `r`'s segment cut out of a full (unpadded) unit buffer; padding is zero.
-    pub(crate) fn segment_of<T: Copy + Default>(&self, full: &[T], r: usize, seg: &mut [T]) {
+    pub(crate) fn segment_of<T: bytemuck::Pod + Default>(
+        &self,
+        full: &[T],
+        r: usize,
+        seg: &mut [T],
+    ) {
         seg.fill(T::default());
         for i in 0..self.params.len() {
             let rows = self.rows_of(i, r);
             let n = rows.len() * self.row[i];
             let src = self.full_off[i] + rows.start * self.row[i];
-            seg[self.seg_off[i]..self.seg_off[i] + n].copy_from_slice(&full[src..src + n]);
+            dist_wire::copy::bulk_of(
+                &mut seg[self.seg_off[i]..self.seg_off[i] + n],
+                &full[src..src + n],
+            );
         }
     }
 
     /// Every rank's segment of `full`, one after another: a reduce-scatter's input.
-    pub(crate) fn pack<T: Copy + Default>(&self, full: &[T]) -> Vec<T> {
+    pub(crate) fn pack<T: bytemuck::Pod + Default>(&self, full: &[T]) -> Vec<T> {
         let mut out = vec![T::default(); self.seg_len * self.world];
         for (r, seg) in out.chunks_mut(self.seg_len.max(1)).enumerate() {
             if r < self.world {
@@ -113,7 +121,7 @@ impl UnitLayout {
     }
 
     /// The inverse of [`pack`](Self::pack): the unpadded full buffer of an all-gather's output.
-    pub(crate) fn unpack<T: Copy + Default>(&self, gathered: &[T]) -> Vec<T> {
+    pub(crate) fn unpack<T: bytemuck::Pod + Default>(&self, gathered: &[T]) -> Vec<T> {
         let mut full = vec![T::default(); self.full_len];
         for r in 0..self.world {
             let seg = &gathered[r * self.seg_len..(r + 1) * self.seg_len];
@@ -121,7 +129,10 @@ impl UnitLayout {
                 let rows = self.rows_of(i, r);
                 let n = rows.len() * self.row[i];
                 let dst = self.full_off[i] + rows.start * self.row[i];
-                full[dst..dst + n].copy_from_slice(&seg[self.seg_off[i]..self.seg_off[i] + n]);
+                dist_wire::copy::bulk_of(
+                    &mut full[dst..dst + n],
+                    &seg[self.seg_off[i]..self.seg_off[i] + n],
+                );
             }
         }
         full
