@@ -96,7 +96,7 @@ impl GroupInner {
     /// Destroys the group (once; later calls return at once): waits for its queued operations
     /// (each bounded by the timeout), stops its threads, says goodbye to the peers on both
     /// backends and, for a world group, leaves it in the store (see [`crate::teardown`]).
-    /// Operations issued afterwards fail with [`Error::Destroyed`].
+    /// Operations issued afterwards fail with [`Error::Destroyed`](crate::Error::Destroyed).
     pub(crate) fn teardown(&self) {
         if self.torn_down.swap(true, Ordering::AcqRel) {
             return;

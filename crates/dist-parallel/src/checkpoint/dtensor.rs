@@ -1,6 +1,6 @@
-//! [`DTensor`]s in and out of the checkpoint: a DTensor already is "a [`ShardLayout`], a mesh
-//! coordinate and local data", so the adapter only reads those three off it, plus what to
-//! do with `Partial` placements.
+//! [`DTensor`]s in and out of the checkpoint: a DTensor already is "a
+//! [`ShardLayout`](dist_collective::ShardLayout), a mesh coordinate and local data", so the
+//! adapter only reads those three off it, plus what to do with `Partial` placements.
 //!
 //! **Saving** reduces `Partial` dimensions to `Replicate` first (one all_reduce per partial
 //! mesh dimension, over that dimension's group), because a checkpoint stores values, and a
@@ -19,7 +19,7 @@ use crate::{Error, Result};
 impl LocalTensor {
     /// This rank's slice of `tensor`, to save as `name`. `Partial` placements are reduced to
     /// `Replicate` first, a collective over those mesh dimensions, so every rank of the
-    /// mesh calls it (as it calls [`save`](super::save)); without `Partial` placements
+    /// mesh calls it (as it calls [`save`](fn@super::save)); without `Partial` placements
     /// nothing is communicated.
     pub fn from_dtensor<T: Element>(name: impl Into<String>, tensor: &DTensor<T>) -> Result<Self> {
         let name = name.into();

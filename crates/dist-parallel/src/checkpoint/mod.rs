@@ -10,7 +10,7 @@
 //! each rank reads, of each file, only the byte range its slices need.
 //!
 //! **Atomic**: each save gets a fresh id; files are written under a temporary name and
-//! renamed, and the index (the only thing [`load`] trusts) is written last, under a temporary
+//! renamed, and the index (the only thing [`load`](fn@load) trusts) is written last, under a temporary
 //! name, then renamed over the previous one. A save killed at any moment leaves the previous
 //! checkpoint loadable and nothing that looks complete; files of older saves are removed only
 //! after the new index is in place.
