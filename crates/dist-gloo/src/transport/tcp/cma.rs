@@ -380,8 +380,8 @@ thread_local! {
 /// `process_vm_readv` copies a page at a time with `copy_to_user`, which on CPUs with fast
 /// short `rep movsb` (FSRM) is that instruction, and on the AMD EPYC this project is measured
 /// on `rep movsb` ran 4-6x slower at those distances at every size (1 MiB: 426-617 us against
-/// 89-118 at distances 0 and 32 to 4095; the same CPU erratum as glibc's bug 30994, which
-/// `dist_simd::copy::bulk` avoids in user space). Two ranks' buffers sit at such distances
+/// 89-118 at distances 0 and 32 to 4095; the same behaviour of `rep movsb` as glibc's bug
+/// 30994 reports, which `dist_simd::copy::bulk` avoids in user space). Two ranks' buffers sit at such distances
 /// when one comes from `malloc` (16-byte chunk headers) and the other is page-aligned, or
 /// both from a heap. A bounced read costs one more copy from L2 and still ran 2.8x faster
 /// there (4 MiB: 727 us against 2082; 488 at a good distance).
