@@ -134,10 +134,16 @@ pub mod copy {
     /// through the cache, 96 and beyond at full speed.
     const ALIASED_STREAMING_DISTANCES: core::ops::Range<usize> = 1..64;
 
-    /// How many bytes past the source's offset within its 4 KiB page the destination's lies:
-    /// what decides whether `rep movsb` and the streaming stores run at full speed.
-    fn page_distance(dst: &[u8], src: &[u8]) -> usize {
-        (dst.as_ptr() as usize).wrapping_sub(src.as_ptr() as usize) % 4096
+    /// How many bytes past the source's offset within its 4 KiB page the destination's lies,
+    /// given their addresses: what decides whether `rep movsb` and the streaming stores run at
+    /// full speed. The source may be an address in another process (a single-copy read).
+    ///
+    /// ```
+    /// assert_eq!(dist_simd::copy::page_distance(0x1010, 0x2000), 16);
+    /// assert_eq!(dist_simd::copy::page_distance(0x2000, 0x1010), 4080);
+    /// ```
+    pub fn page_distance(dst: usize, src: usize) -> usize {
+        dst.wrapping_sub(src) % 4096
     }
 
     /// Copies `src` into `dst` as `copy_from_slice` does, except where the C library's
@@ -174,7 +180,7 @@ pub mod copy {
             src.len(),
             "bulk copy between slices of different lengths"
         );
-        let distance = page_distance(dst, src);
+        let distance = page_distance(dst.as_ptr() as usize, src.as_ptr() as usize);
         if (BULK_MIN_BYTES..BULK_MAX_BYTES).contains(&dst.len())
             && SLOW_DISTANCES.contains(&distance)
         {
@@ -263,7 +269,7 @@ pub mod copy {
             src.len(),
             "streaming copy between slices of different lengths"
         );
-        let distance = page_distance(dst, src);
+        let distance = page_distance(dst.as_ptr() as usize, src.as_ptr() as usize);
         if ALIASED_STREAMING_DISTANCES.contains(&distance) {
             cached(dst, src);
             return;
