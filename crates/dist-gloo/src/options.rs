@@ -61,6 +61,21 @@ pub struct GlooOptions {
     /// all_to_all carries the same step tag and a rank keeps a block that arrives before the
     /// exchange that takes it.
     pub all_to_all_pairwise_bytes: Option<usize>,
+    /// all_reduce buffers of more than 4 KiB and up to this many bytes go through the group's
+    /// shared-memory area in two shots (each rank reduces its block of every rank's
+    /// publication, then every rank copies the reduced blocks), where the whole group maps one
+    /// (every pair of ranks talks through shared-memory rings). `None` picks
+    /// [`GlooOptions::auto_area_all_reduce_bytes`] once the mesh is built; `0` turns it off;
+    /// `DIST_GLOO_AREA_ALL_REDUCE_BYTES` sets it. Every rank must use the same value (checked
+    /// when the group is built).
+    pub area_all_reduce_bytes: Option<usize>,
+    /// all_gathers whose output is up to this many bytes (and each of whose blocks fits the
+    /// area) go through the group's shared-memory area, where the whole group maps one; blocks
+    /// of up to 4 KiB go through it whatever this says. `None` picks
+    /// [`GlooOptions::auto_area_all_gather_bytes`] once the mesh is built;
+    /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` sets it. Every rank must use the same value (checked
+    /// when the group is built).
+    pub area_all_gather_bytes: Option<usize>,
 }
 
 /// all_reduce buffers up to this size never run recursive halving and doubling: its 2·log2 n
@@ -162,6 +177,28 @@ impl GlooOptions {
         }
     }
 
+    /// The default of [`GlooOptions::area_all_reduce_bytes`]: 16 MiB where the group's ranks
+    /// outnumber the host's CPUs (`cores_shared`, which every rank resolves alike), else off.
+    /// Where ranks take turns on the cores, each of the ring's 2(n − 1) waits for a peer costs
+    /// a turn, and two shots wait twice per mebibyte: 4 ranks on 2 cores, gloo_bench, 4 runs
+    /// alternated (us), 64 KiB 60.5 by the ring against 45.8, 1 MiB 589 against 306, 4 MiB
+    /// 1756 against 1432, 16 MiB 9798 against 8119 (3 runs), at 64 MiB neither ahead. With a
+    /// core per rank the ring's waits are short and two shots' extra pass over the bytes
+    /// costs more (2 ranks on 2 cores: 1 MiB 98 against 123); hosts with more cores than ranks
+    /// were not measured, and keep the ring.
+    pub fn auto_area_all_reduce_bytes(cores_shared: bool) -> usize {
+        if cores_shared { 16 << 20 } else { 0 }
+    }
+
+    /// The default of [`GlooOptions::area_all_gather_bytes`]: outputs of 2 MiB (at 4 ranks,
+    /// blocks of 512 KiB) where the group's ranks outnumber the host's CPUs, as for
+    /// [`GlooOptions::auto_area_all_reduce_bytes`], else none beyond the 4 KiB blocks.
+    /// Measured at 4 ranks on 2 cores (`algo::allgather::through_shared_memory` has the
+    /// figures): ahead up to 768 KiB blocks, behind at 1 MiB.
+    pub fn auto_area_all_gather_bytes(cores_shared: bool) -> usize {
+        if cores_shared { 2 << 20 } else { 0 }
+    }
+
     /// The default of [`GlooOptions::broadcast_scatter_bytes`]: never (`usize::MAX`) until a
     /// measurement says otherwise.
     pub fn auto_broadcast_scatter_bytes(_world_size: usize) -> usize {
@@ -178,8 +215,10 @@ impl GlooOptions {
     /// `DIST_GLOO_BUSY_SPIN_NS`, `DIST_GLOO_SHM_RING_BYTES`, `DIST_GLOO_COPY_HELPER` (`0` or
     /// `1`; unset decides by the host's CPUs),
     /// `DIST_GLOO_HALVING_DOUBLING_BYTES` ([`GlooOptions::halving_doubling_bytes`]),
-    /// `DIST_GLOO_RING_PIECE_BYTES` ([`GlooOptions::ring_piece_bytes`]) and
-    /// `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` ([`GlooOptions::all_to_all_pairwise_bytes`]).
+    /// `DIST_GLOO_RING_PIECE_BYTES` ([`GlooOptions::ring_piece_bytes`]),
+    /// `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` ([`GlooOptions::all_to_all_pairwise_bytes`]),
+    /// `DIST_GLOO_AREA_ALL_REDUCE_BYTES` ([`GlooOptions::area_all_reduce_bytes`]) and
+    /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` ([`GlooOptions::area_all_gather_bytes`]).
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -191,6 +230,8 @@ impl GlooOptions {
             halving_doubling_bytes: var("DIST_GLOO_HALVING_DOUBLING_BYTES"),
             ring_piece_bytes: var("DIST_GLOO_RING_PIECE_BYTES"),
             all_to_all_pairwise_bytes: var("DIST_GLOO_ALLTOALL_PAIRWISE_BYTES"),
+            area_all_reduce_bytes: var("DIST_GLOO_AREA_ALL_REDUCE_BYTES"),
+            area_all_gather_bytes: var("DIST_GLOO_AREA_ALL_GATHER_BYTES"),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {

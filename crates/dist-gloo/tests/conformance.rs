@@ -30,11 +30,24 @@ fn opts() -> OpOptions {
 
 /// Smaller segments than the default so that the big count crosses many frames and the ring's
 /// segment pipeline is exercised; the small-message switch is kept at its default. The ring
-/// all_reduce runs the big count in pieces of a size that divides nothing evenly.
+/// all_reduce runs the big count in pieces of a size that divides nothing evenly. all_reduce
+/// and all_gather go over messages beyond the 4 KiB the group area always takes, whatever the
+/// host's CPUs (their defaults follow them): [`through_the_area`] has the other way.
 fn gloo_opts() -> GlooOptions {
     let mut o = GlooOptions::default();
     o.mesh.segment_bytes = 256 << 10;
     o.ring_piece_bytes = Some(1_777_777);
+    o.area_all_reduce_bytes = Some(0);
+    o.area_all_gather_bytes = Some(0);
+    o
+}
+
+/// [`gloo_opts`] with every all_reduce over 4 KiB in two shots through the group area, and
+/// every all_gather whose blocks fit the area through it.
+fn through_the_area() -> GlooOptions {
+    let mut o = gloo_opts();
+    o.area_all_reduce_bytes = Some(usize::MAX);
+    o.area_all_gather_bytes = Some(usize::MAX);
     o
 }
 
@@ -51,27 +64,7 @@ fn check_all_reduce(ranks: &[GlooBackend]) {
                 {
                     continue;
                 }
-                let outs = on_all(ranks, |b| {
-                    let mut buf = encode(d, (0..count).map(|i| value(d, op, b.rank(), i)));
-                    b.all_reduce(BufMut::Host(&mut buf), d, op, &opts())
-                        .unwrap();
-                    buf
-                });
-                for (r, out) in outs.iter().enumerate() {
-                    assert_eq!(
-                        out, &outs[0],
-                        "ws {n} {d} {op} count {count}: rank {r} differs bitwise from rank 0"
-                    );
-                }
-                for (i, got) in decode(d, &outs[0]).into_iter().enumerate() {
-                    assert_close(
-                        d,
-                        &format!("all_reduce ws {n} {d} {op} count {count}"),
-                        i,
-                        got,
-                        reference(d, op, n, i),
-                    );
-                }
+                check_one_all_reduce(ranks, d, op, count);
                 // reduce to the last rank, same op
                 let root = n - 1;
                 let outs = on_all(ranks, |b| {
@@ -116,6 +109,58 @@ fn check_all_reduce(ranks: &[GlooBackend]) {
     }
 }
 
+/// One all_reduce of `count` elements of the suite's values: every rank bitwise alike, and
+/// alike to the reference.
+fn check_one_all_reduce(ranks: &[GlooBackend], d: DType, op: ReduceOp, count: usize) {
+    let n = ranks.len();
+    let outs = on_all(ranks, |b| {
+        let mut buf = encode(d, (0..count).map(|i| value(d, op, b.rank(), i)));
+        b.all_reduce(BufMut::Host(&mut buf), d, op, &opts())
+            .unwrap();
+        buf
+    });
+    for (r, out) in outs.iter().enumerate() {
+        assert_eq!(
+            out, &outs[0],
+            "ws {n} {d} {op} count {count}: rank {r} differs bitwise from rank 0"
+        );
+    }
+    for (i, got) in decode(d, &outs[0]).into_iter().enumerate() {
+        assert_close(
+            d,
+            &format!("all_reduce ws {n} {d} {op} count {count}"),
+            i,
+            got,
+            reference(d, op, n, i),
+        );
+    }
+}
+
+/// One all_gather of the suite's values, rank r contributing `counts[r]` elements: every
+/// rank's output is every contribution in rank order.
+fn check_one_all_gather(ranks: &[GlooBackend], d: DType, counts: &[usize]) {
+    let n = ranks.len();
+    let contrib = |r: usize| encode(d, (0..counts[r]).map(|i| value(d, ReduceOp::Sum, r, i)));
+    let want: Vec<u8> = (0..n).flat_map(contrib).collect();
+    let outs = on_all(ranks, |b| {
+        let mut out = vec![0u8; want.len()];
+        b.all_gather(
+            BufRef::Host(&contrib(b.rank())),
+            BufMut::Host(&mut out),
+            d,
+            counts,
+            &opts(),
+        )
+        .unwrap();
+        out
+    });
+    assert!(
+        outs.iter().all(|o| *o == want),
+        "all_gather ws {n} {d} counts {:?}..",
+        &counts[..1]
+    );
+}
+
 fn check_movement(ranks: &[GlooBackend]) {
     let n = ranks.len();
     for d in DType::ALL {
@@ -142,25 +187,7 @@ fn check_movement(ranks: &[GlooBackend]) {
             );
             // all_gather, uneven: rank r contributes count + r elements
             let counts: Vec<usize> = (0..n).map(|r| count + r).collect();
-            let contrib =
-                |r: usize| encode(d, (0..counts[r]).map(|i| value(d, ReduceOp::Sum, r, i)));
-            let want: Vec<u8> = (0..n).flat_map(contrib).collect();
-            let outs = on_all(ranks, |b| {
-                let mut out = vec![0u8; want.len()];
-                b.all_gather(
-                    BufRef::Host(&contrib(b.rank())),
-                    BufMut::Host(&mut out),
-                    d,
-                    &counts,
-                    &opts(),
-                )
-                .unwrap();
-                out
-            });
-            assert!(
-                outs.iter().all(|o| *o == want),
-                "all_gather ws {n} {d} count {count}"
-            );
+            check_one_all_gather(ranks, d, &counts);
             // gather and scatter at `root`
             let outs = on_all(ranks, |b| {
                 let mut out = vec![0u8; n * count * d.size()];
@@ -422,6 +449,50 @@ fn world_size_4() {
 #[test]
 fn world_size_5() {
     over_every_driver(5);
+}
+
+/// all_reduce in two shots through the group area and all_gather through it, on 2 to 5 ranks:
+/// the suite's data checks (every type and op; the big count in up to five pieces of the area,
+/// the last one short), then counts the area's exchanges: two per piece of an all_reduce, one per
+/// all_gather, and none for either once the options turn the area off.
+#[test]
+fn all_reduce_and_all_gather_through_the_group_area() {
+    let exchanges = |ranks: &[GlooBackend]| -> Vec<u64> {
+        ranks
+            .iter()
+            .map(GlooBackend::shared_memory_exchanges)
+            .collect()
+    };
+    for n in 2..=5 {
+        let ranks = world(shm_rings_transports, n, &through_the_area());
+        check_all_reduce(&ranks);
+        check_movement(&ranks);
+        // 3 MiB and 20 bytes of f32: pieces of 1 MiB, the last one 20 bytes, which 5 ranks
+        // split into blocks of 4 bytes and 4 ranks into 8, 4, 4, 4.
+        let count = (3 << 20) / 4 + 5;
+        let (d, op) = (DType::F32, ReduceOp::Sum);
+        let before = exchanges(&ranks);
+        check_one_all_reduce(&ranks, d, op, count);
+        let counts: Vec<usize> = (0..n).map(|r| 50_000 + r).collect();
+        check_one_all_gather(&ranks, d, &counts);
+        for (r, (a, b)) in exchanges(&ranks).iter().zip(before).enumerate() {
+            assert_eq!(
+                a - b,
+                2 * 4 + 1,
+                "ws {n} rank {r}: exchanges through the area"
+            );
+        }
+        // Turned off, the same calls go over messages.
+        let ranks = world(shm_rings_transports, n, &gloo_opts());
+        let before = exchanges(&ranks);
+        check_one_all_reduce(&ranks, d, op, count);
+        check_one_all_gather(&ranks, d, &counts);
+        assert_eq!(
+            exchanges(&ranks),
+            before,
+            "ws {n}: the area turned off was used"
+        );
+    }
 }
 
 /// `probe` answers without blocking: false until the tagged message starts to arrive, true once

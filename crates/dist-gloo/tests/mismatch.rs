@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{DRIVERS, on_all, tcp_world};
+use common::{DRIVERS, on_all, shm_rings_transports, tcp_world};
 use dist_backend::{Backend, BufMut, BufRef, Error, OpDesc, OpOptions};
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{CollectiveOp, DType, ReduceOp};
@@ -166,13 +166,14 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
 }
 
 /// Ranks whose settings would make them choose different algorithms for the same call (a
-/// different `DIST_GLOO_SMALL_BYTES`, segment size or agreement scheme on one rank) are
+/// different `DIST_GLOO_SMALL_BYTES`, segment size, agreement scheme or use of the
+/// shared-memory area on one rank) are
 /// refused when the group is built, on every rank, naming the setting and a rank that
 /// differs: no rank gets as far as a collective that would hang or lose a peer.
 #[test]
 fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
     type Tweak = fn(&mut GlooOptions);
-    let cases: [(&str, Tweak); 4] = [
+    let cases: [(&str, Tweak); 6] = [
         ("small_bytes=0", |o| o.small_bytes = Some(0)),
         // Even the value that `auto` takes between hosts: on one host it takes another.
         ("halving_doubling_bytes=2097152", |o| {
@@ -181,6 +182,13 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
         ("segment_bytes=65536", |o| o.mesh.segment_bytes = 64 << 10),
         ("fused_agreement_max_ranks=1", |o| {
             o.fused_agreement_max_ranks = Some(1);
+        }),
+        // `auto` takes 0 or 16 MiB by the host's CPUs: neither is `auto` before it resolves.
+        ("area_all_reduce_bytes=0", |o| {
+            o.area_all_reduce_bytes = Some(0)
+        }),
+        ("area_all_gather_bytes=2097152", |o| {
+            o.area_all_gather_bytes = Some(2 << 20);
         }),
     ];
     for n in 2..=4 {
@@ -234,31 +242,17 @@ fn ranks_over_a_transport_running_different_algorithms_fail_on_every_rank_at_onc
     for &(driver, make) in DRIVERS {
         for n in 2..=4 {
             let odd = n - 1;
-            let base = GlooOptions::default();
-            let ranks: Vec<GlooBackend> = make(n, &base)
-                .into_iter()
-                .enumerate()
-                .map(|(r, t)| {
-                    let mut o = base.clone();
-                    if r == odd {
-                        // The ring where the others run recursive doubling.
-                        o.small_bytes = Some(0);
-                    }
-                    GlooBackend::over(t, 0, &o)
-                })
-                .collect();
-            let t0 = Instant::now();
-            // 8 KiB: past what goes through the shared-memory group area, whatever the
-            // settings, so every driver runs messages.
-            let errs = on_all(&ranks, |b| {
-                sum_ones(b, 2048).expect_err("ranks that run different algorithms must not succeed")
-            });
-            let took = t0.elapsed();
-            assert!(
-                took < opts().timeout / 2,
-                "{driver}, n={n}: took {took:?}: {errs:?}"
-            );
-            for (r, e) in errs.iter().enumerate() {
+            // All over messages, whatever the host's CPUs (`area_disagreement` below has the
+            // shared-memory area).
+            let base = GlooOptions {
+                area_all_reduce_bytes: Some(0),
+                ..GlooOptions::default()
+            };
+            // The ring where the others run recursive doubling.
+            let ranks = with_odd_last(make(n, &base), &base, |o| o.small_bytes = Some(0));
+            // 8 KiB: past what goes through the shared-memory group area in one shot, so
+            // every driver runs messages.
+            for (r, e) in all_fail_at_once(&ranks, driver).iter().enumerate() {
                 let msg = e.to_string();
                 let (a, b) = sides(e);
                 assert_ne!(a.rank, b.rank, "{driver}, n={n}: rank {r}: {msg}");
@@ -288,6 +282,67 @@ fn ranks_over_a_transport_running_different_algorithms_fail_on_every_rank_at_onc
             }
         }
     }
+}
+
+/// The same with one rank that sends an all_reduce over messages where the others take it
+/// through the shared-memory group area in two shots (`area_all_reduce_bytes`): the ranks
+/// waiting in the area read the odd rank's frames and fail on them, and every rank fails at
+/// once with a mismatch that names the odd rank.
+#[test]
+fn area_disagreement_fails_on_every_rank_at_once() {
+    for n in 2..=4 {
+        let odd = n - 1;
+        let base = GlooOptions {
+            area_all_reduce_bytes: Some(usize::MAX),
+            ..GlooOptions::default()
+        };
+        let ranks = with_odd_last(shm_rings_transports(n, &base), &base, |o| {
+            o.area_all_reduce_bytes = Some(0);
+        });
+        for (r, e) in all_fail_at_once(&ranks, "area").iter().enumerate() {
+            let (a, b) = sides(e);
+            assert!(
+                a.rank == odd || b.rank == odd,
+                "n={n}: rank {r} must name rank {odd}: {e}"
+            );
+        }
+    }
+}
+
+/// Backends over `transports`, the last one with `tweak` applied to `base`.
+fn with_odd_last(
+    transports: Vec<Box<dyn dist_gloo::transport::Transport>>,
+    base: &GlooOptions,
+    tweak: impl Fn(&mut GlooOptions),
+) -> Vec<GlooBackend> {
+    let odd = transports.len() - 1;
+    transports
+        .into_iter()
+        .enumerate()
+        .map(|(r, t)| {
+            let mut o = base.clone();
+            if r == odd {
+                tweak(&mut o);
+            }
+            GlooBackend::over(t, 0, &o)
+        })
+        .collect()
+}
+
+/// Runs an 8 KiB all_reduce on every rank of `ranks`, which choose different algorithms for
+/// it, and returns their errors: every rank must fail, and long before the timeout.
+fn all_fail_at_once(ranks: &[GlooBackend], what: &str) -> Vec<Error> {
+    let n = ranks.len();
+    let t0 = Instant::now();
+    let errs = on_all(ranks, |b| {
+        sum_ones(b, 2048).expect_err("ranks that run different algorithms must not succeed")
+    });
+    let took = t0.elapsed();
+    assert!(
+        took < opts().timeout / 2,
+        "{what}, n={n}: took {took:?}: {errs:?}"
+    );
+    errs
 }
 
 /// A large broadcast on 4 ranks (the pipelined chain) whose ranks disagree on the count fails

@@ -1,28 +1,42 @@
 //! all_gather: through the shared-memory group area for blocks up to 4 KiB where the whole
-//! group has one, else one direct exchange for small buffers (latency-bound; recursive
-//! doubling on a power-of-two group where every byte crosses a socket), the ring for large
-//! ones (bandwidth-bound, [`super::ring::all_gather`]), run in pieces where every byte crosses
-//! a socket.
+//! group has one (and larger ones where its ranks share cores), else one direct exchange for
+//! small buffers (latency-bound; recursive doubling on a power-of-two group where every byte
+//! crosses a socket), the ring for large ones (bandwidth-bound, [`super::ring::all_gather`]),
+//! run in pieces where every byte crosses a socket.
 
 use std::ops::Range;
 
 use dist_backend::Result;
 
-use super::{Op, piece_first_step, pieces_of, ring, split_blocks, split_pair, tags};
+use super::{
+    AREA_ONE_SHOT_BYTES, Op, piece_first_step, pieces_of, ring, split_blocks, split_pair, tags,
+};
 
 /// Every rank's `input` into its block of `output` through memory the whole group maps
 /// ([`crate::transport::Transport::shared_memory_exchange`]): each rank publishes its block
 /// and copies every other. One arrival per rank instead of a message to and from every other
-/// (4 ranks on 2 cores, see `docs/BENCHMARKS.md`). `None` where the transport has no such
-/// memory or a block does not fit (the counts are agreed, so every rank decides alike).
+/// (4 ranks on 2 cores, see `docs/BENCHMARKS.md`). Taken where every block is at most
+/// [`AREA_ONE_SHOT_BYTES`], or the output at most `max_output` and every block fits the area.
+/// `None` otherwise or where the transport has no such memory (the counts are agreed, so every
+/// rank decides alike).
+///
+/// Why `max_output`: where the ranks outnumber the cores every message costs a wait for a
+/// peer's turn on a core, as for the all_reduce ([`super::allreduce::in_two_shots`]). 4 ranks
+/// on 2 cores, gloo_bench, 4 runs alternated (us, per-rank block): 64 KiB 119 over messages
+/// against 50 here, 256 KiB 276-293 against 155-162, 512 KiB 547 against 332, 768 KiB 712
+/// against 589; at 1 MiB 570 against 963-1026, where every rank's output and the area's
+/// slots no longer fit the 32 MiB last-level cache together.
 pub(crate) fn through_shared_memory(
     o: &Op<'_>,
     input: &[u8],
     output: &mut [u8],
     blocks: &[Range<usize>],
+    max_output: usize,
 ) -> Option<Result<()>> {
     let largest = blocks.iter().map(Range::len).max().unwrap_or(0);
-    if o.n() == 1 || largest > o.t.shared_memory_bytes() {
+    let fits = largest <= AREA_ONE_SHOT_BYTES
+        || (output.len() <= max_output && largest <= o.t.shared_memory_bytes());
+    if o.n() == 1 || !fits || o.t.shared_memory_bytes() == 0 {
         return None;
     }
     let me = o.rank();

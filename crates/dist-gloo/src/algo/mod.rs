@@ -197,6 +197,13 @@ impl<'a> Op<'a> {
     }
 }
 
+/// The largest all_reduce buffer, all_gather block and reduce_scatter input that goes through
+/// the group area ([`crate::transport::Transport::shared_memory_exchange`]) in one shot (every
+/// rank reads every rank's publication whole) wherever the group has one. At 4 ranks on
+/// 2 cores a 4 KiB all_reduce took 8.6-12.5 us this way against 15.3-15.7 over messages; at
+/// 2 ranks the two are even from 1 KiB to 4 KiB (0.7 against 0.8 us, 1.3 against 1.2).
+pub(crate) const AREA_ONE_SHOT_BYTES: usize = 4096;
+
 /// Checks that rank `p` published `len` bytes through the group area
 /// ([`crate::transport::Transport::shared_memory_exchange`]): headers that agree imply it, so
 /// anything else is a corrupt area, reported rather than indexed with.

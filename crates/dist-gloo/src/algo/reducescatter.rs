@@ -8,7 +8,7 @@ use std::ops::Range;
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{Op, ring, split_pair, tags};
+use super::{AREA_ONE_SHOT_BYTES, Op, ring, split_pair, tags};
 
 /// Reduces block `rank` of every rank's `input` into `output` through memory the whole group
 /// maps ([`crate::transport::Transport::shared_memory_exchange`]): each rank publishes its
@@ -22,7 +22,7 @@ pub(crate) fn through_shared_memory(
     blocks: &[Range<usize>],
     op: ReduceOp,
 ) -> Option<Result<()>> {
-    if o.n() == 1 || input.len() > o.t.shared_memory_bytes() {
+    if o.n() == 1 || input.len() > AREA_ONE_SHOT_BYTES.min(o.t.shared_memory_bytes()) {
         return None;
     }
     let mine = blocks[o.rank()].clone();

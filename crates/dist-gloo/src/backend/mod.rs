@@ -43,6 +43,10 @@ pub struct GlooBackend {
     /// piece (the whole ring), resolved once from [`Transport::memory_shared_in_group`].
     all_gather_piece_bytes: usize,
     all_to_all_pairwise_bytes: usize,
+    /// [`GlooOptions::area_all_reduce_bytes`], resolved.
+    area_all_reduce_bytes: usize,
+    /// [`GlooOptions::area_all_gather_bytes`], resolved.
+    area_all_gather_bytes: usize,
     /// reduce_scatter and all_gather up to `small_bytes` run recursive halving
     /// ([`reducescatter::halving`]) and recursive doubling ([`allgather::doubling`]) rather than
     /// one direct exchange: on a power-of-two group of more than two ranks none of which share
@@ -153,6 +157,17 @@ impl GlooBackend {
                 opts.ring_piece_bytes
                     .map_or_else(|| "auto".to_string(), |v| v.to_string()),
             ),
+            (
+                "area_all_reduce_bytes",
+                // Resolved once the mesh says whether the group's ranks share cores, as above.
+                opts.area_all_reduce_bytes
+                    .map_or_else(|| "auto".to_string(), |v| v.to_string()),
+            ),
+            (
+                "area_all_gather_bytes",
+                opts.area_all_gather_bytes
+                    .map_or_else(|| "auto".to_string(), |v| v.to_string()),
+            ),
         ]);
         let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
         choice::publish(store, prefix, rank, &mine, deadline)
@@ -173,6 +188,7 @@ impl GlooBackend {
         let world_size = transport.world_size();
         let one_host = transport.one_host();
         let memory_shared = transport.memory_shared_in_group();
+        let cores_shared = transport.cores_shared();
         let pieces = |auto: fn(usize, bool) -> usize| match opts.ring_piece_bytes {
             Some(0) => usize::MAX,
             Some(v) => v,
@@ -203,6 +219,12 @@ impl GlooBackend {
             all_to_all_pairwise_bytes: opts.all_to_all_pairwise_bytes.unwrap_or_else(|| {
                 GlooOptions::auto_all_to_all_pairwise_bytes(world_size, memory_shared)
             }),
+            area_all_reduce_bytes: opts
+                .area_all_reduce_bytes
+                .unwrap_or_else(|| GlooOptions::auto_area_all_reduce_bytes(cores_shared)),
+            area_all_gather_bytes: opts
+                .area_all_gather_bytes
+                .unwrap_or_else(|| GlooOptions::auto_area_all_gather_bytes(cores_shared)),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks
@@ -246,6 +268,20 @@ impl GlooBackend {
     /// at once ([`GlooOptions::auto_all_to_all_pairwise_bytes`]) and all_gather's ring whole.
     pub fn memory_shared_in_group(&self) -> bool {
         self.transport.memory_shared_in_group()
+    }
+
+    /// Whether the group's ranks outnumber the CPUs of the one host they share
+    /// ([`Transport::cores_shared`]), which some algorithm defaults follow: for tests and
+    /// diagnostics.
+    pub fn cores_shared(&self) -> bool {
+        self.transport.cores_shared()
+    }
+
+    /// Operations this rank has run through the group's shared-memory area instead of
+    /// messages (barriers, small collectives, and those [`GlooOptions::area_all_reduce_bytes`]
+    /// and [`GlooOptions::area_all_gather_bytes`] send there): for tests and diagnostics.
+    pub fn shared_memory_exchanges(&self) -> u64 {
+        self.transport.shared_memory_exchanges()
     }
 
     /// The peers this rank reaches through shared-memory rings rather than sockets (indexed by

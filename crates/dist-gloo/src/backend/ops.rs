@@ -42,7 +42,11 @@ impl Backend for GlooBackend {
             opts,
             |o, scratch| {
                 self.prepare(o, op, data)?;
-                if let Some(done) = allreduce::through_shared_memory(o, data, op, scratch) {
+                if let Some(done) =
+                    allreduce::through_shared_memory(o, data, op, scratch).or_else(|| {
+                        allreduce::in_two_shots(o, data, op, scratch, self.area_all_reduce_bytes)
+                    })
+                {
                     done?;
                     self.finalize(o, op, data)
                 } else if data.len() > HALVING_DOUBLING_MIN_BYTES
@@ -154,7 +158,13 @@ impl Backend for GlooBackend {
             |o, _| {
                 let blocks = blocks_of(counts, dtype.size());
                 copy_to_output(&mut output[blocks[self.rank].clone()], input);
-                if let Some(done) = allgather::through_shared_memory(o, input, output, &blocks) {
+                if let Some(done) = allgather::through_shared_memory(
+                    o,
+                    input,
+                    output,
+                    &blocks,
+                    self.area_all_gather_bytes,
+                ) {
                     done
                 } else if output.len() <= self.small_bytes && self.pairs_over_sockets {
                     allgather::doubling(o, output, &blocks)

@@ -331,6 +331,19 @@ pub trait Transport: Send + Sync {
     fn memory_shared_in_group(&self) -> bool {
         false
     }
+    /// Whether the whole group maps one shared-memory area ([`Transport::shared_memory_bytes`]
+    /// is not 0) on a host whose online CPUs its ranks outnumber, so that ranks take turns on
+    /// the cores and every wait for a peer costs a turn: the algorithms that need fewest
+    /// waits then win (see `GlooOptions::auto_area_all_reduce_bytes`). Every rank of the group
+    /// must get the same answer (false for transports without such an area).
+    fn cores_shared(&self) -> bool {
+        false
+    }
+    /// Operations this rank has run through the group's shared-memory area
+    /// ([`Transport::shared_memory_exchange`]): for tests and diagnostics.
+    fn shared_memory_exchanges(&self) -> u64 {
+        0
+    }
 }
 
 /// How a received header relates to what a step expects.

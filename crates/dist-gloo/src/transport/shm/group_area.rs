@@ -1,7 +1,9 @@
-//! The group area: a few pages after the rings in rank 0's segment, which every rank maps when
-//! every pair of the group talks through rings, for operations that send no message: the
-//! barrier, and small all_reduces, all_gathers and reduce_scatters (each rank publishes its
-//! buffer or block; every rank reads them all, and reductions combine them in rank order).
+//! The group area: two slots per rank after the rings in rank 0's segment, which every rank
+//! maps when every pair of the group talks through rings, for operations that send no message:
+//! the barrier, and small all_reduces, all_gathers and reduce_scatters (each rank publishes its
+//! buffer or block; every rank reads them all, and reductions combine them in rank order), and,
+//! where the ranks outnumber the host's CPUs, larger all_gathers and the all_reduce in two
+//! shots (`algo::allreduce::in_two_shots`).
 //!
 //! Why: with four ranks on two cores, a barrier of messages (two dissemination rounds, each a
 //! frame written into a ring and read by the engine) took 9.8 us against Open MPI's 4.7. A
@@ -48,12 +50,17 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use dist_wire::HEADER_LEN;
 use memmap2::MmapRaw;
 
-/// Data bytes a rank may publish in one operation: all_reduces and reduce_scatters whose
-/// buffer, and all_gathers whose every block, is no larger go through the area. At 4 ranks on
-/// 2 cores a 4 KiB all_reduce still took 8.6-12.5 us this way against 15.3-15.7 over
-/// messages; at 2 ranks the two are even from 1 KiB to 4 KiB (0.7 against 0.8 us, 1.3
-/// against 1.2).
-pub(crate) const AREA_DATA_BYTES: usize = 4096;
+/// Data bytes a rank may publish in one operation. Which operations go through the area, and
+/// up to what size, the algorithms decide (`algo`): the smallest all_reduces, all_gathers and
+/// reduce_scatters everywhere, and, where the group's ranks outnumber the host's CPUs, the
+/// all_reduce in two shots in pieces of this size and all_gathers of larger blocks.
+///
+/// Why a mebibyte: at 4 ranks on 2 cores the two-shot all_reduce of 4 and 16 MiB took about as
+/// long in pieces of 512 KiB and 1 MiB, and longer in pieces of 2 MiB (gloo_bench, 3 runs
+/// each). The area holds two slots per rank, 8 MiB at 4 ranks, in rank 0's `memfd`, whose
+/// pages exist only once written: groups that never publish large data never touch more than
+/// the first page of each slot.
+pub(crate) const AREA_DATA_BYTES: usize = 1 << 20;
 
 /// The bit of an arrival word that says the operation is a barrier; the count lies below it
 /// (2^56 operations: centuries at millions a second).
@@ -62,8 +69,10 @@ const BARRIER: u64 = 1 << 56;
 /// The count in an arrival word.
 const COUNT: u64 = BARRIER - 1;
 
-/// Bytes of one slot: the publisher's frame header, then its data.
-const SLOT_BYTES: usize = HEADER_LEN + AREA_DATA_BYTES;
+/// Bytes of one slot: the publisher's frame header, then its data, in whole pages, so that
+/// every slot's data starts at the same offset in its page (a copy's speed depends on the
+/// distance between its ends' offsets, see `dist_simd::copy`).
+const SLOT_BYTES: usize = (HEADER_LEN + AREA_DATA_BYTES).next_multiple_of(4096);
 
 /// Bytes of the arrival words of `world` ranks, a whole number of 128-byte lines.
 fn arrivals_bytes(world: usize) -> usize {
@@ -178,11 +187,25 @@ impl GroupArea {
         self.read_slot(rank, mark, 0, header);
     }
 
-    /// Copies the first `out.len()` bytes of `rank`'s data for operation `mark` (which every
-    /// rank has arrived at).
-    pub(crate) fn read_data(&self, rank: usize, mark: u64, out: &mut [u8]) {
-        assert!(out.len() <= AREA_DATA_BYTES, "{} bytes", out.len());
-        self.read_slot(rank, mark, HEADER_LEN, out);
+    /// Runs `f` on the first `len` bytes of `rank`'s data for operation `mark` (which every
+    /// rank has arrived at), where they lie: a copy out of the area would cost as much as what
+    /// `f` does with them.
+    pub(crate) fn with_data<R>(
+        &self,
+        rank: usize,
+        mark: u64,
+        len: usize,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> R {
+        assert!(len <= AREA_DATA_BYTES, "{len} bytes");
+        let at = self.slot_at(rank, mark) + HEADER_LEN;
+        // SAFETY: `HEADER_LEN + len` lies within the slot (asserted above), which lies in the
+        // live mapping (`new`). The writer arrived at `mark` after writing (the caller saw its
+        // word with acquire ordering) and writes this slot again only after every rank has
+        // arrived at `mark + 1`, which this one does not do before `f` returns and the view
+        // ends, so the bytes do not change while `f` reads them.
+        let slot = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at), len) };
+        f(slot)
     }
 
     fn read_slot(&self, rank: usize, mark: u64, from: usize, out: &mut [u8]) {
@@ -301,14 +324,14 @@ mod tests {
         a.publish(0, mark, &[9; HEADER_LEN], &[99; 5]);
         for rank in 0..2 {
             b.read_header(rank, 1, &mut h);
-            b.read_data(rank, 1, &mut out);
+            b.with_data(rank, 1, 5, |d| out.copy_from_slice(d));
             assert_eq!(
                 (h, out),
                 ([rank as u8 + 1; HEADER_LEN], [10 + rank as u8; 5])
             );
         }
         a.read_header(0, 2, &mut h);
-        a.read_data(0, 2, &mut out);
+        a.with_data(0, 2, 5, |d| out.copy_from_slice(d));
         assert_eq!((h, out), ([9; HEADER_LEN], [99; 5]));
     }
 

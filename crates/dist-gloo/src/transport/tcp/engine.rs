@@ -97,9 +97,6 @@ pub(super) struct Engine {
     pub(super) single_copy: SingleCopyRule,
     /// How long closing waits for each peer to close its end (the group's timeout).
     pub(super) linger: Duration,
-    /// Where each rank's publication in the group area is copied to (see
-    /// [`Engine::through_area`]), kept from one operation to the next.
-    pub(super) area_buf: Vec<u8>,
 }
 
 /// The tag of every operation through the group area, in the headers the ranks publish.
@@ -306,8 +303,6 @@ impl Engine {
             return Ok(());
         }
         let mut theirs = [0u8; HEADER_LEN];
-        let mut data = std::mem::take(&mut self.area_buf);
-        data.resize(AREA_DATA_BYTES, 0);
         let mut result = Ok(());
         for p in 0..peers {
             // This rank's own publication is `mine`: no need to read it back.
@@ -330,10 +325,7 @@ impl Engine {
             };
             result = match agrees {
                 Ok(Ok(None)) => each(p, mine),
-                Ok(Ok(Some(len))) => {
-                    area.read_data(p, mark, &mut data[..len]);
-                    each(p, &data[..len])
-                }
+                Ok(Ok(Some(len))) => area.with_data(p, mark, len, |d| each(p, d)),
                 Ok(Err(h)) => Err(ctx.mismatch(&h, count)),
                 Err(source) => Err(Error::Wire {
                     rank: ctx.rank,
@@ -348,7 +340,6 @@ impl Engine {
                 break;
             }
         }
-        self.area_buf = data;
         result
     }
 

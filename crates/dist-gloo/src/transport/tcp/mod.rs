@@ -169,7 +169,6 @@ impl TcpTransport {
                 busy_spin,
                 cma,
                 linger: opts.timeout,
-                area_buf: Vec::new(),
                 single_copy: SingleCopyRule {
                     over_rings: single_copy_over_rings,
                     min_bytes: opts.cross_memory_min_bytes,
@@ -236,6 +235,19 @@ impl Transport for TcpTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .probe(peer, tag)
+    }
+
+    /// True when the group has an area (every pair talks through rings, so every rank is on
+    /// this host) and the host's online CPUs, which every rank reads from the same kernel,
+    /// are fewer than its ranks.
+    fn cores_shared(&self) -> bool {
+        self.group_area.is_some() && shm::online_cpus().is_some_and(|n| self.world_size > n)
+    }
+
+    fn shared_memory_exchanges(&self) -> u64 {
+        self.group_area
+            .as_ref()
+            .map_or(0, |a| a.next_mark(self.rank) - 1)
     }
 
     /// True when every rank published a shared-memory segment with the same host id when the
