@@ -4,7 +4,7 @@ use dist_backend::Result;
 use dist_wire::ReduceOp;
 
 use super::{Op, blocks_of, even_blocks, ring, split_blocks, tags};
-use crate::output_copy::copy_to_output;
+use crate::output_copy::{copy_into_output, copy_to_output};
 
 /// Binomial-tree reduce into `root` (small buffers). Non-root buffers end up holding partial
 /// results.
@@ -70,20 +70,23 @@ pub(crate) fn reduce_ring(
 }
 
 /// Every rank's `input` into `root`'s `output`, rank by rank, with all receives in flight at
-/// once.
+/// once. The root's own block bypasses the cache where its output is at least
+/// `output_leaves_cache_from` bytes (`output_copy::output_leaves_cache_bytes`).
 pub(crate) fn gather(
     o: &Op<'_>,
     input: &[u8],
     output: Option<&mut [u8]>,
     root: usize,
+    output_leaves_cache_from: usize,
 ) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
     let Some(output) = output else {
         return o.step(&[o.send(root, input, tags::GATHER)], &mut []);
     };
     let blocks = blocks_of(&vec![input.len(); n], 1);
+    let leaves_cache = output.len() >= output_leaves_cache_from;
     let mut parts = split_blocks(output, &blocks);
-    copy_to_output(parts[r], input);
+    copy_into_output(parts[r], input, leaves_cache);
     recv_blocks_from_all(o, &mut parts)
 }
 
@@ -132,6 +135,9 @@ pub(crate) fn scatter(
 /// r+1, r+2, ... and receives from r-1, r-2, ... If every rank listed its peers in rank order,
 /// all of them would first fill rank 0's socket, then rank 1's: incast on one receiver while
 /// the others sit idle. Staggered, each receiver is fed by a different sender at every moment.
+///
+/// The own block bypasses the cache where the output is at least `output_leaves_cache_from`
+/// bytes (`output_copy::output_leaves_cache_bytes`).
 pub(crate) fn all_to_all(
     o: &Op<'_>,
     input: &[u8],
@@ -139,6 +145,7 @@ pub(crate) fn all_to_all(
     send_counts: &[usize],
     recv_counts: &[usize],
     pairwise_from: usize,
+    output_leaves_cache_from: usize,
 ) -> Result<()> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
     let sb = blocks_of(send_counts, elem);
@@ -149,10 +156,11 @@ pub(crate) fn all_to_all(
         .map(|p| sb[p].len().max(rb[p].len()))
         .max()
         .unwrap_or(0);
+    let leaves_cache = output.len() >= output_leaves_cache_from;
     let mut parts: Vec<Option<&mut [u8]>> =
         split_blocks(output, &rb).into_iter().map(Some).collect();
     if let Some(mine) = parts[r].take() {
-        copy_to_output(mine, &input[sb[r].clone()]);
+        copy_into_output(mine, &input[sb[r].clone()], leaves_cache);
     }
     // Index k - 1 holds the send to r + k and the receive from r - k.
     let sends: Vec<_> = (1..n)

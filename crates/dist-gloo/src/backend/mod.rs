@@ -16,7 +16,7 @@ use crate::algo::{
     Op, agree, allgather, allreduce, bcast, blocks_of, choice, reducescatter, rooted,
 };
 use crate::options::{FUSED_AGREEMENT_MAX_RANKS, GlooOptions};
-use crate::output_copy::copy_to_output;
+use crate::output_copy::{copy_into_output, output_leaves_cache_bytes};
 use crate::transport::mem::MemTransport;
 #[cfg(doc)]
 use crate::transport::tcp::MeshOptions;
@@ -47,6 +47,10 @@ pub struct GlooBackend {
     area_all_reduce_bytes: usize,
     /// [`GlooOptions::area_all_gather_bytes`], resolved.
     area_all_gather_bytes: usize,
+    /// The output size from which this rank's and the other local ranks' outputs together
+    /// exceed the host's last-level cache, so that own blocks are copied into outputs with
+    /// stores that bypass it (`output_copy`). Purely local: ranks may differ.
+    output_leaves_cache_bytes: usize,
     /// reduce_scatter and all_gather up to `small_bytes` run recursive halving
     /// ([`reducescatter::halving`]) and recursive doubling ([`allgather::doubling`]) rather than
     /// one direct exchange: on a power-of-two group of more than two ranks none of which share
@@ -189,6 +193,11 @@ impl GlooBackend {
         let one_host = transport.one_host();
         let memory_shared = transport.memory_shared_in_group();
         let cores_shared = transport.cores_shared();
+        let local_ranks = 1 + transport
+            .shared_memory_peers()
+            .iter()
+            .filter(|&&p| p)
+            .count();
         let pieces = |auto: fn(usize, bool) -> usize| match opts.ring_piece_bytes {
             Some(0) => usize::MAX,
             Some(v) => v,
@@ -225,6 +234,7 @@ impl GlooBackend {
             area_all_gather_bytes: opts
                 .area_all_gather_bytes
                 .unwrap_or_else(|| GlooOptions::auto_area_all_gather_bytes(cores_shared)),
+            output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts
                 .fused_agreement_max_ranks

@@ -157,7 +157,8 @@ impl Backend for GlooBackend {
             opts,
             |o, _| {
                 let blocks = blocks_of(counts, dtype.size());
-                copy_to_output(&mut output[blocks[self.rank].clone()], input);
+                let leaves_cache = output.len() >= self.output_leaves_cache_bytes;
+                copy_into_output(&mut output[blocks[self.rank].clone()], input, leaves_cache);
                 if let Some(done) = allgather::through_shared_memory(
                     o,
                     input,
@@ -276,7 +277,15 @@ impl Backend for GlooBackend {
         }
         self.run(name, dtype, 0, None, None, None, opts, |o, _| {
             let pairwise_from = self.all_to_all_pairwise_bytes;
-            rooted::all_to_all(o, input, output, send_counts, recv_counts, pairwise_from)
+            rooted::all_to_all(
+                o,
+                input,
+                output,
+                send_counts,
+                recv_counts,
+                pairwise_from,
+                self.output_leaves_cache_bytes,
+            )
         })
     }
 
@@ -316,7 +325,7 @@ impl Backend for GlooBackend {
             (None, false) => None,
         };
         self.run(name, dtype, count, None, Some(root), None, opts, |o, _| {
-            rooted::gather(o, input, output, root)
+            rooted::gather(o, input, output, root, self.output_leaves_cache_bytes)
         })
     }
 
