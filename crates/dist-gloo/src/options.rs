@@ -180,10 +180,10 @@ impl GlooOptions {
     /// The default of [`GlooOptions::area_all_reduce_bytes`]: 16 MiB where the group's ranks
     /// outnumber the host's CPUs (`cores_shared`, which every rank resolves alike), else off.
     /// Where ranks take turns on the cores, each of the ring's 2(n − 1) waits for a peer costs
-    /// a turn, and two shots wait twice per mebibyte: 4 ranks on 2 cores, gloo_bench, 4 runs
-    /// alternated (us), 64 KiB 60.5 by the ring against 45.8, 1 MiB 589 against 306, 4 MiB
-    /// 1756 against 1432, 16 MiB 9798 against 8119 (3 runs), at 64 MiB neither ahead. With a
-    /// core per rank the ring's waits are short and two shots' extra pass over the bytes
+    /// a turn, and two shots wait twice per mebibyte: 4 ranks on 2 cores, gloo_bench, 5 runs
+    /// alternated (us), 64 KiB 56.7 over messages against 46.0, 1 MiB 620 against 330, 4 MiB
+    /// 2015 against 1653, 16 MiB 10027 against 6977, 32 MiB even (18857 against 19145). With
+    /// a core per rank the ring's waits are short and two shots' extra pass over the bytes
     /// costs more (2 ranks on 2 cores: 1 MiB 98 against 123); hosts with more cores than ranks
     /// were not measured, and keep the ring.
     pub fn auto_area_all_reduce_bytes(cores_shared: bool) -> usize {

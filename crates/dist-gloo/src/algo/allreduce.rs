@@ -1,6 +1,7 @@
 //! all_reduce: through the shared-memory group area up to 4 KiB where the whole group has one
-//! (and in two shots through it further where its ranks share cores), else recursive doubling for small buffers (latency-bound), recursive halving and
-//! doubling (Rabenseifner) for mid-sized ones, the ring for large ones (bandwidth-bound).
+//! (and in two shots through it further where its ranks share cores), else recursive doubling
+//! for small buffers (latency-bound), recursive halving and doubling (Rabenseifner) for
+//! mid-sized ones, the ring for large ones (bandwidth-bound).
 
 use dist_backend::Result;
 use dist_wire::ReduceOp;
@@ -48,11 +49,12 @@ pub(crate) fn through_shared_memory(
 /// transport has no such memory, or the buffer is not larger than [`AREA_ONE_SHOT_BYTES`] (go
 /// through [`through_shared_memory`]) or is larger than `max_bytes`.
 ///
-/// Why: the ring takes 2(n − 1) steps, and every one waits for a peer's message. Where the
-/// ranks outnumber the cores, a waiting rank gives its core away and the peer it waits for
-/// must be scheduled first, so the waits, not the bytes, set the pace up to megabytes: 4 ranks
-/// on 2 cores, gloo_bench, 4 runs alternated (us), 64 KiB 60.5 by the rings against 45.8 here,
-/// 256 KiB 141 against 88, 1 MiB 589 against 306, 4 MiB 1756 against 1432. Two shots move
+/// Why: the ring takes 2(n − 1) steps (halving-doubling 2·log2 n), and every one waits for a
+/// peer's message. Where the ranks outnumber the cores, a waiting rank gives its core away and
+/// the peer it waits for must be scheduled first, so the waits, not the bytes, set the pace up
+/// to megabytes: 4 ranks on 2 cores, gloo_bench, 4 runs alternated (us), 64 KiB 60.5 over
+/// messages against 45.8 here, 256 KiB 141 against 88, 1 MiB 589 against 306, 4 MiB 1756
+/// against 1432 (`docs/BENCHMARKS.md` has more). Two shots move
 /// every byte three times through the cache (in, reduced, out), where the ring by reference
 /// moves it twice through the kernel's copy, so with a core per rank (2 ranks on 2 cores) it
 /// lost: 1 MiB 98 against 123, 16 MiB 2917 against 3311.
