@@ -167,9 +167,9 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
 
 /// Ranks whose settings would make them choose different algorithms for the same call (a
 /// different `DIST_GLOO_SMALL_BYTES`, segment size, agreement scheme or use of the
-/// shared-memory area on one rank) are
-/// refused when the group is built, on every rank, naming the setting and a rank that
-/// differs: no rank gets as far as a collective that would hang or lose a peer.
+/// shared-memory area on one rank) are refused when the group is built, on every rank, naming
+/// the setting and a rank that differs: no rank gets as far as a collective that would hang or
+/// lose a peer.
 #[test]
 fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
     type Tweak = fn(&mut GlooOptions);
@@ -242,8 +242,8 @@ fn ranks_over_a_transport_running_different_algorithms_fail_on_every_rank_at_onc
     for &(driver, make) in DRIVERS {
         for n in 2..=4 {
             let odd = n - 1;
-            // All over messages, whatever the host's CPUs (`area_disagreement` below has the
-            // shared-memory area).
+            // All over messages, whatever the host's CPUs
+            // (`area_disagreement_fails_on_every_rank_at_once` has the shared-memory area).
             let base = GlooOptions {
                 area_all_reduce_bytes: Some(0),
                 ..GlooOptions::default()
