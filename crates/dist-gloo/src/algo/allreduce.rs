@@ -24,10 +24,7 @@ pub(crate) fn through_shared_memory(
     if o.n() == 1 || data.len() > AREA_ONE_SHOT_BYTES.min(o.t.shared_memory_bytes()) {
         return None;
     }
-    if scratch.len() * 8 < data.len() {
-        scratch.resize(data.len().div_ceil(8), 0);
-    }
-    let acc = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
+    let acc = super::scratch_bytes(scratch, data.len());
     let done =
         o.t.shared_memory_exchange(&o.ctx, o.count, data, &mut |p, theirs| {
             super::expect_published(o, p, theirs, acc.len())?;
@@ -83,10 +80,7 @@ fn two_shots(o: &Op<'_>, piece: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>)
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
     let blocks = even_blocks(piece.len() / elem, n, elem);
     let mine = blocks[r].clone();
-    if scratch.len() * 8 < mine.len() {
-        scratch.resize(mine.len().div_ceil(8), 0);
-    }
-    let acc = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..mine.len()];
+    let acc = super::scratch_bytes(scratch, mine.len());
     let whole = piece.len();
     let published =
         o.t.shared_memory_exchange(&o.ctx, o.count, piece, &mut |p, theirs| {
@@ -147,10 +141,7 @@ pub(crate) fn recursive_doubling(
     let Some((p2, extra)) = fold(o, data, op, scratch)? else {
         return Ok(());
     };
-    if scratch.len() * 8 < data.len() {
-        scratch.resize(data.len().div_ceil(8), 0);
-    }
-    let tmp = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
+    let tmp = super::scratch_bytes(scratch, data.len());
     let mut mask = 1;
     let mut step = 0;
     while mask < p2 {

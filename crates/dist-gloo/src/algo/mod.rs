@@ -197,6 +197,15 @@ impl<'a> Op<'a> {
     }
 }
 
+/// The first `len` bytes of `scratch`, grown to hold them (kept as `u64` so that typed views
+/// of it are aligned).
+pub(crate) fn scratch_bytes(scratch: &mut Vec<u64>, len: usize) -> &mut [u8] {
+    if scratch.len() * 8 < len {
+        scratch.resize(len.div_ceil(8), 0);
+    }
+    &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..len]
+}
+
 /// The largest all_reduce buffer, all_gather block and reduce_scatter input that goes through
 /// the group area ([`crate::transport::Transport::shared_memory_exchange`]) in one shot (every
 /// rank reads every rank's publication whole) wherever the group has one. At 4 ranks on

@@ -16,10 +16,7 @@ pub(crate) fn reduce_tree(
     scratch: &mut Vec<u64>,
 ) -> Result<()> {
     let (n, r) = (o.n(), o.rank());
-    if scratch.len() * 8 < data.len() {
-        scratch.resize(data.len().div_ceil(8), 0);
-    }
-    let tmp = &mut bytemuck::cast_slice_mut::<u64, u8>(scratch)[..data.len()];
+    let tmp = super::scratch_bytes(scratch, data.len());
     let vr = (r + n - root) % n;
     let mut mask = 1;
     while mask < n {

@@ -128,6 +128,8 @@ impl GlooBackend {
                 format!("rank {rank} is not below world size {world_size}"),
             ));
         }
+        // A setting resolved once the mesh is built, alike on every rank.
+        let auto = || "auto".to_string();
         let mine = choice::settings(&[
             (
                 "small_bytes",
@@ -153,24 +155,23 @@ impl GlooBackend {
                 // Resolved once the mesh says whether the group is on one host; every rank
                 // resolves it alike from the same records.
                 opts.halving_doubling_bytes
-                    .map_or_else(|| "auto".to_string(), |v| v.to_string()),
+                    .map_or_else(auto, |v| v.to_string()),
             ),
             (
                 "ring_piece_bytes",
                 // Resolved once the mesh says whether ranks share memory, as above.
-                opts.ring_piece_bytes
-                    .map_or_else(|| "auto".to_string(), |v| v.to_string()),
+                opts.ring_piece_bytes.map_or_else(auto, |v| v.to_string()),
             ),
             (
                 "area_all_reduce_bytes",
                 // Resolved once the mesh says whether the group's ranks share cores, as above.
                 opts.area_all_reduce_bytes
-                    .map_or_else(|| "auto".to_string(), |v| v.to_string()),
+                    .map_or_else(auto, |v| v.to_string()),
             ),
             (
                 "area_all_gather_bytes",
                 opts.area_all_gather_bytes
-                    .map_or_else(|| "auto".to_string(), |v| v.to_string()),
+                    .map_or_else(auto, |v| v.to_string()),
             ),
         ]);
         let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
