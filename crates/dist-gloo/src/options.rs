@@ -76,6 +76,12 @@ pub struct GlooOptions {
     /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` sets it. Every rank must use the same value (checked
     /// when the group is built).
     pub area_all_gather_bytes: Option<usize>,
+    /// broadcasts of at least this many bytes go through the group's shared-memory area, in
+    /// pieces of a mebibyte, where the whole group maps one. `None` picks
+    /// [`GlooOptions::auto_area_broadcast_min_bytes`] once the mesh is built; `usize::MAX`
+    /// turns it off; `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` sets it. Every rank must use the
+    /// same value (checked when the group is built).
+    pub area_broadcast_min_bytes: Option<usize>,
 }
 
 /// all_reduce buffers up to this size never run recursive halving and doubling: its 2·log2 n
@@ -199,6 +205,15 @@ impl GlooOptions {
         if cores_shared { 2 << 20 } else { 0 }
     }
 
+    /// The default of [`GlooOptions::area_broadcast_min_bytes`]: 512 KiB where the group's
+    /// ranks outnumber the host's CPUs, as for [`GlooOptions::auto_area_all_reduce_bytes`],
+    /// else never (`usize::MAX`). Measured at 4 ranks on 2 cores
+    /// (`algo::bcast::through_shared_memory` has the figures): ahead from 512 KiB to 256 MiB,
+    /// even at 256 KiB, behind at 64 KiB; with a core per rank, even at best.
+    pub fn auto_area_broadcast_min_bytes(cores_shared: bool) -> usize {
+        if cores_shared { 512 << 10 } else { usize::MAX }
+    }
+
     /// The default of [`GlooOptions::broadcast_scatter_bytes`]: never (`usize::MAX`) until a
     /// measurement says otherwise.
     pub fn auto_broadcast_scatter_bytes(_world_size: usize) -> usize {
@@ -217,8 +232,9 @@ impl GlooOptions {
     /// `DIST_GLOO_HALVING_DOUBLING_BYTES` ([`GlooOptions::halving_doubling_bytes`]),
     /// `DIST_GLOO_RING_PIECE_BYTES` ([`GlooOptions::ring_piece_bytes`]),
     /// `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` ([`GlooOptions::all_to_all_pairwise_bytes`]),
-    /// `DIST_GLOO_AREA_ALL_REDUCE_BYTES` ([`GlooOptions::area_all_reduce_bytes`]) and
-    /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` ([`GlooOptions::area_all_gather_bytes`]).
+    /// `DIST_GLOO_AREA_ALL_REDUCE_BYTES` ([`GlooOptions::area_all_reduce_bytes`]),
+    /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` ([`GlooOptions::area_all_gather_bytes`]) and
+    /// `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` ([`GlooOptions::area_broadcast_min_bytes`]).
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -232,6 +248,7 @@ impl GlooOptions {
             all_to_all_pairwise_bytes: var("DIST_GLOO_ALLTOALL_PAIRWISE_BYTES"),
             area_all_reduce_bytes: var("DIST_GLOO_AREA_ALL_REDUCE_BYTES"),
             area_all_gather_bytes: var("DIST_GLOO_AREA_ALL_GATHER_BYTES"),
+            area_broadcast_min_bytes: var("DIST_GLOO_AREA_BROADCAST_MIN_BYTES"),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {

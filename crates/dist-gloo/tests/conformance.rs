@@ -31,23 +31,26 @@ fn opts() -> OpOptions {
 /// Smaller segments than the default so that the big count crosses many frames and the ring's
 /// segment pipeline is exercised; the small-message switch is kept at its default. The ring
 /// all_reduce runs the big count in pieces of a size that divides nothing evenly. all_reduce
-/// and all_gather go over messages beyond the 4 KiB the group area always takes, whatever the
-/// host's CPUs (their defaults follow them): [`through_the_area`] has the other way.
+/// and all_gather go over messages beyond the 4 KiB the group area always takes, and
+/// broadcast always, whatever the host's CPUs (their defaults follow them):
+/// [`through_the_area`] has the other way.
 fn gloo_opts() -> GlooOptions {
     let mut o = GlooOptions::default();
     o.mesh.segment_bytes = 256 << 10;
     o.ring_piece_bytes = Some(1_777_777);
     o.area_all_reduce_bytes = Some(0);
     o.area_all_gather_bytes = Some(0);
+    o.area_broadcast_min_bytes = Some(usize::MAX);
     o
 }
 
-/// [`gloo_opts`] with every all_reduce over 4 KiB in two shots through the group area, and
-/// every all_gather whose blocks fit the area through it.
+/// [`gloo_opts`] with every all_reduce over 4 KiB in two shots through the group area, every
+/// all_gather whose blocks fit the area through it, and every broadcast through it.
 fn through_the_area() -> GlooOptions {
     let mut o = gloo_opts();
     o.area_all_reduce_bytes = Some(usize::MAX);
     o.area_all_gather_bytes = Some(usize::MAX);
+    o.area_broadcast_min_bytes = Some(0);
     o
 }
 
@@ -161,6 +164,26 @@ fn check_one_all_gather(ranks: &[GlooBackend], d: DType, counts: &[usize]) {
     );
 }
 
+/// One broadcast of `count` elements of rank `root`'s values: every rank ends with them.
+fn check_one_broadcast(ranks: &[GlooBackend], d: DType, count: usize, root: usize) {
+    let n = ranks.len();
+    let values = encode(d, (0..count).map(|i| value(d, ReduceOp::Sum, root, i)));
+    let outs = on_all(ranks, |b| {
+        let mut buf = if b.rank() == root {
+            values.clone()
+        } else {
+            vec![0u8; values.len()]
+        };
+        b.broadcast(BufMut::Host(&mut buf), d, root, &opts())
+            .unwrap();
+        buf
+    });
+    assert!(
+        outs.iter().all(|o| *o == values),
+        "broadcast ws {n} {d} count {count} root {root}"
+    );
+}
+
 fn check_movement(ranks: &[GlooBackend]) {
     let n = ranks.len();
     for d in DType::ALL {
@@ -170,21 +193,7 @@ fn check_movement(ranks: &[GlooBackend]) {
             }
             let mine = |r: usize| encode(d, (0..count).map(|i| value(d, ReduceOp::Sum, r, i)));
             let root = 1 % n;
-            // broadcast
-            let outs = on_all(ranks, |b| {
-                let mut buf = if b.rank() == root {
-                    mine(root)
-                } else {
-                    vec![0u8; count * d.size()]
-                };
-                b.broadcast(BufMut::Host(&mut buf), d, root, &opts())
-                    .unwrap();
-                buf
-            });
-            assert!(
-                outs.iter().all(|o| *o == mine(root)),
-                "broadcast ws {n} {d} count {count}"
-            );
+            check_one_broadcast(ranks, d, count, root);
             // all_gather, uneven: rank r contributes count + r elements
             let counts: Vec<usize> = (0..n).map(|r| count + r).collect();
             check_one_all_gather(ranks, d, &counts);
@@ -451,12 +460,13 @@ fn world_size_5() {
     over_every_driver(5);
 }
 
-/// all_reduce in two shots through the group area and all_gather through it, on 2 to 5 ranks:
-/// the suite's data checks (every type and op; the big count in up to five pieces of the area,
-/// the last one short), then counts the area's exchanges: two per piece of an all_reduce, one per
-/// all_gather, and none for either once the options turn the area off.
+/// all_reduce in two shots through the group area, and all_gather and broadcast through it, on
+/// 2 to 5 ranks: the suite's data checks (every type and op; the big count in up to five pieces
+/// of the area, the last one short), then counts the area's exchanges: two per piece of an
+/// all_reduce, one per all_gather, one per piece of a broadcast, and none for any once the
+/// options turn the area off.
 #[test]
-fn all_reduce_and_all_gather_through_the_group_area() {
+fn all_reduce_all_gather_and_broadcast_through_the_group_area() {
     let exchanges = |ranks: &[GlooBackend]| -> Vec<u64> {
         ranks
             .iter()
@@ -475,10 +485,12 @@ fn all_reduce_and_all_gather_through_the_group_area() {
         check_one_all_reduce(&ranks, d, op, count);
         let counts: Vec<usize> = (0..n).map(|r| 50_000 + r).collect();
         check_one_all_gather(&ranks, d, &counts);
+        let root = n - 1;
+        check_one_broadcast(&ranks, d, count, root);
         for (r, (a, b)) in exchanges(&ranks).iter().zip(before).enumerate() {
             assert_eq!(
                 a - b,
-                2 * 4 + 1,
+                2 * 4 + 1 + 4,
                 "ws {n} rank {r}: exchanges through the area"
             );
         }
@@ -487,6 +499,7 @@ fn all_reduce_and_all_gather_through_the_group_area() {
         let before = exchanges(&ranks);
         check_one_all_reduce(&ranks, d, op, count);
         check_one_all_gather(&ranks, d, &counts);
+        check_one_broadcast(&ranks, d, count, root);
         assert_eq!(
             exchanges(&ranks),
             before,

@@ -173,7 +173,7 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
 #[test]
 fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
     type Tweak = fn(&mut GlooOptions);
-    let cases: [(&str, Tweak); 6] = [
+    let cases: [(&str, Tweak); 7] = [
         ("small_bytes=0", |o| o.small_bytes = Some(0)),
         // Even the value that `auto` takes between hosts: on one host it takes another.
         ("halving_doubling_bytes=2097152", |o| {
@@ -189,6 +189,9 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
         }),
         ("area_all_gather_bytes=2097152", |o| {
             o.area_all_gather_bytes = Some(2 << 20);
+        }),
+        ("area_broadcast_min_bytes=0", |o| {
+            o.area_broadcast_min_bytes = Some(0);
         }),
     ];
     for n in 2..=4 {
@@ -252,7 +255,8 @@ fn ranks_over_a_transport_running_different_algorithms_fail_on_every_rank_at_onc
             let ranks = with_odd_last(make(n, &base), &base, |o| o.small_bytes = Some(0));
             // 8 KiB: past what goes through the shared-memory group area in one shot, so
             // every driver runs messages.
-            for (r, e) in all_fail_at_once(&ranks, driver).iter().enumerate() {
+            let errs = all_fail_at_once(&ranks, driver, |b| sum_ones(b, 2048));
+            for (r, e) in errs.iter().enumerate() {
                 let msg = e.to_string();
                 let (a, b) = sides(e);
                 assert_ne!(a.rank, b.rank, "{driver}, n={n}: rank {r}: {msg}");
@@ -299,13 +303,58 @@ fn area_disagreement_fails_on_every_rank_at_once() {
         let ranks = with_odd_last(shm_rings_transports(n, &base), &base, |o| {
             o.area_all_reduce_bytes = Some(0);
         });
-        for (r, e) in all_fail_at_once(&ranks, "area").iter().enumerate() {
+        let errs = all_fail_at_once(&ranks, "area", |b| sum_ones(b, 2048));
+        assert_each_names(&errs, odd, n);
+    }
+}
+
+/// The same for broadcasts through the group area (`area_broadcast_min_bytes`), where the
+/// argument agreement rides on the area's headers instead of frames to the root: one rank that
+/// goes over messages while the others take the area, and one rank that names another root
+/// while every rank takes the area. Every rank fails at once, naming the odd rank, the root
+/// included (over messages a lazy root could return first).
+#[test]
+fn broadcast_area_disagreement_fails_on_every_rank_at_once() {
+    let broadcast = |b: &GlooBackend, root: usize| {
+        let mut v = vec![b.rank() as f32; 2048];
+        b.broadcast(
+            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+            DType::F32,
+            root,
+            &opts(),
+        )
+    };
+    for n in 2..=4 {
+        let odd = n - 1;
+        let base = GlooOptions {
+            area_broadcast_min_bytes: Some(0),
+            ..GlooOptions::default()
+        };
+        let ranks = with_odd_last(shm_rings_transports(n, &base), &base, |o| {
+            o.area_broadcast_min_bytes = Some(usize::MAX);
+        });
+        let errs = all_fail_at_once(&ranks, "broadcast over messages", |b| broadcast(b, 0));
+        assert_each_names(&errs, odd, n);
+        let ranks = with_odd_last(shm_rings_transports(n, &base), &base, |_| {});
+        let errs = all_fail_at_once(&ranks, "another root", |b| {
+            broadcast(b, if b.rank() == odd { odd } else { 0 })
+        });
+        assert_each_names(&errs, odd, n);
+        for (r, e) in errs.iter().enumerate() {
             let (a, b) = sides(e);
-            assert!(
-                a.rank == odd || b.rank == odd,
-                "n={n}: rank {r} must name rank {odd}: {e}"
-            );
+            assert_ne!(a.root, b.root, "n={n}: rank {r}: {e}");
         }
+    }
+}
+
+/// Each of `errs` (one per rank of `n`) is a mismatch one of whose sides is rank `odd`.
+fn assert_each_names(errs: &[Error], odd: usize, n: usize) {
+    for (r, e) in errs.iter().enumerate() {
+        let (a, b) = sides(e);
+        assert!(
+            a.rank == odd || b.rank == odd,
+            "n={n}: rank {r} must name rank {odd}: {e}"
+        );
     }
 }
 
@@ -329,13 +378,17 @@ fn with_odd_last(
         .collect()
 }
 
-/// Runs an 8 KiB all_reduce on every rank of `ranks`, which choose different algorithms for
-/// it, and returns their errors: every rank must fail, and long before the timeout.
-fn all_fail_at_once(ranks: &[GlooBackend], what: &str) -> Vec<Error> {
+/// Runs `op` (an 8 KiB collective) on every rank of `ranks`, which disagree about it, and
+/// returns their errors: every rank must fail, and long before the timeout.
+fn all_fail_at_once(
+    ranks: &[GlooBackend],
+    what: &str,
+    op: impl Fn(&GlooBackend) -> dist_backend::Result<()> + Sync,
+) -> Vec<Error> {
     let n = ranks.len();
     let t0 = Instant::now();
     let errs = on_all(ranks, |b| {
-        sum_ones(b, 2048).expect_err("ranks that run different algorithms must not succeed")
+        op(b).expect_err("ranks that disagree about the operation must not succeed")
     });
     let took = t0.elapsed();
     assert!(

@@ -93,7 +93,7 @@ fn two_shots(o: &Op<'_>, piece: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>)
                 o.combine(op, acc, theirs)
             }
         });
-    unwrap_area(o, published)?;
+    super::unwrap_area(o, published)?;
     let gathered =
         o.t.shared_memory_exchange(&o.ctx, o.count, acc, &mut |p, theirs| {
             super::expect_published(o, p, theirs, blocks[p].len())?;
@@ -102,26 +102,9 @@ fn two_shots(o: &Op<'_>, piece: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>)
             }
             Ok(())
         });
-    unwrap_area(o, gathered)?;
+    super::unwrap_area(o, gathered)?;
     dist_simd::copy::bulk(&mut piece[mine], acc);
     Ok(())
-}
-
-/// The result of an exchange through the group area that the caller checked would fit: the
-/// transport answering that it has no area for it breaks its own contract, reported as such
-/// rather than a panic.
-fn unwrap_area(o: &Op<'_>, done: Option<Result<()>>) -> Result<()> {
-    done.unwrap_or_else(|| {
-        Err(dist_backend::Error::Unsupported {
-            rank: o.rank(),
-            backend: "gloo",
-            what: format!(
-                "{} through the shared-memory group area, which its transport refused though \
-                 the publication fits",
-                o.ctx.op.name()
-            ),
-        })
-    })
 }
 
 /// Reduces `data` in place across all ranks with recursive doubling: ⌈log2 n⌉ exchanges of the

@@ -141,6 +141,13 @@ impl<'a> Op<'a> {
         Ok(None)
     }
 
+    /// Drops what is left of a pending agreement once the operation ran through the group
+    /// area: every rank read every rank's header there, which carries the arguments the
+    /// agreement compares, so nothing is owed to anyone and nothing is left to verify.
+    pub(crate) fn agreement_settled(&self) {
+        *self.agree.borrow_mut() = None;
+    }
+
     pub(crate) fn send<'b>(&self, peer: usize, data: &'b [u8], tag: u32) -> Outgoing<'b> {
         Outgoing {
             peer,
@@ -228,6 +235,23 @@ pub(crate) fn expect_published(o: &Op<'_>, p: usize, theirs: &[u8], len: usize) 
             theirs.len()
         ),
     ))
+}
+
+/// The result of an exchange through the group area that the caller checked would fit: the
+/// transport answering that it has no area for it breaks its own contract, reported as such
+/// rather than a panic.
+pub(crate) fn unwrap_area(o: &Op<'_>, done: Option<Result<()>>) -> Result<()> {
+    done.unwrap_or_else(|| {
+        Err(Error::Unsupported {
+            rank: o.rank(),
+            backend: "gloo",
+            what: format!(
+                "{} through the shared-memory group area, which its transport refused though \
+                 the publication fits",
+                o.ctx.op.name()
+            ),
+        })
+    })
 }
 
 /// Splits `count` elements into `n` blocks whose sizes differ by at most one, as byte ranges.

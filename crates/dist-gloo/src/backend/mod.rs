@@ -47,6 +47,8 @@ pub struct GlooBackend {
     area_all_reduce_bytes: usize,
     /// [`GlooOptions::area_all_gather_bytes`], resolved.
     area_all_gather_bytes: usize,
+    /// [`GlooOptions::area_broadcast_min_bytes`], resolved.
+    area_broadcast_min_bytes: usize,
     /// The output size from which this rank's and the other local ranks' outputs together
     /// exceed the host's last-level cache, so that own blocks are copied into outputs with
     /// stores that bypass it (`output_copy`). Purely local: ranks may differ.
@@ -173,6 +175,11 @@ impl GlooBackend {
                 opts.area_all_gather_bytes
                     .map_or_else(auto, |v| v.to_string()),
             ),
+            (
+                "area_broadcast_min_bytes",
+                opts.area_broadcast_min_bytes
+                    .map_or_else(auto, |v| v.to_string()),
+            ),
         ]);
         let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
         choice::publish(store, prefix, rank, &mine, deadline)
@@ -235,6 +242,9 @@ impl GlooBackend {
             area_all_gather_bytes: opts
                 .area_all_gather_bytes
                 .unwrap_or_else(|| GlooOptions::auto_area_all_gather_bytes(cores_shared)),
+            area_broadcast_min_bytes: opts
+                .area_broadcast_min_bytes
+                .unwrap_or_else(|| GlooOptions::auto_area_broadcast_min_bytes(cores_shared)),
             output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts
@@ -289,8 +299,9 @@ impl GlooBackend {
     }
 
     /// Operations this rank has run through the group's shared-memory area instead of
-    /// messages (barriers, small collectives, and those [`GlooOptions::area_all_reduce_bytes`]
-    /// and [`GlooOptions::area_all_gather_bytes`] send there): for tests and diagnostics.
+    /// messages, one per exchange (barriers, small collectives, and those
+    /// [`GlooOptions::area_all_reduce_bytes`], [`GlooOptions::area_all_gather_bytes`] and
+    /// [`GlooOptions::area_broadcast_min_bytes`] send there): for tests and diagnostics.
     pub fn shared_memory_exchanges(&self) -> u64 {
         self.transport.shared_memory_exchanges()
     }
@@ -373,7 +384,17 @@ impl GlooBackend {
             && self.world_size <= self.fused_agreement_max_ranks;
         // A lazy root that only sends reads nothing this operation: older deferred frames
         // may stay queued.
-        let sends_only = lazy && matches!(name, CollectiveOp::Broadcast | CollectiveOp::Scatter);
+        // (A broadcast through the group area reads every rank's header: not one of those.)
+        let sends_only = lazy
+            && match name {
+                CollectiveOp::Broadcast => !bcast::takes_area(
+                    &*self.transport,
+                    count * dtype.size(),
+                    self.area_broadcast_min_bytes,
+                ),
+                CollectiveOp::Scatter => true,
+                _ => false,
+            };
         let keep = if sends_only {
             agree::MAX_DEFERRED - 1
         } else {

@@ -2,8 +2,8 @@
 //! maps when every pair of the group talks through rings, for operations that send no message:
 //! the barrier, and small all_reduces, all_gathers and reduce_scatters (each rank publishes its
 //! buffer or block; every rank reads them all, and reductions combine them in rank order), and,
-//! where the ranks outnumber the host's CPUs, larger all_gathers and the all_reduce in two
-//! shots (`algo::allreduce::in_two_shots`).
+//! where the ranks outnumber the host's CPUs, larger all_gathers, the all_reduce in two shots
+//! (`algo::allreduce::in_two_shots`) and broadcasts in pieces (`algo::bcast`).
 //!
 //! Why: with four ranks on two cores, a barrier of messages (two dissemination rounds, each a
 //! frame written into a ring and read by the engine) took 9.8 us against Open MPI's 4.7. A
@@ -53,7 +53,8 @@ use memmap2::MmapRaw;
 /// Data bytes a rank may publish in one operation. Which operations go through the area, and
 /// up to what size, the algorithms decide (`algo`): the smallest all_reduces, all_gathers and
 /// reduce_scatters everywhere, and, where the group's ranks outnumber the host's CPUs, the
-/// all_reduce in two shots in pieces of this size and all_gathers of larger blocks.
+/// all_reduce in two shots and broadcasts in pieces of this size, and all_gathers of larger
+/// blocks.
 ///
 /// Why a mebibyte: at 4 ranks on 2 cores the two-shot all_reduce of 4 and 16 MiB took about as
 /// long in pieces of 512 KiB and 1 MiB, and longer in pieces of 2 MiB (gloo_bench, 3 runs
