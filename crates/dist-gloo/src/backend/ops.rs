@@ -78,9 +78,14 @@ impl Backend for GlooBackend {
         self.run(name, dtype, count, None, Some(root), None, opts, |o, _| {
             if self.world_size == 1 {
                 Ok(())
-            } else if let Some(done) =
-                bcast::through_shared_memory(o, data, root, self.area_broadcast_min_bytes)
-            {
+            } else if let Some(done) = bcast::through_shared_memory(
+                o,
+                data,
+                root,
+                self.area_broadcast_min_bytes,
+                // Past it the area's slots are evicted too: 8 MiB at 4 ranks was even.
+                data.len() > self.output_leaves_cache_bytes,
+            ) {
                 done
             } else {
                 // The chain pays one chunk of latency per hop, so it wins once the buffer has
