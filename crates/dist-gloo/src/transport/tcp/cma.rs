@@ -238,21 +238,26 @@ impl CopyIn for Arc<Cma> {
         let helper = (dst.len() >= SPLIT_MIN_BYTES && splits(op))
             .then(|| self.helper())
             .flatten();
-        let copied = match helper {
+        let now = match helper {
             Some(h) => {
                 self.splits.fetch_add(1, Ordering::Relaxed);
                 h.read(src.pid, at.addr, dst)
+                    .map_err(|e| format!("copying {} bytes out of its memory: {e}", dst.len()))?;
+                // The offer word must be read after the data (the syscalls already order
+                // them; this states it for weakly ordered CPUs).
+                fence(Ordering::Acquire);
+                let mut word = [0u8; 8];
+                read_remote(src.pid, src.offer_word, &mut word)
+                    .map_err(|e| format!("reading its offer word: {e}"))?;
+                u64::from_le_bytes(word)
             }
-            None => read_remote(src.pid, at.addr, dst),
+            None => read_remote_then_word(src.pid, at.addr, dst, src.offer_word).map_err(|e| {
+                format!(
+                    "copying {} bytes and then its offer word out of its memory: {e}",
+                    dst.len()
+                )
+            })?,
         };
-        copied.map_err(|e| format!("copying {} bytes out of its memory: {e}", dst.len()))?;
-        // The offer word must be read after the data (the syscalls already order them; this
-        // states it for weakly ordered CPUs).
-        fence(Ordering::Acquire);
-        let mut word = [0u8; 8];
-        read_remote(src.pid, src.offer_word, &mut word)
-            .map_err(|e| format!("reading its offer word: {e}"))?;
-        let now = u64::from_le_bytes(word);
         if now != at.offer {
             return Err(format!(
                 "it withdrew its offer {} (now {now}) while this rank copied it: it gave up on the operation",
@@ -353,6 +358,82 @@ pub(super) fn read_remote(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Resul
         }
         Ok(())
     })
+}
+
+/// Reads `dst.len()` bytes at `addr` in process `pid` as [`read_remote`] does, then the 8-byte
+/// word at `word_addr`, and returns the word: one system call instead of two where the read
+/// goes straight into `dst` and the CPU keeps loads in program order.
+///
+/// Why that is enough: `process_vm_readv` copies its remote ranges in the order given, so the
+/// word is read after the data, and x86-64 never lets a load pass an earlier load. On other
+/// architectures, or for a bounced read, the word is read by a second call after an Acquire
+/// fence. A 4-rank all_to_all of 1 MiB read 3 offer words per operation, each a system call
+/// that pins a page.
+#[cfg(target_os = "linux")]
+fn read_remote_then_word(
+    pid: i32,
+    addr: u64,
+    dst: &mut [u8],
+    word_addr: u64,
+) -> std::io::Result<u64> {
+    use nix::sys::uio::{RemoteIoVec, process_vm_readv};
+    use nix::unistd::Pid;
+    let mut word = [0u8; 8];
+    if !cfg!(target_arch = "x86_64")
+        || (dst.len() >= BOUNCE_MIN_BYTES && kernel_copy_slow(addr, dst))
+    {
+        read_remote(pid, addr, dst)?;
+        fence(Ordering::Acquire);
+        read_remote_direct(pid, word_addr, &mut word)?;
+        return Ok(u64::from_le_bytes(word));
+    }
+    let mut done = 0;
+    while done < dst.len() {
+        let left = dst.len() - done;
+        let remote = [
+            RemoteIoVec {
+                base: (addr as usize).wrapping_add(done),
+                len: left,
+            },
+            RemoteIoVec {
+                base: word_addr as usize,
+                len: word.len(),
+            },
+        ];
+        let mut local = [
+            std::io::IoSliceMut::new(&mut dst[done..]),
+            std::io::IoSliceMut::new(&mut word),
+        ];
+        match process_vm_readv(Pid::from_raw(pid), &mut local, &remote) {
+            Ok(k) if k == left + 8 => return Ok(u64::from_le_bytes(word)),
+            // A partial read stops at an unreadable page; zero means nothing more is readable.
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the remote range ended early",
+                ));
+            }
+            Ok(k) => done += k.min(left),
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // The data is in but the word was cut short (or `dst` is empty): read it whole.
+    read_remote_direct(pid, word_addr, &mut word)?;
+    Ok(u64::from_le_bytes(word))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn read_remote_then_word(
+    _pid: i32,
+    _addr: u64,
+    _dst: &mut [u8],
+    _word_addr: u64,
+) -> std::io::Result<u64> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "cross-memory attach needs Linux",
+    ))
 }
 
 /// Reads at or above this size go through the bounce buffer at a slow distance; the
@@ -479,5 +560,34 @@ mod tests {
                 assert!(dst[dst_at + len..].iter().all(|&b| b == 0xEE));
             }
         }
+    }
+
+    /// The data then the word, in one call or (at a slow distance) two: both arrive whole,
+    /// and an unreadable data range or word is an error, not a short read.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn reads_data_then_its_offer_word() {
+        let pid = std::process::id() as i32;
+        let src: Vec<u8> = (0..300_000usize)
+            .map(|i| (i * 13 + i / 509) as u8)
+            .collect();
+        let word = Box::new(0x1234_5678_9abc_def0u64);
+        let word_at = &raw const *word as u64;
+        let mut dst = vec![0u8; src.len() + 4096];
+        for (distance, len) in [(0, 300_000), (7, 300_000), (64, 1), (0, 0)] {
+            let dst_at =
+                (src.as_ptr() as usize + distance).wrapping_sub(dst.as_ptr() as usize) % 4096;
+            dst.fill(0xEE);
+            let into = &mut dst[dst_at..dst_at + len];
+            let got = read_remote_then_word(pid, src.as_ptr() as u64, into, word_at).unwrap();
+            assert_eq!(got, *word, "distance {distance}, len {len}");
+            assert!(
+                dst[dst_at..dst_at + len] == src[..len],
+                "distance {distance}, len {len}"
+            );
+            assert!(dst[dst_at + len..].iter().all(|&b| b == 0xEE));
+        }
+        assert!(read_remote_then_word(pid, 8, &mut dst[..4096], word_at).is_err());
+        assert!(read_remote_then_word(pid, src.as_ptr() as u64, &mut dst[..4096], 8).is_err());
     }
 }
