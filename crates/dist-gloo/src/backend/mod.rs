@@ -383,8 +383,8 @@ impl GlooBackend {
             && root == Some(self.rank)
             && self.world_size <= self.fused_agreement_max_ranks;
         // A lazy root that only sends reads nothing this operation: older deferred frames
-        // may stay queued.
-        // (A broadcast through the group area reads every rank's header: not one of those.)
+        // may stay queued. A broadcast through the group area is not one: it waits for every
+        // rank's header.
         let sends_only = lazy
             && match name {
                 CollectiveOp::Broadcast => !bcast::takes_area(
