@@ -376,8 +376,6 @@ fn read_remote_then_word(
     dst: &mut [u8],
     word_addr: u64,
 ) -> std::io::Result<u64> {
-    use nix::sys::uio::{RemoteIoVec, process_vm_readv};
-    use nix::unistd::Pid;
     let mut word = [0u8; 8];
     if !cfg!(target_arch = "x86_64")
         || (dst.len() >= BOUNCE_MIN_BYTES && kernel_copy_slow(addr, dst))
@@ -387,39 +385,7 @@ fn read_remote_then_word(
         read_remote_direct(pid, word_addr, &mut word)?;
         return Ok(u64::from_le_bytes(word));
     }
-    let mut done = 0;
-    while done < dst.len() {
-        let left = dst.len() - done;
-        let remote = [
-            RemoteIoVec {
-                base: (addr as usize).wrapping_add(done),
-                len: left,
-            },
-            RemoteIoVec {
-                base: word_addr as usize,
-                len: word.len(),
-            },
-        ];
-        let mut local = [
-            std::io::IoSliceMut::new(&mut dst[done..]),
-            std::io::IoSliceMut::new(&mut word),
-        ];
-        match process_vm_readv(Pid::from_raw(pid), &mut local, &remote) {
-            Ok(k) if k == left + 8 => return Ok(u64::from_le_bytes(word)),
-            // A partial read stops at an unreadable page; zero means nothing more is readable.
-            Ok(0) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "the remote range ended early",
-                ));
-            }
-            Ok(k) => done += k.min(left),
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    // The data is in but the word was cut short (or `dst` is empty): read it whole.
-    read_remote_direct(pid, word_addr, &mut word)?;
+    read_remote_direct_then(pid, addr, dst, Some((word_addr, &mut word)))?;
     Ok(u64::from_le_bytes(word))
 }
 
@@ -475,16 +441,48 @@ fn kernel_copy_slow(addr: u64, dst: &[u8]) -> bool {
 /// Reads `dst.len()` bytes at `addr` in process `pid`, straight into `dst`.
 #[cfg(target_os = "linux")]
 fn read_remote_direct(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+    read_remote_direct_then(pid, addr, dst, None)
+}
+
+/// [`read_remote_direct`], then, where `word` is given, the 8 bytes at its address into it,
+/// after the data in the same system calls (the kernel copies the ranges in order).
+#[cfg(target_os = "linux")]
+fn read_remote_direct_then(
+    pid: i32,
+    addr: u64,
+    dst: &mut [u8],
+    mut word: Option<(u64, &mut [u8; 8])>,
+) -> std::io::Result<()> {
     use nix::sys::uio::{RemoteIoVec, process_vm_readv};
     use nix::unistd::Pid;
     let mut done = 0;
-    while done < dst.len() {
-        let remote = [RemoteIoVec {
-            base: (addr as usize).wrapping_add(done),
-            len: dst.len() - done,
-        }];
-        let mut local = [std::io::IoSliceMut::new(&mut dst[done..])];
+    loop {
+        let left = dst.len() - done;
+        // No word: an empty second range, which the kernel skips.
+        let (word_at, word_buf): (u64, &mut [u8]) = match word.as_mut() {
+            Some((at, w)) => (*at, &mut w[..]),
+            None => (0, &mut []),
+        };
+        let wanted = left + word_buf.len();
+        if wanted == 0 {
+            return Ok(());
+        }
+        let remote = [
+            RemoteIoVec {
+                base: (addr as usize).wrapping_add(done),
+                len: left,
+            },
+            RemoteIoVec {
+                base: word_at as usize,
+                len: word_buf.len(),
+            },
+        ];
+        let mut local = [
+            std::io::IoSliceMut::new(&mut dst[done..]),
+            std::io::IoSliceMut::new(word_buf),
+        ];
         match process_vm_readv(Pid::from_raw(pid), &mut local, &remote) {
+            Ok(k) if k == wanted => return Ok(()),
             // A partial read stops at an unreadable page; zero means nothing more is readable.
             Ok(0) => {
                 return Err(std::io::Error::new(
@@ -492,12 +490,12 @@ fn read_remote_direct(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Result<()
                     "the remote range ended early",
                 ));
             }
-            Ok(k) => done += k,
+            // The data is in but the word was cut short: the next call reads it whole.
+            Ok(k) => done += k.min(left),
             Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(())
 }
 
 #[cfg(not(target_os = "linux"))]
