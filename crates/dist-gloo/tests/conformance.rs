@@ -668,12 +668,13 @@ fn a_crashed_rank_is_peer_lost_naming_it_on_every_survivor() {
 
 /// A barrier lets no rank out before every rank is in: each round a different rank comes
 /// last (after a pause longer than a waiting rank spins, so the others go to sleep and must
-/// be woken), and every rank, on leaving, counts the ranks that entered that round. 3 ranks
-/// run dissemination rounds where no group area holds them, 4 and 8 pairwise ones.
+/// be woken), and every rank, on leaving, counts the ranks that entered that round. Where no
+/// group area holds the barrier, 2 ranks run one pairwise round, 3 to 8 a star, 9
+/// dissemination rounds and 16 pairwise ones.
 #[test]
 fn a_barrier_lets_no_rank_out_before_the_last_one_enters() {
     for &(driver, make) in DRIVERS {
-        for n in [2, 3, 4, 8] {
+        for n in [2, 3, 4, 8, 9, 16] {
             let ranks = world(make, n, &gloo_opts());
             let entered: Vec<AtomicUsize> = (0..3 * n).map(|_| AtomicUsize::new(0)).collect();
             on_all(&ranks, |b| {
