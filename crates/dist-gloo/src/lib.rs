@@ -1,4 +1,5 @@
-//! A pure-Rust CPU backend for `dist`: every collective over a full TCP mesh.
+//! A pure-Rust CPU backend for `dist`: every collective over a full TCP mesh, with shared-memory
+//! rings between the ranks of one host.
 //!
 //! [`GlooBackend`] implements [`dist_backend::Backend`] for host buffers. Its algorithms
 //! (`algo`) are written once against the [`transport::Transport`] trait and run over
@@ -6,17 +7,22 @@
 //! [`transport::mem::MemTransport`] inside one process for tests. Between ranks on one host
 //! that may read each other's memory, large collective messages skip the sockets: the receiver
 //! copies them straight out of the sender's buffer (Linux cross-memory attach; see
-//! [`transport::tcp::MeshOptions::cross_memory`]).
+//! [`transport::tcp::MeshOptions::cross_memory`]). `docs/ARCHITECTURE.md` maps the crate and
+//! `docs/GLOO_INTERNALS.md` says how each rule works and why.
 //!
-//! * all_reduce: recursive doubling up to [`GlooOptions::small_bytes`], a segmented ring
-//!   (1 MiB segments, reduction of one segment overlapping the transfer of the next) above it;
+//! * all_reduce: through the group's shared memory where every rank maps it (small buffers, or
+//!   larger ones in two shots where the ranks outnumber the cores); else a star through rank 0
+//!   (3 to 8 ranks, tiny buffers) or recursive doubling up to [`GlooOptions::small_bytes`],
+//!   recursive halving and doubling up to [`GlooOptions::halving_doubling_bytes`], and a ring
+//!   in pieces above (the reduction of one frame overlapping the transfer of the next);
 //! * broadcast: binomial tree / pipelined chain; reduce: binomial tree / ring reduce-scatter +
 //!   gather; all_gather and reduce_scatter (equal and uneven): one direct exchange up to
 //!   `small_bytes`, ring above (all_gather's in pieces where no two ranks share memory);
 //!   gather, scatter: direct, all transfers in flight at once; all_to_all: the same, or n − 1
 //!   pairwise exchanges from [`GlooOptions::all_to_all_pairwise_bytes`]; barrier:
-//!   through the group's shared memory where every rank maps it, else recursive doubling
-//!   (power-of-two groups) or dissemination rounds.
+//!   through the group's shared memory where every rank maps it, else a star through rank 0
+//!   (3 to 8 ranks), recursive doubling (2 ranks and larger power-of-two groups) or
+//!   dissemination rounds.
 //!
 //! Every frame carries a [`dist_wire::FrameHeader`]; ranks that call different operations (or
 //! pass different arguments, the root included: rooted operations agree on them first) fail

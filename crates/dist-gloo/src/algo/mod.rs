@@ -37,6 +37,7 @@ pub(crate) mod tags {
     pub(crate) const SCATTER: u32 = 12 << 16;
     pub(crate) const RH_RS: u32 = 13 << 16;
     pub(crate) const RD_AG: u32 = 14 << 16;
+    pub(crate) const STAR: u32 = 15 << 16;
 
     /// The step a frame's `tag` labels, with its algorithm's name, for the error of ranks
     /// that met in different algorithms (and for reading the tags of another build's notice).
@@ -56,11 +57,20 @@ pub(crate) mod tags {
             SCATTER => "scatter + all-gather",
             RH_RS => "recursive halving (reduce-scatter)",
             RD_AG => "recursive doubling (all-gather)",
+            STAR => "star through rank 0",
             _ => "an unknown algorithm",
         };
         dist_backend::AlgoStep { algorithm, tag }
     }
 }
+
+/// The largest group whose barrier and small all_reduces go over messages as a star through
+/// rank 0 (from 3 ranks): every rank sends rank 0 what it has, and rank 0 answers them all once
+/// every one has. Each rank but rank 0 waits once, where ⌈log2 n⌉ rounds cost every rank a wait
+/// each, and where ranks share cores every wait is a turn on a core. Past this size rank 0's
+/// share, which grows with the group, outweighs the rounds, which grow with its logarithm.
+/// Open MPI runs its linear barrier from 4 to 7 ranks.
+pub(crate) const STAR_MAX_RANKS: usize = 8;
 
 /// The window a `len`-byte message streams through with `seg`-byte frames: the message itself
 /// when no larger, else one frame (the core hands each frame to the callback before the next

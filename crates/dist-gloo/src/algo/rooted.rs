@@ -3,7 +3,7 @@
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{Op, blocks_of, even_blocks, ring, split_blocks, tags};
+use super::{Op, STAR_MAX_RANKS, blocks_of, even_blocks, ring, split_blocks, tags};
 use crate::output_copy::{copy_into_output, copy_to_output};
 
 /// Binomial-tree reduce into `root` (small buffers). Non-root buffers end up holding partial
@@ -190,25 +190,17 @@ pub(crate) fn all_to_all(
     o.step(&sends, &mut recvs)
 }
 
-/// Groups of 3 to this many ranks run the barrier over messages as a star: every rank tells
-/// rank 0 it arrived, and rank 0 releases them all once every one has (Open MPI's linear
-/// barrier, its choice from 4 to 7 ranks).
-///
-/// Why: two rounds of pairs cost every rank two waits, and where ranks share cores every
-/// wait is a turn on a core; in the star each rank but rank 0 waits once, and rank 0 once
-/// for all. TCP only (`DIST_GLOO_TRANSPORT=tcp DIST_GLOO_CMA=0`), 2-core host, gloo_bench, runs
-/// alternated with the rounds, medians (us): 4 ranks 44.9 against 58.1 (8 runs), 3 ranks 27.4
-/// against 33.9, 8 ranks 130 against 197 (6 runs each). With 2 ranks the one pairwise round
-/// wins (8.9 against 13.9), and past 8 ranks rank 0's share grows with the group, where the
-/// rounds grow with its logarithm.
-const STAR_BARRIER_MAX_RANKS: usize = 8;
-
 /// Barrier: through memory the whole group maps where the transport has it (an exchange of
 /// nothing, [`crate::transport::Transport::shared_memory_exchange`]), else as a star for 3 to
-/// [`STAR_BARRIER_MAX_RANKS`] ranks, else in ⌈log2 n⌉ rounds after which every rank has
+/// [`STAR_MAX_RANKS`] ranks, else in ⌈log2 n⌉ rounds after which every rank has
 /// transitively heard from all. With a power-of-two group round k is a pairwise exchange with
 /// rank XOR 2^k (recursive doubling); otherwise dissemination: each rank signals rank + 2^k and
 /// waits for rank − 2^k.
+///
+/// Why the star: TCP only (`DIST_GLOO_TRANSPORT=tcp DIST_GLOO_CMA=0`), 2-core host, gloo_bench,
+/// runs alternated with the rounds, medians (us): 4 ranks 44.9 against 58.1 (8 runs), 3 ranks
+/// 27.4 against 33.9, 8 ranks 130 against 197 (6 runs each). With 2 ranks the one pairwise
+/// round wins (8.9 against 13.9).
 ///
 /// Why pairs where they fit (past the star's sizes): each round then waits on the one peer it signalled, so a rank
 /// that is descheduled delays only its partner's round, not a third rank's. 4 ranks over TCP
@@ -223,17 +215,17 @@ pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
         return done;
     }
     let (n, r) = (o.n(), o.rank());
-    if (3..=STAR_BARRIER_MAX_RANKS).contains(&n) {
+    if (3..=STAR_MAX_RANKS).contains(&n) {
         // Arrivals carry round 0's tag, the release round 1's.
         if r == 0 {
-            let mut arrivals: Vec<_> = (1..n).map(|p| o.recv(p, &mut [], tags::BARRIER)).collect();
+            let mut arrivals: Vec<_> = (1..n).map(|p| o.recv(p, &mut [], tags::STAR)).collect();
             o.step(&[], &mut arrivals)?;
-            let releases: Vec<_> = (1..n).map(|p| o.send(p, &[], tags::BARRIER | 1)).collect();
+            let releases: Vec<_> = (1..n).map(|p| o.send(p, &[], tags::STAR | 1)).collect();
             return o.step(&releases, &mut []);
         }
         return o.step(
-            &[o.send(0, &[], tags::BARRIER)],
-            &mut [o.recv(0, &mut [], tags::BARRIER | 1)],
+            &[o.send(0, &[], tags::STAR)],
+            &mut [o.recv(0, &mut [], tags::STAR | 1)],
         );
     }
     let mut dist = 1;

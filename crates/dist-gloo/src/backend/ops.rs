@@ -55,7 +55,11 @@ impl Backend for GlooBackend {
                 {
                     allreduce::halving_doubling(o, data, op, scratch)
                 } else if data.len() <= self.small_bytes || count < self.world_size {
-                    allreduce::recursive_doubling(o, data, op, scratch)?;
+                    if allreduce::takes_star(self.world_size, data.len()) {
+                        allreduce::star(o, data, op, scratch)?;
+                    } else {
+                        allreduce::recursive_doubling(o, data, op, scratch)?;
+                    }
                     self.finalize(o, op, data)
                 } else {
                     allreduce::ring(o, data, op, scratch, self.ring_piece_bytes)
