@@ -229,6 +229,7 @@ impl GlooOptions {
     /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
     /// `DIST_GLOO_BUSY_SPIN_NS`, `DIST_GLOO_SHM_RING_BYTES`, `DIST_GLOO_COPY_HELPER` (`0` or
     /// `1`; unset decides by the host's CPUs),
+    /// `DIST_GLOO_BCAST_SCATTER_BYTES` ([`GlooOptions::broadcast_scatter_bytes`]),
     /// `DIST_GLOO_HALVING_DOUBLING_BYTES` ([`GlooOptions::halving_doubling_bytes`]),
     /// `DIST_GLOO_RING_PIECE_BYTES` ([`GlooOptions::ring_piece_bytes`]),
     /// `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` ([`GlooOptions::all_to_all_pairwise_bytes`]),

@@ -244,8 +244,9 @@ fn a_count_mismatch_between_two_of_four_ranks_is_reported_as_one_by_every_rank()
 fn an_op_mismatch_between_two_of_four_ranks_is_reported_as_one_by_every_rank() {
     mismatch_reaches_every_rank("op", 4, |rank, line| {
         // A broadcast receiver whose own data was consistent returns and runs its next
-        // all_reduce (see ARCHITECTURE, on `algo/agree.rs`); an all_reduce rank waiting for
-        // it may read that next frame first, and then reports the other side one op ahead.
+        // all_reduce (see docs/GLOO_INTERNALS.md, on the rooted ops' agreement); an all_reduce
+        // rank waiting for it may read that next frame first, and then reports the other side
+        // one op ahead.
         let ran_ahead = |k: u32| {
             line.contains(&format!("all_reduce #{k} "))
                 && line.contains(&format!("all_reduce #{} ", k + 1))

@@ -1,5 +1,6 @@
 //! The conformance suite: the same test bodies over every driver of the peer protocol
-//! ([`common::DRIVERS`]: real loopback TCP between threads, and the in-memory pipes).
+//! ([`common::DRIVERS`]: real loopback TCP between threads, shared-memory rings under that TCP
+//! mesh, and the in-memory pipes).
 //!
 //! Data: every operation × world size 1..=5 × counts {0, 1, 7, 1 MiB + 3} × every dtype (and
 //! every valid reduce op), checked against an independent reference. Faults: ranks that

@@ -76,8 +76,9 @@ pub(crate) fn check(
             format!(
                 "algorithm settings mismatch: rank {r} has {differs}; ranks that choose algorithms \
                  differently would run different algorithms for the same call (set \
-                 DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES, DIST_GLOO_HALVING_DOUBLING_BYTES, \
-                 DIST_GLOO_RING_PIECE_BYTES, DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
+                 DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES, DIST_GLOO_BCAST_SCATTER_BYTES, \
+                 DIST_GLOO_HALVING_DOUBLING_BYTES, DIST_GLOO_RING_PIECE_BYTES, \
+                 DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
                  DIST_GLOO_AREA_ALL_GATHER_BYTES, DIST_GLOO_AREA_BROADCAST_MIN_BYTES and \
                  GlooOptions alike on every rank)"
             ),

@@ -3,8 +3,8 @@
 //! simulated network with virtual time that reorders deliveries between connections, delays
 //! them, cuts byte streams at random boundaries and fills bounded windows, while at most one
 //! rank is killed (a FIN or a reset), stalls, leaves early, or calls with a different count,
-//! at a random point of its run. In a third of the runs every message goes by reference, in
-//! another third those over two frames do: receivers copy them out of a registry of what each
+//! at a random point of its run. In a quarter of the runs every message goes by reference, in
+//! another quarter those over two frames do: receivers copy them out of a registry of what each
 //! rank offers, which loses a rank's entry when its step ends or it dies, as a withdrawn offer
 //! or a dead process's memory would. Each run must end, in virtual time, with every step that
 //! completed holding the right bytes, and every surviving rank either done or failed with the
