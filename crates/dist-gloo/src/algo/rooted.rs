@@ -202,9 +202,10 @@ pub(crate) fn all_to_all(
 /// 27.4 against 33.9, 8 ranks 130 against 197 (6 runs each). With 2 ranks the one pairwise
 /// round wins (8.9 against 13.9).
 ///
-/// Why pairs where they fit (past the star's sizes): each round then waits on the one peer it signalled, so a rank
-/// that is descheduled delays only its partner's round, not a third rank's. 4 ranks over TCP
-/// only on a 2-core host, alternated run by run: medians 60.4 against 73.6 us (20 runs each),
+/// Why pairs where they fit (power-of-two groups past the star's sizes): each round then
+/// waits on the one peer it signalled, so a rank that is descheduled delays only its partner's
+/// round, not a third rank's. Measured at 4 ranks over TCP only on a 2-core host, before the
+/// star, alternated run by run: medians 60.4 against 73.6 us for dissemination (20 runs each),
 /// 86 against 89 in a slower hour, 78.5 against 82.2 (30 runs; the 4-byte all_reduce beside
 /// it, unchanged, 80.5 against 81.5).
 pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
@@ -216,7 +217,7 @@ pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
     }
     let (n, r) = (o.n(), o.rank());
     if (3..=STAR_MAX_RANKS).contains(&n) {
-        // Arrivals carry round 0's tag, the release round 1's.
+        // The arrivals are the star's step 0, the releases its step 1.
         if r == 0 {
             let mut arrivals: Vec<_> = (1..n).map(|p| o.recv(p, &mut [], tags::STAR)).collect();
             o.step(&[], &mut arrivals)?;
