@@ -73,6 +73,43 @@ pub(crate) fn direct(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Re
     o.step(&sends, &mut recvs)
 }
 
+/// Fills every rank's `output` through rank 0: every other rank sends rank 0 its `input`, which
+/// rank 0 receives into its output, then rank 0 sends every rank the whole output. Each rank
+/// but rank 0 waits once, where the direct exchange has every rank receive from every other
+/// and doubling waits log2 n times; see [`super::STAR_MAX_RANKS`], and
+/// [`super::takes_star`] with the output's length for when. Rank 0 must already hold its own
+/// block, as in [`direct`]; the others receive theirs back with the rest.
+///
+/// Why: TCP only (`DIST_GLOO_TRANSPORT=tcp DIST_GLOO_CMA=0`), 2-core host, gloo_bench, runs
+/// alternated with doubling (the choice there), medians (us): 4 ranks 4 B per rank 52.2 against
+/// 64.5, 1 KiB 52.4 against 68.2, 4 KiB 55.6 against 85.1 (6 runs); 8 ranks 4 B 144 against
+/// 187, 1 KiB 140 against 219 (4 runs).
+pub(crate) fn star(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    blocks: &[Range<usize>],
+) -> Result<()> {
+    let (n, r) = (o.n(), o.rank());
+    if r != 0 {
+        return o.step(
+            &[o.send(0, input, tags::STAR)],
+            &mut [o.recv(0, output, tags::STAR | 1)],
+        );
+    }
+    {
+        let mut recvs: Vec<_> = split_blocks(output, blocks)
+            .into_iter()
+            .enumerate()
+            .skip(1)
+            .map(|(p, theirs)| o.recv(p, theirs, tags::STAR))
+            .collect();
+        o.step(&[], &mut recvs)?;
+    }
+    let sends: Vec<_> = (1..n).map(|p| o.send(p, output, tags::STAR | 1)).collect();
+    o.step(&sends, &mut [])
+}
+
 /// Given that every rank of a power-of-two group holds its own block `rank` of `data` (split
 /// into `blocks`, one per rank), fills in the others by recursive doubling: in round k each
 /// rank swaps the run of 2^k blocks it holds with the rank 2^k away, which holds the run beside

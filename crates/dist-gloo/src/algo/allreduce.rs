@@ -107,22 +107,10 @@ fn two_shots(o: &Op<'_>, piece: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>)
     Ok(())
 }
 
-/// The most bytes that reach rank 0 in all in a [`star`]: its receives from the group's other
-/// ranks come one after another, where recursive doubling's exchanges run on every link at once,
-/// so a larger buffer stays on the rounds.
-const STAR_MAX_INBOUND_BYTES: usize = 64 << 10;
-
-/// Whether an all_reduce of `len` bytes over messages runs as a [`star`]: 3 to
-/// [`super::STAR_MAX_RANKS`] ranks (see there), and at most [`STAR_MAX_INBOUND_BYTES`] reach
-/// rank 0. Every rank answers alike for the same call (ranks that pass different lengths
-/// disagree in their frames' headers whichever way each goes).
-pub(crate) fn takes_star(n: usize, len: usize) -> bool {
-    (3..=super::STAR_MAX_RANKS).contains(&n) && len.saturating_mul(n - 1) <= STAR_MAX_INBOUND_BYTES
-}
-
 /// Reduces `data` in place through rank 0: every other rank sends it its buffer, rank 0
 /// combines them in rank order and sends every rank the result, so all end with identical
-/// bits. Two steps for rank 0, one for the others; see [`takes_star`] for when.
+/// bits. Two steps for rank 0, one for the others; [`super::takes_star`] with the buffer's
+/// length says when.
 ///
 /// Why: TCP only (`DIST_GLOO_TRANSPORT=tcp DIST_GLOO_CMA=0`), 2-core host, gloo_bench against
 /// recursive doubling, runs alternated, medians (us): 4 ranks 4 B 44.2 against 67.1, 1 KiB 47.6

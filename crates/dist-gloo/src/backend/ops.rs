@@ -55,7 +55,7 @@ impl Backend for GlooBackend {
                 {
                     allreduce::halving_doubling(o, data, op, scratch)
                 } else if data.len() <= self.small_bytes || count < self.world_size {
-                    if allreduce::takes_star(self.world_size, data.len()) {
+                    if takes_star(self.world_size, data.len()) {
                         allreduce::star(o, data, op, scratch)?;
                     } else {
                         allreduce::recursive_doubling(o, data, op, scratch)?;
@@ -180,6 +180,10 @@ impl Backend for GlooBackend {
                     self.area_all_gather_bytes,
                 ) {
                     done
+                } else if output.len() <= self.small_bytes
+                    && takes_star(self.world_size, output.len())
+                {
+                    allgather::star(o, input, output, &blocks)
                 } else if output.len() <= self.small_bytes && self.pairs_over_sockets {
                     allgather::doubling(o, output, &blocks)
                 } else if output.len() <= self.small_bytes {
