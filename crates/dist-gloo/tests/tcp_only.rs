@@ -2,8 +2,8 @@
 //! goes through the sockets, on 1..=5 ranks, every root, sizes 0, 1, uneven and large (many
 //! segments, so the chain broadcast's pipeline and the staggered all_to_all both run with
 //! several frames in flight per peer), all_to_all's two schedules mixed rank by rank, over
-//! sockets and by reference, all_gather's ring in pieces and recursive doubling, and
-//! reduce_scatter by recursive halving. Checked against the values each rank was built from
+//! sockets and by reference, all_gather's ring in pieces, recursive doubling and star, and
+//! reduce_scatter's star and recursive halving. Checked against the values each rank was built from
 //! (reduce_scatter against the independent reference).
 
 mod common;
@@ -168,8 +168,9 @@ fn all_to_all_schedules_mix_over_sockets_and_by_reference() {
 }
 
 /// all_gather where every byte crosses a socket (no two ranks sharing memory): the ring in
-/// pieces of 64 KiB so that the large counts run many, and, for the small counts on 4 and 8
-/// ranks, recursive doubling; even and uneven blocks (some empty, and with the large counts
+/// pieces of 64 KiB so that the large counts run many; for 16 KiB + 5 one-byte elements on 4
+/// and 8 ranks, recursive doubling; for the smallest counts on 3 to 5 and 8 ranks, the star
+/// through rank 0. Even and uneven blocks (some empty, and with the large counts
 /// one of 3 elements, fewer than there are pieces, so that most pieces carry an empty part of
 /// it) on 1 to 5 and 8 ranks.
 #[test]
@@ -222,13 +223,14 @@ fn all_gather_in_pieces_over_sockets_on_1_to_5_and_8_ranks() {
     }
 }
 
-/// reduce_scatter by recursive halving, the choice where no two ranks share memory on a
-/// power-of-two group: every dtype and reduce op, on 4 and 8 ranks, with even, uneven and
+/// reduce_scatter where no two ranks share memory on a power-of-two group: the star through
+/// rank 0 for the small counts, recursive halving for 3001 elements per rank (past the star's
+/// bound on 4 and 8 ranks). Every dtype and reduce op, on 4 and 8 ranks, with even, uneven and
 /// skewed splits (empty blocks, one of 3 elements) and 16 KiB segments, so that the larger
 /// halves stream through their receive windows in several frames. Checked against the
 /// independent reference.
 #[test]
-fn reduce_scatter_by_halving_over_sockets_on_4_and_8_ranks() {
+fn reduce_scatter_by_star_and_halving_over_sockets_on_4_and_8_ranks() {
     for n in [4, 8] {
         let mut o = GlooOptions::default();
         o.mesh.transport = dist_gloo::transport::shm::TransportMode::Tcp;

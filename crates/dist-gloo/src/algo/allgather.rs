@@ -76,9 +76,9 @@ pub(crate) fn direct(o: &Op<'_>, data: &mut [u8], blocks: &[Range<usize>]) -> Re
 /// Fills every rank's `output` through rank 0: every other rank sends rank 0 its `input`, which
 /// rank 0 receives into its output, then rank 0 sends every rank the whole output. Each rank
 /// but rank 0 waits once, where the direct exchange has every rank receive from every other
-/// and doubling waits log2 n times; see [`super::STAR_MAX_RANKS`], and
-/// [`super::takes_star`] with the output's length for when. Rank 0 must already hold its own
-/// block, as in [`direct`]; the others receive theirs back with the rest.
+/// and doubling waits log2 n times; see [`super::STAR_MAX_RANKS`], and [`super::takes_star`]
+/// with the output's length and [`super::STAR_MAX_BYTES`] for when. Rank 0 must already hold
+/// its own block, as in [`direct`]; the others receive theirs back with the rest.
 ///
 /// Why: TCP only (`DIST_GLOO_TRANSPORT=tcp DIST_GLOO_CMA=0`), 2-core host, gloo_bench, runs
 /// alternated with doubling (the choice there), medians (us): 4 ranks 4 B per rank 52.2 against

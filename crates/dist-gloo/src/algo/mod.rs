@@ -72,18 +72,19 @@ pub(crate) mod tags {
 /// Open MPI runs its linear barrier from 4 to 7 ranks.
 pub(crate) const STAR_MAX_RANKS: usize = 8;
 
-/// The most bytes rank 0 receives, or sends, in all in a star carrying data (all_reduce,
-/// all_gather): its transfers to and from the group's other ranks come one after another,
-/// where the rounds and the direct exchange run on every link at once, so larger buffers stay
-/// on those.
+/// The most bytes rank 0 receives, or sends, in all in an all_reduce or all_gather star: its
+/// transfers to and from the group's other ranks come one after another, where the rounds and
+/// the direct exchange run on every link at once, so larger buffers stay on those.
+/// (reduce_scatter's star, whose rank 0 receives every rank's whole input, has its own, lower
+/// bound: `reducescatter::STAR_MAX_INBOUND_BYTES`.)
 pub(crate) const STAR_MAX_BYTES: usize = 64 << 10;
 
-/// Whether a star of `n` ranks fits: 3 to [`STAR_MAX_RANKS`] ranks, and at most
-/// [`STAR_MAX_BYTES`] through rank 0 when it receives or sends `each` bytes to or from each
-/// other rank. Every rank answers alike for the same call (ranks that pass different lengths
-/// disagree in their frames' headers whichever way each goes).
-pub(crate) fn takes_star(n: usize, each: usize) -> bool {
-    (3..=STAR_MAX_RANKS).contains(&n) && each.saturating_mul(n - 1) <= STAR_MAX_BYTES
+/// Whether a star of `n` ranks fits: 3 to [`STAR_MAX_RANKS`] ranks, and at most `max_bytes`
+/// through rank 0 when it receives or sends `each` bytes from or to each other rank. Every rank
+/// answers alike for the same call (ranks that pass different lengths disagree in their
+/// frames' headers whichever way each goes).
+pub(crate) fn takes_star(n: usize, each: usize, max_bytes: usize) -> bool {
+    (3..=STAR_MAX_RANKS).contains(&n) && each.saturating_mul(n - 1) <= max_bytes
 }
 
 /// The window a `len`-byte message streams through with `seg`-byte frames: the message itself

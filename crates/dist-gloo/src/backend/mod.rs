@@ -13,7 +13,8 @@ use dist_backend::{
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
 use crate::algo::{
-    Op, agree, allgather, allreduce, bcast, blocks_of, choice, reducescatter, rooted, takes_star,
+    Op, STAR_MAX_BYTES, agree, allgather, allreduce, bcast, blocks_of, choice, reducescatter,
+    rooted, takes_star,
 };
 use crate::options::{FUSED_AGREEMENT_MAX_RANKS, GlooOptions};
 use crate::output_copy::{copy_into_output, output_leaves_cache_bytes};

@@ -55,7 +55,7 @@ impl Backend for GlooBackend {
                 {
                     allreduce::halving_doubling(o, data, op, scratch)
                 } else if data.len() <= self.small_bytes || count < self.world_size {
-                    if takes_star(self.world_size, data.len()) {
+                    if takes_star(self.world_size, data.len(), STAR_MAX_BYTES) {
                         allreduce::star(o, data, op, scratch)?;
                     } else {
                         allreduce::recursive_doubling(o, data, op, scratch)?;
@@ -181,7 +181,7 @@ impl Backend for GlooBackend {
                 ) {
                     done
                 } else if output.len() <= self.small_bytes
-                    && takes_star(self.world_size, output.len())
+                    && takes_star(self.world_size, output.len(), STAR_MAX_BYTES)
                 {
                     allgather::star(o, input, output, &blocks)
                 } else if output.len() <= self.small_bytes && self.pairs_over_sockets {
@@ -226,6 +226,14 @@ impl Backend for GlooBackend {
                         reducescatter::through_shared_memory(o, input, output, &blocks, op)
                     {
                         done
+                    } else if input.len() <= self.small_bytes
+                        && takes_star(
+                            self.world_size,
+                            input.len(),
+                            reducescatter::STAR_MAX_INBOUND_BYTES,
+                        )
+                    {
+                        reducescatter::star(o, input, output, &blocks, op, scratch)
                     } else if input.len() <= self.small_bytes && self.pairs_over_sockets {
                         let mut work = self.halving_work.lock().unwrap_or_else(|e| e.into_inner());
                         reducescatter::halving(o, input, output, &blocks, op, scratch, &mut work)
