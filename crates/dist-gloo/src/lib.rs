@@ -17,7 +17,7 @@
 //!   in pieces above (the reduction of one frame overlapping the transfer of the next);
 //! * broadcast: binomial tree / pipelined chain; reduce: binomial tree / ring reduce-scatter +
 //!   gather; all_gather and reduce_scatter (equal and uneven): one direct exchange up to
-//!   `small_bytes` (all_gather: a star through rank 0 on 3 to 8 ranks), ring above (all_gather's in pieces where no two ranks share memory);
+//!   `small_bytes` (a star through rank 0 on 3 to 8 ranks for the smallest), ring above (all_gather's in pieces where no two ranks share memory);
 //!   gather, scatter: direct, all transfers in flight at once; all_to_all: the same, or n − 1
 //!   pairwise exchanges from [`GlooOptions::all_to_all_pairwise_bytes`]; barrier:
 //!   through the group's shared memory where every rank maps it, else a star through rank 0
