@@ -1,8 +1,9 @@
 //! all_gather: through the shared-memory group area for blocks up to 4 KiB where the whole
 //! group has one (and larger ones where its ranks share cores), else for small buffers a star
 //! through rank 0 on 3 to 8 ranks, or one direct exchange (latency-bound; recursive doubling on
-//! a power-of-two group where every byte crosses a socket), the ring for large ones (bandwidth-bound, [`super::ring::all_gather`]),
-//! run in pieces where every byte crosses a socket.
+//! a power-of-two group where every byte crosses a socket), the ring for large ones
+//! (bandwidth-bound, [`super::ring::all_gather`]), run in pieces where every byte crosses a
+//! socket.
 
 use std::ops::Range;
 

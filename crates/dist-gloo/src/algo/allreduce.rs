@@ -133,18 +133,7 @@ pub(crate) fn star(
         return Ok(());
     }
     let inbound = super::scratch_bytes(scratch, len * (n - 1));
-    let mut recvs = Vec::with_capacity(n - 1);
-    let mut rest = &mut *inbound;
-    for p in 1..n {
-        let (theirs, tail) = std::mem::take(&mut rest).split_at_mut(len);
-        recvs.push(o.recv(p, theirs, tags::STAR));
-        rest = tail;
-    }
-    o.step(&[], &mut recvs)?;
-    drop(recvs);
-    for theirs in inbound.chunks_exact(len.max(1)).take(n - 1) {
-        o.combine(op, data, theirs)?;
-    }
+    super::star_reduce_at_root(o, data, inbound, op)?;
     let sends: Vec<_> = (1..n).map(|p| o.send(p, data, tags::STAR | 1)).collect();
     o.step(&sends, &mut [])
 }

@@ -64,9 +64,9 @@ pub(crate) mod tags {
     }
 }
 
-/// The largest group whose barrier and small all_reduces go over messages as a star through
-/// rank 0 (from 3 ranks): every rank sends rank 0 what it has, and rank 0 answers them all once
-/// every one has. Each rank but rank 0 waits once, where ⌈log2 n⌉ rounds cost every rank a wait
+/// The largest group whose barrier and small all_reduces, all_gathers and reduce_scatters go
+/// over messages as a star through rank 0 (from 3 ranks): every rank sends rank 0 what it has,
+/// and rank 0 answers them all once every one has. Each rank but rank 0 waits once, where ⌈log2 n⌉ rounds cost every rank a wait
 /// each, and where ranks share cores every wait is a turn on a core. Past this size rank 0's
 /// share, which grows with the group, outweighs the rounds, which grow with its logarithm.
 /// Open MPI runs its linear barrier from 4 to 7 ranks.
@@ -85,6 +85,36 @@ pub(crate) const STAR_MAX_BYTES: usize = 64 << 10;
 /// frames' headers whichever way each goes).
 pub(crate) fn takes_star(n: usize, each: usize, max_bytes: usize) -> bool {
     (3..=STAR_MAX_RANKS).contains(&n) && each.saturating_mul(n - 1) <= max_bytes
+}
+
+/// Rank 0's first step of a star whose every other rank sends `len` bytes: rank p's land in
+/// `inbound[(p − 1)·len..p·len]` (`inbound` holds at least (n − 1)·len bytes).
+fn star_receive(o: &Op<'_>, inbound: &mut [u8], len: usize) -> Result<()> {
+    let mut recvs = Vec::with_capacity(o.n() - 1);
+    let mut rest = inbound;
+    for p in 1..o.n() {
+        let (theirs, tail) = std::mem::take(&mut rest).split_at_mut(len);
+        recvs.push(o.recv(p, theirs, tags::STAR));
+        rest = tail;
+    }
+    o.step(&[], &mut recvs)
+}
+
+/// Rank 0's part of a reducing star: receives every other rank's `len` bytes into `inbound`
+/// ([`star_receive`]) and combines them into `acc`, which holds rank 0's own, in rank order.
+/// One rank combines everything, so every rank that gets a part of `acc` gets the same bits.
+pub(crate) fn star_reduce_at_root(
+    o: &Op<'_>,
+    acc: &mut [u8],
+    inbound: &mut [u8],
+    op: ReduceOp,
+) -> Result<()> {
+    let len = acc.len();
+    star_receive(o, inbound, len)?;
+    for theirs in inbound.chunks_exact(len.max(1)).take(o.n() - 1) {
+        o.combine(op, acc, &theirs[..len])?;
+    }
+    Ok(())
 }
 
 /// The window a `len`-byte message streams through with `seg`-byte frames: the message itself

@@ -1,7 +1,7 @@
 //! reduce_scatter: through the shared-memory group area up to 4 KiB where the whole group has
 //! one, else for small buffers a star through rank 0 on 3 to 8 ranks, or one direct exchange
-//! (latency-bound; recursive halving on a power-of-two group where every byte crosses a socket), the ring for large ones
-//! (bandwidth-bound, [`super::ring::reduce_scatter_into`]).
+//! (latency-bound; recursive halving on a power-of-two group where every byte crosses a
+//! socket), the ring for large ones (bandwidth-bound, [`super::ring::reduce_scatter_into`]).
 
 use std::ops::Range;
 
@@ -109,9 +109,8 @@ pub(crate) const STAR_MAX_INBOUND_BYTES: usize = 16 << 10;
 /// and [`super::takes_star`] with the input's length and [`STAR_MAX_INBOUND_BYTES`] for when.
 /// TCP only, alternated with the schedules before it (medians, us): 3 ranks 48 B 27.8 against
 /// 54.7, 8 KiB 38.0 against 70.5; 4 ranks 64 B 46.8 against 58.5, 1 KiB 39.2 against 62.8;
-/// 8 ranks 64 B 141 against 193, 1 KiB 136 against 221. One rank reduces every block,
-/// so results are as deterministic as the other schedules'. `scratch` holds the n − 1 received
-/// inputs and the sum.
+/// 8 ranks 64 B 141 against 193, 1 KiB 136 against 221. `scratch` holds the sum and the n − 1
+/// received inputs.
 pub(crate) fn star(
     o: &Op<'_>,
     input: &[u8],
@@ -128,22 +127,8 @@ pub(crate) fn star(
         );
     }
     let (sum, inbound) = super::scratch_bytes(scratch, len * n).split_at_mut(len);
-    {
-        let mut recvs: Vec<_> = inbound
-            .chunks_exact_mut(len.max(1))
-            .take(n - 1)
-            .enumerate()
-            .map(|(i, theirs)| o.recv(i + 1, &mut theirs[..len], tags::STAR))
-            .collect();
-        if len == 0 {
-            recvs = (1..n).map(|p| o.recv(p, &mut [], tags::STAR)).collect();
-        }
-        o.step(&[], &mut recvs)?;
-    }
     dist_simd::copy::bulk(sum, input);
-    for theirs in inbound.chunks_exact(len.max(1)).take(n - 1) {
-        o.combine(op, sum, &theirs[..len])?;
-    }
+    super::star_reduce_at_root(o, sum, inbound, op)?;
     let sends: Vec<_> = (1..n)
         .map(|p| o.send(p, &sum[blocks[p].clone()], tags::STAR | 1))
         .collect();
