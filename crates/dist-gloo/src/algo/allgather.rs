@@ -91,12 +91,8 @@ pub(crate) fn star(
     output: &mut [u8],
     blocks: &[Range<usize>],
 ) -> Result<()> {
-    let (n, r) = (o.n(), o.rank());
-    if r != 0 {
-        return o.step(
-            &[o.send(0, input, tags::STAR)],
-            &mut [o.recv(0, output, tags::STAR | 1)],
-        );
+    if o.rank() != 0 {
+        return super::star_leaf(o, input, output);
     }
     {
         let mut recvs: Vec<_> = split_blocks(output, blocks)
@@ -107,8 +103,7 @@ pub(crate) fn star(
             .collect();
         o.step(&[], &mut recvs)?;
     }
-    let sends: Vec<_> = (1..n).map(|p| o.send(p, output, tags::STAR | 1)).collect();
-    o.step(&sends, &mut [])
+    super::star_release(o, |_| output)
 }
 
 /// Given that every rank of a power-of-two group holds its own block `rank` of `data` (split

@@ -125,17 +125,13 @@ pub(crate) fn star(
     let (n, r, len) = (o.n(), o.rank(), data.len());
     if r != 0 {
         let result = super::scratch_bytes(scratch, len);
-        o.step(
-            &[o.send(0, data, tags::STAR)],
-            &mut [o.recv(0, result, tags::STAR | 1)],
-        )?;
+        super::star_leaf(o, data, result)?;
         dist_simd::copy::bulk(data, result);
         return Ok(());
     }
     let inbound = super::scratch_bytes(scratch, len * (n - 1));
     super::star_reduce_at_root(o, data, inbound, op)?;
-    let sends: Vec<_> = (1..n).map(|p| o.send(p, data, tags::STAR | 1)).collect();
-    o.step(&sends, &mut [])
+    super::star_release(o, |_| data)
 }
 
 /// Reduces `data` in place across all ranks with recursive doubling: ⌈log2 n⌉ exchanges of the

@@ -87,6 +87,24 @@ pub(crate) fn takes_star(n: usize, each: usize, max_bytes: usize) -> bool {
     (3..=STAR_MAX_RANKS).contains(&n) && each.saturating_mul(n - 1) <= max_bytes
 }
 
+/// A star seen from any rank but rank 0, both its steps in one: sends rank 0 `mine` and
+/// receives what rank 0 sends back into `back`.
+pub(crate) fn star_leaf(o: &Op<'_>, mine: &[u8], back: &mut [u8]) -> Result<()> {
+    o.step(
+        &[o.send(0, mine, tags::STAR)],
+        &mut [o.recv(0, back, tags::STAR | 1)],
+    )
+}
+
+/// Rank 0's last step of a star: sends every other rank p `part(p)`, which its
+/// [`star_leaf`] receives.
+pub(crate) fn star_release<'a>(o: &Op<'_>, part: impl Fn(usize) -> &'a [u8]) -> Result<()> {
+    let sends: Vec<_> = (1..o.n())
+        .map(|p| o.send(p, part(p), tags::STAR | 1))
+        .collect();
+    o.step(&sends, &mut [])
+}
+
 /// Rank 0's first step of a star whose every other rank sends `len` bytes: rank p's land in
 /// `inbound[(p − 1)·len..p·len]` (`inbound` holds at least (n − 1)·len bytes).
 fn star_receive(o: &Op<'_>, inbound: &mut [u8], len: usize) -> Result<()> {

@@ -121,18 +121,12 @@ pub(crate) fn star(
 ) -> Result<()> {
     let (n, r, len) = (o.n(), o.rank(), input.len());
     if r != 0 {
-        return o.step(
-            &[o.send(0, input, tags::STAR)],
-            &mut [o.recv(0, output, tags::STAR | 1)],
-        );
+        return super::star_leaf(o, input, output);
     }
     let (sum, inbound) = super::scratch_bytes(scratch, len * n).split_at_mut(len);
     dist_simd::copy::bulk(sum, input);
     super::star_reduce_at_root(o, sum, inbound, op)?;
-    let sends: Vec<_> = (1..n)
-        .map(|p| o.send(p, &sum[blocks[p].clone()], tags::STAR | 1))
-        .collect();
-    o.step(&sends, &mut [])?;
+    super::star_release(o, |p| &sum[blocks[p].clone()])?;
     dist_simd::copy::bulk(output, &sum[blocks[0].clone()]);
     Ok(())
 }

@@ -221,13 +221,9 @@ pub(crate) fn barrier(o: &Op<'_>) -> Result<()> {
         if r == 0 {
             let mut arrivals: Vec<_> = (1..n).map(|p| o.recv(p, &mut [], tags::STAR)).collect();
             o.step(&[], &mut arrivals)?;
-            let releases: Vec<_> = (1..n).map(|p| o.send(p, &[], tags::STAR | 1)).collect();
-            return o.step(&releases, &mut []);
+            return super::star_release(o, |_| &[]);
         }
-        return o.step(
-            &[o.send(0, &[], tags::STAR)],
-            &mut [o.recv(0, &mut [], tags::STAR | 1)],
-        );
+        return super::star_leaf(o, &[], &mut []);
     }
     let mut dist = 1;
     let mut round = 0;
