@@ -371,6 +371,19 @@ fn median_row<'a>(runs: &'a [Value], op: &str, size: u64) -> Option<(&'a Value, 
     Some((rows[(rows.len() - 1) / 2].0, lo, hi))
 }
 
+/// The mean columns of a row: each side's mean of the per-iteration maxima and their ratio
+/// (the peer's time over ours, so that above 1 is ahead, as the median's ratio), or dashes
+/// where a side reported none.
+fn means(ours: &Value, theirs: &Value) -> String {
+    match (ours["mean_us"].as_f64(), theirs["mean_us"].as_f64()) {
+        (Some(a), Some(b)) if a > 0.0 => format!("{a:>9.1} {b:>9.1} {:>5.2}x", b / a),
+        (a, b) => {
+            let us = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.1}"));
+            format!("{:>9} {:>9} {:>6}", us(a), us(b), "-")
+        }
+    }
+}
+
 fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
     let rounds = ours.len().min(theirs.len());
     let how = if rounds > 1 {
@@ -384,16 +397,19 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
         "same invocation".to_string()
     };
     println!(
-        "\n# world_size {n}: dist-gloo vs {peer} ({how}; busbw in GB/s, time = median of per-iteration max over ranks)"
+        "\n# world_size {n}: dist-gloo vs {peer} ({how}; busbw in GB/s, time = median of per-iteration max over ranks; mean: their mean, the throughput of back-to-back calls, which the median hides where a rank runs ahead and waits in a few long iterations)"
     );
     println!(
-        "# {:>15} {:>10} | {:>10} {:>8} | {:>10} {:>8} | {:>8}{}",
+        "# {:>15} {:>10} | {:>10} {:>8} | {:>10} {:>8} | {:>8} | {:>9} {:>9} {:>6}{}",
         "op",
         "bytes",
         "ours us",
         "busbw",
         "peer us",
         "busbw",
+        "ratio",
+        "ours mean",
+        "peer mean",
         "ratio",
         if rounds > 1 {
             " | ours range us | peer range us"
@@ -437,9 +453,10 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
                 String::new()
             };
             println!(
-                "  {op:>15} {s:>10} | {ta:>10.1} {:>8} | {tb:>10.1} {:>8} | {ratio:>7.2}x{ranges}",
+                "  {op:>15} {s:>10} | {ta:>10.1} {:>8} | {tb:>10.1} {:>8} | {ratio:>7.2}x | {}{ranges}",
                 bw(ba),
-                bw(bb)
+                bw(bb),
+                means(a, b)
             );
         }
     }
@@ -590,6 +607,24 @@ mod tests {
 
     fn args(s: &str) -> Vec<String> {
         s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn the_mean_columns_give_the_peers_time_over_ours_and_dashes_for_a_side_without_one() {
+        let ours = serde_json::json!({"mean_us": 50.0});
+        let peer = serde_json::json!({"mean_us": 75.0});
+        let cols = means(&ours, &peer);
+        assert_eq!(
+            cols.split_whitespace().collect::<Vec<_>>(),
+            ["50.0", "75.0", "1.50x"]
+        );
+        let old_peer = serde_json::json!({"median_us": 75.0});
+        assert_eq!(
+            means(&ours, &old_peer)
+                .split_whitespace()
+                .collect::<Vec<_>>(),
+            ["50.0", "-", "-"]
+        );
     }
 
     #[test]
