@@ -132,9 +132,10 @@ fn expected(n: usize, me: usize, count: usize) -> Vec<f32> {
 fn runs_of_small_rooted_ops_interleave_with_every_op_on_1_to_5_ranks() {
     for n in 1..=5 {
         let ranks = tcp_world(n, &GlooOptions::default());
-        // 0, 1, uneven, and just below and above 48 KiB (where a send may fill the socket
-        // and wait for its receiver).
-        for count in [0, 1, 7, (12 << 10) - 1, (12 << 10) + 3] {
+        // 0, 1, uneven, just below and above 48 KiB (where a send may fill the socket and
+        // wait for its receiver), and 256 KiB (where the root runs the fewest operations
+        // ahead of its verification, `agree::deferred_keep`).
+        for count in [0, 1, 7, (12 << 10) - 1, (12 << 10) + 3, 64 << 10] {
             let got = on_all(&ranks, |b| mixed_sequence(b, count));
             for (r, g) in got.iter().enumerate() {
                 assert!(

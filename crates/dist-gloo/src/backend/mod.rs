@@ -397,7 +397,13 @@ impl GlooBackend {
                 _ => false,
             };
         let keep = if sends_only {
-            agree::MAX_DEFERRED - 1
+            // What the root sends of each: the buffer, or for a scatter every block.
+            let blocks = if name == CollectiveOp::Scatter {
+                self.world_size
+            } else {
+                1
+            };
+            agree::deferred_keep(count * dtype.size() * blocks)
         } else {
             0
         };
@@ -439,8 +445,9 @@ impl GlooBackend {
     /// per broadcast, and the second cost as much as the first (2 ranks over shared memory,
     /// 4-byte broadcasts: 0.95-1.0 us against 0.7 with no reads at all); reading the older
     /// half of the queue at once costs one step per half a queue of broadcasts (17 of
-    /// [`agree::MAX_DEFERRED`] = 32), and leaves the root `keep / 2` operations ahead of the
-    /// frames it has read, so that it seldom waits for its receivers' newest frames.
+    /// [`agree::MAX_DEFERRED`] = 32 for small ones; [`agree::deferred_keep`] for large), and
+    /// leaves the root `keep / 2` operations ahead of the frames it has read, so that it
+    /// seldom waits for its receivers' newest frames.
     fn verify_deferred(&self, keep: usize, deadline: Instant) -> Result<()> {
         let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
         if q.len() <= keep {
