@@ -7,6 +7,8 @@
 //! output is dropped. With `--vs`, the peer's script from `xtask/peers/` runs right after with
 //! the same ops and sizes, and a table of both and their ratio follows: torch's Gloo, or Open
 //! MPI over TCP (the fair peer across hosts) or over shared memory (the fair peer on one host).
+//! A line under each table lists the cells where we are behind the peer, by the median or the
+//! mean.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -384,6 +386,28 @@ fn means(ours: &Value, theirs: &Value) -> String {
     }
 }
 
+/// The peer's mean over ours (above 1 is ahead), where both sides reported a mean.
+fn mean_ratio(ours: &Value, theirs: &Value) -> Option<f64> {
+    match (ours["mean_us"].as_f64(), theirs["mean_us"].as_f64()) {
+        (Some(a), Some(b)) if a > 0.0 => Some(b / a),
+        _ => None,
+    }
+}
+
+/// A cell for the list under a table of the cells where we are behind the peer, by the median's
+/// ratio or the mean's: `op size ratio` (and the mean's ratio where there is one), or `None`
+/// where we are not behind by either. In a table of 70 rows, the few that fall short are what a
+/// reader looks for; a ratio that is not a number (a side without the op) is not behind.
+fn behind(op: &str, size: u64, ratio: f64, mean: Option<f64>) -> Option<String> {
+    if !(ratio < 1.0 || mean.is_some_and(|m| m < 1.0)) {
+        return None;
+    }
+    Some(match mean {
+        Some(m) => format!("{op} {size} {ratio:.2}x (mean {m:.2}x)"),
+        None => format!("{op} {size} {ratio:.2}x"),
+    })
+}
+
 fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
     let rounds = ours.len().min(theirs.len());
     let how = if rounds > 1 {
@@ -417,6 +441,7 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
             ""
         }
     );
+    let mut behind_cells = Vec::new();
     for op in &fl.ops {
         let sizes: Vec<u64> = if LATENCY.contains(&op.as_str()) {
             vec![0]
@@ -458,8 +483,17 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
                 bw(bb),
                 means(a, b)
             );
+            behind_cells.extend(behind(op, s, ratio, mean_ratio(a, b)));
         }
     }
+    println!(
+        "# behind {peer} (under 1.00x by the median or the mean): {}",
+        if behind_cells.is_empty() {
+            "none".to_string()
+        } else {
+            behind_cells.join(", ")
+        }
+    );
 }
 
 pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
@@ -625,6 +659,32 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["50.0", "-", "-"]
         );
+    }
+
+    #[test]
+    fn the_cells_behind_the_peer_by_median_or_mean_are_listed_and_no_others() {
+        assert_eq!(behind("broadcast", 4, 1.20, Some(1.10)), None);
+        assert_eq!(
+            behind("broadcast", 1024, 0.63, Some(0.75)).as_deref(),
+            Some("broadcast 1024 0.63x (mean 0.75x)")
+        );
+        // Ahead by the median but behind by the mean, or behind with no mean to say.
+        assert_eq!(
+            behind("all_to_all", 67108864, 1.03, Some(0.99)).as_deref(),
+            Some("all_to_all 67108864 1.03x (mean 0.99x)")
+        );
+        assert_eq!(
+            behind("barrier", 0, 0.69, None).as_deref(),
+            Some("barrier 0 0.69x")
+        );
+        // A side without the op (torch has no reduce_scatter) is not behind.
+        assert_eq!(behind("reduce_scatter", 4, f64::NAN, None), None);
+        let (ours, peer) = (
+            serde_json::json!({"mean_us": 50.0}),
+            serde_json::json!({"mean_us": 40.0}),
+        );
+        assert_eq!(mean_ratio(&ours, &peer), Some(0.8));
+        assert_eq!(mean_ratio(&ours, &serde_json::json!({})), None);
     }
 
     #[test]
