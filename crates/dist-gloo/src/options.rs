@@ -225,8 +225,9 @@ impl GlooOptions {
     /// `DIST_GLOO_EAGER_ROOT` ([`GlooOptions::lazy_root_verification`]),
     /// `DIST_GLOO_SPIN_US` (busy-poll microseconds before sleeping), `DIST_GLOO_SEGMENT_BYTES`
     /// `DIST_GLOO_SOCKET_BUFFER` (bytes; unset keeps the kernel's autotuning),
-    /// `DIST_GLOO_SAME_HOST_CONGESTION` (a congestion control's name; empty keeps the system's:
-    /// see `MeshOptions::same_host_congestion`), `DIST_GLOO_CMA`
+    /// `DIST_GLOO_SAME_HOST_CONGESTION` (a congestion control's name, which the mesh then
+    /// insists on; empty keeps the system's: see `MeshOptions::same_host_congestion`),
+    /// `DIST_GLOO_CMA`
     /// (`0` turns single-copy transfers between local ranks off), `DIST_GLOO_CMA_MIN_BYTES`,
     /// `DIST_GLOO_CMA_OVER_SHM` (`0` or `1`; unset decides by the host's CPUs),
     /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
@@ -263,7 +264,7 @@ impl GlooOptions {
         }
         o.mesh.socket_buffer = var("DIST_GLOO_SOCKET_BUFFER");
         if let Ok(v) = std::env::var("DIST_GLOO_SAME_HOST_CONGESTION") {
-            o.mesh.same_host_congestion = (!v.is_empty()).then_some(v);
+            o.mesh.same_host_congestion = Some(v);
         }
         if let Some(v) = var("DIST_GLOO_CMA") {
             o.mesh.cross_memory = v != 0;
