@@ -377,9 +377,10 @@ fn median_row<'a>(runs: &'a [Value], op: &str, size: u64) -> Option<(&'a Value, 
 /// (the peer's time over ours, so that above 1 is ahead, as the median's ratio), or dashes
 /// where a side reported none.
 fn means(ours: &Value, theirs: &Value) -> String {
-    match (ours["mean_us"].as_f64(), theirs["mean_us"].as_f64()) {
-        (Some(a), Some(b)) if a > 0.0 => format!("{a:>9.1} {b:>9.1} {:>5.2}x", b / a),
-        (a, b) => {
+    let (a, b) = (ours["mean_us"].as_f64(), theirs["mean_us"].as_f64());
+    match (a, b, mean_ratio(ours, theirs)) {
+        (Some(a), Some(b), Some(r)) => format!("{a:>9.1} {b:>9.1} {r:>5.2}x"),
+        _ => {
             let us = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.1}"));
             format!("{:>9} {:>9} {:>6}", us(a), us(b), "-")
         }
