@@ -157,6 +157,11 @@ fn start(
             )
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
+            // The scenario's settings, not the ones the test runner was started with (a run
+            // under `DIST_GLOO_TRANSPORT=tcp` must not turn the shared-memory case into TCP).
+            for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("DIST_GLOO_")) {
+                cmd.env_remove(k);
+            }
             for (k, v) in env {
                 cmd.env(k, v);
             }

@@ -545,6 +545,7 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
     ] {
         // A failed operation aborts the group: a fresh one per op.
         let ranks = tcp_world(n, &GlooOptions::default());
+        let t0 = Instant::now();
         let outs = outcomes(&ranks, |b| {
             let root = root_of(b.rank());
             let mine = vec![1u8; 12];
@@ -580,6 +581,14 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
                 }
             }
         });
+        // The timeout is 60 s. Every rank hears of the disagreement at once: rank 0, the root
+        // of ranks 0 and 1, once waited out the timeout for rank 2's agreement frame after
+        // rank 1's notice, though rank 2 sends it only to the rank it takes for the root.
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{op}: {:?}",
+            t0.elapsed()
+        );
         for (r, o) in outs.iter().enumerate() {
             let e = &o.err;
             // A root, or a rank whose own part was consistent, reports at its next operation;

@@ -317,10 +317,8 @@ pub(crate) fn fused_step(
 }
 
 /// After a disagreement learnt from another rank's abort notice: this rank's own, if a rank
-/// whose agreement frame it had not read yet disagrees with it. That frame is the first thing
-/// the rank sent this operation on the connection, so it is there (or the rank is gone, or
-/// the deadline passes: then the notice stands); a rank that can name the other side itself
-/// says so rather than relay what it heard.
+/// whose agreement frame it had not read yet disagrees with it; a rank that can name the other
+/// side itself says so rather than relay what it heard.
 fn first_hand(o: &Op<'_>, unread: &[bool]) -> Option<Error> {
     let next: Vec<Option<u64>> = unread.iter().map(|&u| u.then_some(0)).collect();
     first_hand_at(o, &next)
@@ -328,6 +326,13 @@ fn first_hand(o: &Op<'_>, unread: &[bool]) -> Option<Error> {
 
 /// [`first_hand`] where `next[p]`, when `Some(ahead)`, says peer p's next unread agreement
 /// frame is of the operation `ahead` after `o`'s ([`Incoming::seq_ahead`]).
+///
+/// It judges only the frames already here (the failed step read what its connections held),
+/// and waits for none: a rank that disagrees about the root sends its frame to the rank it
+/// takes for the root, or none if it takes itself for it, and a rank that has read this
+/// rank's abort notice says nothing more to it. Waiting for their frames ran to the deadline:
+/// in a 3-rank reduce whose ranks 0 and 1 named root 0 and rank 2 root 1, rank 0 heard of the
+/// disagreement from rank 1 at once and then waited 60 s for rank 2's frame.
 fn first_hand_at(o: &Op<'_>, next: &[Option<u64>]) -> Option<Error> {
     let mut rest: Vec<Incoming<'_>> = (0..o.n())
         .filter_map(|p| next[p].map(|seq_ahead| (p, seq_ahead)))
@@ -336,7 +341,10 @@ fn first_hand_at(o: &Op<'_>, next: &[Option<u64>]) -> Option<Error> {
             ..o.recv(p, &mut [], FUSED_TAG)
         })
         .collect();
-    match o.t.exchange(&o.ctx, &[], &mut rest, &mut |_, _, _| Ok(())) {
+    // A deadline already past: the step delivers what is stashed, then fails.
+    let mut ctx = o.ctx;
+    ctx.deadline = std::time::Instant::now();
+    match o.t.exchange(&ctx, &[], &mut rest, &mut |_, _, _| Ok(())) {
         Err(e @ Error::Mismatch { .. }) => Some(e),
         _ => None,
     }

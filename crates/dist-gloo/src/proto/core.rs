@@ -760,7 +760,9 @@ impl Core {
         };
         for (p, c) in self.conns.iter_mut().enumerate() {
             let Some(c) = c else { continue };
-            if Some(p) == lost || c.state != PeerState::Open {
+            // A peer reads nothing after the first notice (the first thing learnt sticks): a
+            // later step of the aborted group that fails too has nothing to add.
+            if Some(p) == lost || c.state != PeerState::Open || c.notified {
                 continue;
             }
             let rest = if c.mid_frame {

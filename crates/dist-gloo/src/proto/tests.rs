@@ -224,6 +224,52 @@ fn an_abort_notice_follows_the_rest_of_a_half_written_frame_and_sticks() {
     assert_eq!(&buf[..64], &[5u8; 64][..]);
 }
 
+/// A peer reads nothing after the first abort notice (the first thing learnt sticks), so a
+/// later step of the aborted group that fails too (a root judging, with a deadline already
+/// past, what it holds after a relayed disagreement) queues no second one.
+#[test]
+fn each_peer_is_sent_one_abort_notice() {
+    let t0 = Instant::now();
+    let mut a = Core::new(0, 3, 64);
+    let mut noop = |_: usize, _: Range<usize>, _: &mut [u8]| Ok(());
+    let mut idle = Step::idle();
+    fn wait_for(peer: usize, buf: &mut [u8; 4]) -> [Incoming<'_>; 1] {
+        [Incoming {
+            peer,
+            buf,
+            count: 4,
+            tag: 0,
+            streamed: None,
+            seq_ahead: 0,
+        }]
+    }
+    // Waiting for rank 2, which is lost: rank 1 is told whom to blame.
+    let mut from2 = [0u8; 4];
+    let mut recvs = wait_for(2, &mut from2);
+    let mut s = a.begin(ctx(0, CollectiveOp::AllReduce, 4, t0), &[], &recvs);
+    a.eof(2);
+    assert_eq!(
+        a.poll(&mut s, &[], &mut recvs, &mut noop, t0),
+        Status::Failed
+    );
+    a.finish(&mut s, &[], t0).unwrap_err();
+    let notice = a.transmit(&mut idle, &[], 1).concat();
+    assert_eq!(notice, CloseReason::Lost { culprit: 2 }.encode(0));
+    a.transmitted(&mut idle, &[], 1, notice.len());
+    // The next step waits for rank 1 past its deadline: it times out, and says nothing more.
+    let mut from1 = [0u8; 4];
+    let mut recvs = wait_for(1, &mut from1);
+    let mut s = a.begin(ctx(0, CollectiveOp::AllReduce, 5, t0), &[], &recvs);
+    let late = t0 + Duration::from_secs(11);
+    assert_eq!(
+        a.poll(&mut s, &[], &mut recvs, &mut noop, late),
+        Status::Failed
+    );
+    let e = a.finish(&mut s, &[], late).unwrap_err();
+    assert!(matches!(e, Error::Timeout { rank: 0, .. }), "{e}");
+    assert!(a.transmit(&mut idle, &[], 1).concat().is_empty());
+}
+
 /// A point-to-point message for a later tag is stashed, and delivered to the step that wants
 /// it, after one the current step wants that came behind it.
 #[test]
