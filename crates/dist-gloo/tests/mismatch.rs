@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{DRIVERS, on_all, shm_rings_transports, tcp_world};
 use dist_backend::{Backend, BufMut, BufRef, Error, OpDesc, OpOptions};
+use dist_gloo::transport::shm::TransportMode;
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{CollectiveOp, DType, ReduceOp};
 
@@ -52,15 +53,26 @@ fn outcomes<F>(ranks: &[GlooBackend], call: F) -> Vec<Outcome>
 where
     F: Fn(&GlooBackend) -> dist_backend::Result<()> + Sync,
 {
+    outcomes_within(ranks, 1, call)
+}
+
+/// [`outcomes`] where a rank whose call returns Ok runs up to `barriers` barriers, one of
+/// which must fail: a rank that holds no frame of the disagreement may complete a barrier
+/// that the ranks holding one fail once every rank has arrived (through the group area),
+/// and hears of it at the next.
+fn outcomes_within<F>(ranks: &[GlooBackend], barriers: usize, call: F) -> Vec<Outcome>
+where
+    F: Fn(&GlooBackend) -> dist_backend::Result<()> + Sync,
+{
     on_all(ranks, |b| match call(b) {
         Err(err) => Outcome {
             err,
             returned: false,
         },
         Ok(()) => Outcome {
-            err: b
-                .barrier(&opts())
-                .expect_err("a rank that disagrees must fail at its next operation"),
+            err: (0..barriers)
+                .find_map(|_| b.barrier(&opts()).err())
+                .expect("a rank that disagrees must fail within its next operations"),
             returned: true,
         },
     })
@@ -546,41 +558,7 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
         // A failed operation aborts the group: a fresh one per op.
         let ranks = tcp_world(n, &GlooOptions::default());
         let t0 = Instant::now();
-        let outs = outcomes(&ranks, |b| {
-            let root = root_of(b.rank());
-            let mine = vec![1u8; 12];
-            let mut all = vec![0u8; 12 * n];
-            let is_root = b.rank() == root;
-            match op {
-                CollectiveOp::Reduce => {
-                    let mut v = mine.clone();
-                    b.reduce(
-                        BufMut::Host(&mut v),
-                        DType::U8,
-                        ReduceOp::Sum,
-                        root,
-                        &opts(),
-                    )
-                }
-                CollectiveOp::Gather => b.gather(
-                    BufRef::Host(&mine),
-                    is_root.then_some(BufMut::Host(&mut all)),
-                    DType::U8,
-                    root,
-                    &opts(),
-                ),
-                _ => {
-                    let mut out = vec![0u8; 12];
-                    b.scatter(
-                        is_root.then_some(BufRef::Host(&all)),
-                        BufMut::Host(&mut out),
-                        DType::U8,
-                        root,
-                        &opts(),
-                    )
-                }
-            }
-        });
+        let outs = outcomes(&ranks, |b| rooted_call(b, op, root_of(b.rank()), 12));
         // The timeout is 60 s. Every rank hears of the disagreement at once: rank 0, the root
         // of ranks 0 and 1, once waited out the timeout for rank 2's agreement frame after
         // rank 1's notice, though rank 2 sends it only to the rank it takes for the root.
@@ -589,19 +567,134 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
             "{op}: {:?}",
             t0.elapsed()
         );
-        for (r, o) in outs.iter().enumerate() {
-            let e = &o.err;
-            // A root, or a rank whose own part was consistent, reports at its next operation;
-            // a rank may also hear of it from the rank that found it.
-            if o.returned || matches!(e, Error::MismatchReported { .. }) {
-                assert_names_a_disagreement(e, op, root_of);
-                continue;
-            }
-            let (ours, theirs) = sides(e);
-            assert_eq!(ours.op, op, "{e}");
-            assert_eq!(ours.root, Some(root_of(r)), "{e}");
-            assert_ne!(theirs.root, ours.root, "{op}: rank {r}: {e}");
+        assert_every_rank_names_a_disagreement(op, &outs, root_of, "");
+    }
+}
+
+/// Every way 2 and 3 ranks can disagree about the root of a broadcast, reduce, gather or
+/// scatter (2 of 4 and 24 of 27 ways to name a root each), small and (3 ranks) 1 MiB a rank,
+/// and (3 ranks, small) over TCP only, and a fixed sample of the 4-rank ways: every rank fails, at once or within its next two
+/// operations, naming a disagreement, and none waits for its timeout. Among the cases this
+/// found: a reduce's or gather's would-be roots each waited for the other's data (roots
+/// [0, 1, 2] of a gather), a reduce's root waited its whole timeout for a frame after another
+/// rank's notice, and in a reduce with roots [1, 0, 0] every rank sent, none received, and
+/// every rank's next barrier through the group area returned Ok.
+#[test]
+fn every_way_of_disagreeing_about_the_root_fails_every_rank_at_once() {
+    let ways = |n: usize| {
+        (0..n.pow(n as u32)).map(move |code| {
+            (0..n)
+                .map(|i| code / n.pow(i as u32) % n)
+                .collect::<Vec<usize>>()
+        })
+    };
+    let disagree = |roots: &Vec<usize>| roots.iter().any(|&r| r != roots[0]);
+    let mut tcp_only = GlooOptions::default();
+    tcp_only.mesh.transport = TransportMode::Tcp;
+    tcp_only.mesh.cross_memory = false;
+    let default = GlooOptions::default();
+    let mut cases: Vec<(Vec<usize>, usize, &GlooOptions)> = Vec::new();
+    cases.extend(ways(2).filter(disagree).map(|r| (r, 12, &default)));
+    for bytes in [12, 1 << 20] {
+        cases.extend(ways(3).filter(disagree).map(|r| (r, bytes, &default)));
+    }
+    cases.extend(ways(3).filter(disagree).map(|r| (r, 12, &tcp_only)));
+    // Every 5th of the 256 ways (a step prime to 4, so that every rank's root varies).
+    cases.extend(
+        ways(4)
+            .step_by(5)
+            .filter(disagree)
+            .map(|r| (r, 12, &default)),
+    );
+    for (roots, bytes, gopts) in &cases {
+        let root_of = |r: usize| roots[r];
+        for op in [
+            CollectiveOp::Broadcast,
+            CollectiveOp::Reduce,
+            CollectiveOp::Gather,
+            CollectiveOp::Scatter,
+        ] {
+            let ranks = tcp_world(roots.len(), gopts);
+            let t0 = Instant::now();
+            let outs =
+                outcomes_within(&ranks, 2, |b| rooted_call(b, op, root_of(b.rank()), *bytes));
+            let case = format!("roots {roots:?}, {bytes} B, {:?}", gopts.mesh.transport);
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{op}, {case}: {:?}",
+                t0.elapsed()
+            );
+            assert_every_rank_names_a_disagreement(op, &outs, root_of, &case);
         }
+    }
+}
+
+/// Rank `b` runs `op` (a rooted one) from `root` on `bytes` bytes a rank.
+fn rooted_call(
+    b: &GlooBackend,
+    op: CollectiveOp,
+    root: usize,
+    bytes: usize,
+) -> dist_backend::Result<()> {
+    let n = b.world_size();
+    let mine = vec![1u8; bytes];
+    let mut all = vec![0u8; bytes * n];
+    let is_root = b.rank() == root;
+    match op {
+        CollectiveOp::Broadcast => {
+            let mut v = mine;
+            b.broadcast(BufMut::Host(&mut v), DType::U8, root, &opts())
+        }
+        CollectiveOp::Reduce => {
+            let mut v = mine;
+            b.reduce(
+                BufMut::Host(&mut v),
+                DType::U8,
+                ReduceOp::Sum,
+                root,
+                &opts(),
+            )
+        }
+        CollectiveOp::Gather => b.gather(
+            BufRef::Host(&mine),
+            is_root.then_some(BufMut::Host(&mut all)),
+            DType::U8,
+            root,
+            &opts(),
+        ),
+        CollectiveOp::Scatter => {
+            let mut out = vec![0u8; bytes];
+            b.scatter(
+                is_root.then_some(BufRef::Host(&all)),
+                BufMut::Host(&mut out),
+                DType::U8,
+                root,
+                &opts(),
+            )
+        }
+        other => panic!("{other} is not rooted"),
+    }
+}
+
+/// Every rank of a rooted `op` run with the roots `root_of` failed naming a disagreement: a
+/// root, or a rank whose own part was consistent, at its next operation or from the rank that
+/// found it; any other with its own side and another root.
+fn assert_every_rank_names_a_disagreement(
+    op: CollectiveOp,
+    outs: &[Outcome],
+    root_of: impl Fn(usize) -> usize + Copy,
+    case: &str,
+) {
+    for (r, o) in outs.iter().enumerate() {
+        let e = &o.err;
+        if o.returned || matches!(e, Error::MismatchReported { .. }) {
+            assert_names_a_disagreement(e, op, root_of);
+            continue;
+        }
+        let (ours, theirs) = sides(e);
+        assert_eq!(ours.op, op, "{op} {case}: rank {r}: {e}");
+        assert_eq!(ours.root, Some(root_of(r)), "{op} {case}: rank {r}: {e}");
+        assert_ne!(theirs.root, ours.root, "{op} {case}: rank {r}: {e}");
     }
 }
 

@@ -23,7 +23,18 @@
 //!   about the root send their data down different trees, and some rank that does not share
 //!   the sender's view always receives from it (the first rank on the sender's tree that
 //!   names another root), so the one that would otherwise wait on a peer that never sends
-//!   fails naming the other side.
+//!   fails naming the other side;
+//! - in `reduce` and `gather`, whose root receives, the root also sends every other rank a
+//!   header-only frame in its first step, and every other rank reads it (in the first step
+//!   that sends to or receives from the root, else once its own steps are done). Without it,
+//!   two would-be roots each waited for the other's data, and nothing flowed that would show
+//!   either of them the disagreement (a gather whose 3 ranks each took themselves for the
+//!   root timed out on all three). Now every rank waits for someone: a rank that names
+//!   another root waits for that root's frame, a root for its data; and every frame that
+//!   shows a disagreement (a would-be root's frame to all, a rank's frame to the root it
+//!   names, its data to its parent in that root's tree) reaches a rank that waits, which
+//!   judges it. The cost is n − 1 header-only writes by the root, and a rank whose data the
+//!   root takes no longer returns before the root has started.
 //!
 //! A rank whose own data was consistent returns without waiting for anyone else's frame, and
 //! hears of a disagreement elsewhere from the rank that found it (its abort notice), or from a
@@ -81,6 +92,9 @@ pub(crate) struct Pending {
     sent: bool,
     /// Per peer rank: its frame is still to be read.
     unread: Vec<bool>,
+    /// The root receives (reduce, gather): it sends every other rank a frame too, which each
+    /// reads (see the module's documentation).
+    root_receives: bool,
     /// This rank is the root and leaves the frames of the peers it does not receive from to a
     /// later operation ([`Deferred`]) instead of reading them before it returns.
     lazy_root: bool,
@@ -91,12 +105,22 @@ pub(crate) struct Pending {
 
 impl Pending {
     /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`, for an operation
-    /// rooted at `root`: the root is owed every other rank's frame, a receiver none;
-    /// `lazy_root` as in [`Pending::lazy_root`].
-    pub(crate) fn new(n: usize, rank: usize, root: usize, lazy_root: bool) -> Self {
+    /// rooted at `root`: the root is owed every other rank's frame; any other rank the root's,
+    /// where the root receives (`root_receives`: reduce, gather), else none; `lazy_root` as in
+    /// [`Pending::lazy_root`].
+    pub(crate) fn new(
+        n: usize,
+        rank: usize,
+        root: usize,
+        root_receives: bool,
+        lazy_root: bool,
+    ) -> Self {
         Pending {
             sent: false,
-            unread: (0..n).map(|p| rank == root && p != rank).collect(),
+            unread: (0..n)
+                .map(|p| p != rank && (rank == root || (root_receives && p == root)))
+                .collect(),
+            root_receives,
             lazy_root,
             behind_deferred: false,
         }
@@ -262,6 +286,12 @@ pub(crate) fn fused_step(
     if !pending.sent {
         if r != root {
             all_sends.push(o.send(root, &[], FUSED_TAG));
+        } else if pending.root_receives {
+            all_sends.extend(
+                (0..n)
+                    .filter(|&p| p != r)
+                    .map(|p| o.send(p, &[], FUSED_TAG)),
+            );
         }
         pending.sent = true;
     }

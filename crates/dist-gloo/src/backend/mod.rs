@@ -411,8 +411,14 @@ impl GlooBackend {
             if !name.rooted() || self.world_size == 1 {
                 f(&o, &mut scratch)
             } else if self.world_size <= self.fused_agreement_max_ranks {
-                let mut pending =
-                    agree::Pending::new(self.world_size, self.rank, ctx.root as usize, lazy);
+                let root_receives = matches!(name, CollectiveOp::Reduce | CollectiveOp::Gather);
+                let mut pending = agree::Pending::new(
+                    self.world_size,
+                    self.rank,
+                    ctx.root as usize,
+                    root_receives,
+                    lazy,
+                );
                 if !self
                     .deferred
                     .lock()

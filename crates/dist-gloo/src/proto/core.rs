@@ -470,9 +470,10 @@ impl Core {
     /// means which peers it still waits for (`missing`): one through memory the whole group
     /// maps, announcing `count`. It fails as a step waiting for their messages would: a peer
     /// lost, gone or aborted, a stashed frame of this operation that disagrees with it, the
-    /// deadline (naming `missing`); and on any frame of this very operation, since a peer
-    /// that sends one runs it over messages, which the ranks choose alike only when they agree
-    /// on its arguments.
+    /// deadline (naming `missing`); on any frame of this very operation, since a peer that
+    /// sends one runs it over messages, which the ranks choose alike only when they agree on
+    /// its arguments; and on any frame of an earlier operation, which no step took. The
+    /// driver reads each link once after every rank arrived, so that such a frame is seen.
     pub fn poll_waiting_for(
         &mut self,
         step: &mut Step,
@@ -489,19 +490,25 @@ impl Core {
         if step.finished {
             return Status::Done;
         }
-        let this_op = |h: &&FrameHeader| {
-            h.seq == ctx.seq
+        // A frame of this operation, or of an earlier one that no step took. Unlike a step
+        // over messages (`stashed_conflict`), this waits for no frame of an earlier
+        // operation: the backend reads a lazy root's deferred agreement frames before any
+        // operation through the area. Ranks that each took another for a reduce's root all
+        // sent, none received, and a barrier through the area let all of them out.
+        let conflict = |h: &FrameHeader| {
+            (h.seq <= ctx.seq
                 && h.group == ctx.group
-                && !matches!(h.op, CollectiveOp::SendRecv | CollectiveOp::Close)
+                && !matches!(h.op, CollectiveOp::SendRecv | CollectiveOp::Close))
+            .then(|| ctx.mismatch(h, count))
         };
-        if let Some(h) = self
+        if let Some(e) = self
             .conns
             .iter()
             .flatten()
             .flat_map(Conn::stashed_headers)
-            .find(this_op)
+            .find_map(conflict)
         {
-            step.fail(ctx.mismatch(h, count));
+            step.fail(e);
             return Status::Failed;
         }
         self.check(&ctx, step, &[], &[], missing, now)

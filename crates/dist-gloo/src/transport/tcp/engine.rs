@@ -294,6 +294,20 @@ impl Engine {
                 }
             }
         }
+        // Every rank arrived, so none ran this operation elsewhere; but a frame an earlier
+        // operation left unread may still lie on a link (ranks that each took another for a
+        // reduce's root all sent and none received), and it would otherwise go unread through
+        // any number of operations through the area. What the peers sent before arriving is
+        // in their rings now: one read of each, then the stash is judged.
+        for peer in 0..peers {
+            if let Some(Some(c)) = self.conns.get_mut(peer) {
+                c.readable = true;
+            }
+            self.read_some(&mut step, &[], &mut [], noop, peer, 1, true);
+        }
+        if let Status::Failed = self.core.poll_waiting_for(&mut step, count, &[], now) {
+            return self.fail(&mut step, &[], &mut [], noop, now);
+        }
         self.core.finish(&mut step, &[], now)?;
         if all_barriers {
             // Every rank's word says it is in this very barrier: the headers would agree (a
