@@ -573,7 +573,7 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
 
 /// Every way 2 and 3 ranks can disagree about the root of a broadcast, reduce, gather or
 /// scatter (2 of 4 and 24 of 27 ways to name a root each), small and (3 ranks) 1 MiB a rank,
-/// and (3 ranks, small) over TCP only, and a fixed sample of the 4-rank ways: every rank fails, at once or within its next two
+/// and (3 ranks, small) over TCP only or after one call alike, and a sample of the 4-rank ways: every rank fails, at once or within its next two
 /// operations, naming a disagreement, and none waits for its timeout. Among the cases this
 /// found: a reduce's or gather's would-be roots each waited for the other's data (roots
 /// [0, 1, 2] of a gather), a reduce's root waited its whole timeout for a frame after another
@@ -593,20 +593,27 @@ fn every_way_of_disagreeing_about_the_root_fails_every_rank_at_once() {
     tcp_only.mesh.transport = TransportMode::Tcp;
     tcp_only.mesh.cross_memory = false;
     let default = GlooOptions::default();
-    let mut cases: Vec<(Vec<usize>, usize, &GlooOptions)> = Vec::new();
-    cases.extend(ways(2).filter(disagree).map(|r| (r, 12, &default)));
+    // (roots, bytes a rank, options, whether every rank first runs the op alike from root 0)
+    let mut cases: Vec<(Vec<usize>, usize, &GlooOptions, bool)> = Vec::new();
+    cases.extend(ways(2).filter(disagree).map(|r| (r, 12, &default, false)));
     for bytes in [12, 1 << 20] {
-        cases.extend(ways(3).filter(disagree).map(|r| (r, bytes, &default)));
+        cases.extend(
+            ways(3)
+                .filter(disagree)
+                .map(|r| (r, bytes, &default, false)),
+        );
     }
-    cases.extend(ways(3).filter(disagree).map(|r| (r, 12, &tcp_only)));
+    cases.extend(ways(3).filter(disagree).map(|r| (r, 12, &tcp_only, false)));
+    // A reduce's or gather's root advises the others only when its call differs from its last.
+    cases.extend(ways(3).filter(disagree).map(|r| (r, 12, &default, true)));
     // Every 5th of the 256 ways (a step prime to 4, so that every rank's root varies).
     cases.extend(
         ways(4)
             .step_by(5)
             .filter(disagree)
-            .map(|r| (r, 12, &default)),
+            .map(|r| (r, 12, &default, false)),
     );
-    for (roots, bytes, gopts) in &cases {
+    for (roots, bytes, gopts, after_one_alike) in &cases {
         let root_of = |r: usize| roots[r];
         for op in [
             CollectiveOp::Broadcast,
@@ -615,10 +622,18 @@ fn every_way_of_disagreeing_about_the_root_fails_every_rank_at_once() {
             CollectiveOp::Scatter,
         ] {
             let ranks = tcp_world(roots.len(), gopts);
+            if *after_one_alike {
+                on_all(&ranks, |b| {
+                    rooted_call(b, op, 0, *bytes).expect("ranks agree")
+                });
+            }
             let t0 = Instant::now();
             let outs =
                 outcomes_within(&ranks, 2, |b| rooted_call(b, op, root_of(b.rank()), *bytes));
-            let case = format!("roots {roots:?}, {bytes} B, {:?}", gopts.mesh.transport);
+            let case = format!(
+                "roots {roots:?}, {bytes} B, {:?}, after one alike: {after_one_alike}",
+                gopts.mesh.transport
+            );
             assert!(
                 t0.elapsed() < Duration::from_secs(30),
                 "{op}, {case}: {:?}",

@@ -61,6 +61,8 @@ pub(super) struct Conn {
     /// Payload bytes of a frame a failed step was reading, to be dropped.
     pub(super) skip: usize,
     pub(super) stash: VecDeque<(FrameHeader, Payload)>,
+    /// How many of the stashed frames are advisory (`transport::ADVISORY_TAG`), at most.
+    pub(super) advisories: usize,
     pub(super) state: PeerState,
     /// Messages this rank sent by reference on this connection, and how many of them the
     /// peer acknowledged (acknowledgements arrive in order).
@@ -102,6 +104,7 @@ impl Conn {
             partial: None,
             skip: 0,
             stash: VecDeque::new(),
+            advisories: 0,
             state: PeerState::Open,
             offered: 0,
             acked: 0,

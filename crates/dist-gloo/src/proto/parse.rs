@@ -9,7 +9,7 @@ use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_
 use super::CopyIn;
 use super::conn::{Conn, MAX_STASHED_FRAME, Payload};
 use super::step::{Rx, Step};
-use crate::transport::{Incoming, OnFrame, Verdict, judge};
+use crate::transport::{Incoming, OnFrame, Verdict, is_advisory, judge};
 
 /// Parses what `conn` has staged: delivers the frames the step expects (into their buffers,
 /// copying those sent by reference with `copier`, then to `on_frame`), stashes the others,
@@ -92,10 +92,9 @@ pub(super) fn process(
             }
             // A frame boundary: a frame that came early may be the one wanted.
             let got = st.got;
-            let stashed = conn
-                .stash
-                .iter()
-                .position(|(h, _)| !matches!(judge(&ctx, h, peer, inc, got), Ok(Verdict::Stash)));
+            let stashed = conn.stash.iter().position(|(h, _)| {
+                !is_advisory(h) && !matches!(judge(&ctx, h, peer, inc, got), Ok(Verdict::Stash))
+            });
             if let Some(p) = stashed {
                 match judge(&ctx, &conn.stash[p].0, peer, inc, got) {
                     Ok(Verdict::Expected) => {
@@ -191,6 +190,19 @@ pub(super) fn process(
                 Some(Ok(Verdict::Stash | Verdict::Closed)) | None => {
                     conn.stash.push_back((h, Payload::Remote(at)));
                 }
+            }
+            continue;
+        }
+        if is_advisory(&h) {
+            // No receive takes it: kept for the judgement of the operation it belongs to
+            // (`stashed_conflict`), dropped when that one is over.
+            conn.start += HEADER_LEN;
+            if !step
+                .ctx
+                .is_some_and(|c| c.group == h.group && h.seq < c.seq)
+            {
+                conn.stash.push_back((h, Payload::Inline(Vec::new())));
+                conn.advisories += 1;
             }
             continue;
         }

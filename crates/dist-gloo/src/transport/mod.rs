@@ -346,6 +346,18 @@ pub trait Transport: Send + Sync {
     }
 }
 
+/// The tag of an advisory frame: a header-only frame of a collective that no step receives.
+/// A rank judges one of the operation it is in as it judges any frame it does not wait for
+/// ([`stashed_conflict`]), and drops it once that operation is over. A reduce's or gather's
+/// root sends one to every other rank (`algo::agree`), so that two ranks that each take
+/// themselves for the root, and each wait for the other's data, learn of it.
+pub(crate) const ADVISORY_TAG: u32 = tags::AGREE | 0x4000;
+
+/// Whether `h` is an advisory frame ([`ADVISORY_TAG`]).
+pub(crate) fn is_advisory(h: &FrameHeader) -> bool {
+    h.tag == ADVISORY_TAG && h.payload_len == 0 && h.op != CollectiveOp::SendRecv
+}
+
 /// How a received header relates to what a step expects.
 pub(crate) enum Verdict {
     /// The next frame of the expected message.
@@ -474,6 +486,10 @@ pub(crate) fn step_count(sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> u64 
 pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Option<Error> {
     let collective = |op| op != CollectiveOp::SendRecv && op != CollectiveOp::Close;
     if !collective(h.op) || !collective(ctx.op) || ctx.args_in_payload || h.group != ctx.group {
+        return None;
+    }
+    // No step takes an advisory frame: of an earlier operation, it is only stale.
+    if is_advisory(h) && h.seq < ctx.seq {
         return None;
     }
     let deferred_agreement = h.payload_len == 0 && h.root as usize == ctx.rank;

@@ -174,6 +174,12 @@ impl Read for ShmLink {
 }
 
 impl ShmLink {
+    /// Whether the ring holds bytes to read, or is broken (the read then says how); unlike an
+    /// empty read, never looks at the connection.
+    pub(crate) fn may_have_input(&mut self) -> bool {
+        !matches!(self.rings.rx.ready(), Ok(0))
+    }
+
     /// [`Read::read`], with stores that bypass the cache when `streaming` (`dst` is not read
     /// again soon) and the copy is large.
     pub(crate) fn read_hinted(&mut self, dst: &mut [u8], streaming: bool) -> io::Result<usize> {

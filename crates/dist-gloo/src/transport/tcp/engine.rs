@@ -299,13 +299,16 @@ impl Engine {
         // reduce's root all sent and none received), and it would otherwise go unread through
         // any number of operations through the area. What the peers sent before arriving is
         // in their rings now: one read of each, then the stash is judged.
+        let mut read = self.core.holds_stashed();
         for peer in 0..peers {
-            if let Some(Some(c)) = self.conns.get_mut(peer) {
+            if let Some(Some(c)) = self.conns.get_mut(peer)
+                && c.link.may_have_input()
+            {
                 c.readable = true;
+                read |= self.read_some(&mut step, &[], &mut [], noop, peer, 1, true);
             }
-            self.read_some(&mut step, &[], &mut [], noop, peer, 1, true);
         }
-        if let Status::Failed = self.core.poll_waiting_for(&mut step, count, &[], now) {
+        if read && let Status::Failed = self.core.poll_waiting_for(&mut step, count, &[], now) {
             return self.fail(&mut step, &[], &mut [], noop, now);
         }
         self.core.finish(&mut step, &[], now)?;

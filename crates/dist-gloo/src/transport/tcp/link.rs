@@ -34,6 +34,17 @@ impl Link {
         }
     }
 
+    /// Whether a read may find bytes now: a shared-memory link's ring holds some (looked at
+    /// without the read's periodic look at the connection when it finds none, a system call);
+    /// a TCP connection may, for all this knows. A broken ring says yes, so that the read
+    /// reports it.
+    pub(super) fn may_have_input(&mut self) -> bool {
+        match self {
+            Link::Tcp(_) => true,
+            Link::Shm(l) => l.may_have_input(),
+        }
+    }
+
     /// After the engine's sleep (see [`Link::arm`]).
     pub(super) fn disarm(&mut self) {
         if let Link::Shm(l) = self {
