@@ -24,13 +24,15 @@
 //!   the sender's view always receives from it (the first rank on the sender's tree that
 //!   names another root), so the one that would otherwise wait on a peer that never sends
 //!   fails naming the other side;
-//! - in `reduce` and `gather`, whose root receives, the root also sends every other rank an
-//!   advisory frame in its first step (`transport::ADVISORY_TAG`), which no step waits for: a
-//!   rank judges one of its own operation as it judges any frame it does not wait for, and
-//!   drops it otherwise. Without it two would-be roots each waited for the other's data and
-//!   nothing that flowed showed either of them the disagreement (a gather whose 3 ranks each
-//!   took themselves for the root timed out on all three); now each would-be root's frame
-//!   reaches the other as it waits. Waiting for the frame instead (every other rank reading
+//! - in `reduce` and `gather`, whose root receives, a root whose call differs from its last
+//!   rooted call also sends every other rank an advisory frame in its first step
+//!   (`transport::ADVISORY_TAG`), which no step waits for: a rank judges one of its own
+//!   operation as it judges any frame it does not wait for, and drops it otherwise. Without it
+//!   two would-be roots each waited for the other's data and nothing that flowed showed
+//!   either of them the disagreement (a gather whose 3 ranks each took themselves for the root
+//!   timed out on all three). Every rank ran the last rooted call alike, so of two would-be
+//!   roots at most one repeats it, and the other's frame reaches it as it waits (the rule is
+//!   applied in `GlooBackend::run`). Waiting for the frame instead (every other rank reading
 //!   it) made 4-rank reduces and gathers of 4 B over TCP take 57-83 us instead of 11-17, as a
 //!   rank whose data the root takes could no longer return before the root had started.
 //!

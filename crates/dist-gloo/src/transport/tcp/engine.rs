@@ -298,7 +298,8 @@ impl Engine {
         // operation left unread may still lie on a link (ranks that each took another for a
         // reduce's root all sent and none received), and it would otherwise go unread through
         // any number of operations through the area. What the peers sent before arriving is
-        // in their rings now: one read of each, then the stash is judged.
+        // in their rings now: one read of each ring that holds bytes, then the stash is
+        // judged (if anything is stashed).
         let mut read = self.core.holds_stashed();
         for peer in 0..peers {
             if let Some(Some(c)) = self.conns.get_mut(peer)
