@@ -10,8 +10,8 @@ use super::conn::{Conn, PeerState, STAGING, Target};
 use super::parse::process;
 use super::step::{Status, Step};
 use crate::transport::{
-    Incoming, OnFrame, Outgoing, StepCtx, abort_reason, closed_error_at, is_advisory, stalled_on,
-    stashed_conflict, step_count,
+    Incoming, OnFrame, Outgoing, StepCtx, abort_reason, closed_error_at, is_advisory,
+    stale_advisory, stalled_on, stashed_conflict, step_count,
 };
 
 /// How many bytes a connection may hold read ahead of the steps that want them before a
@@ -447,8 +447,7 @@ impl Core {
         // and a pass over it on every poll took 4-rank gathers of 4 B over TCP from 5 to 7 us.
         for conn in self.conns.iter_mut().flatten() {
             if conn.advisories > 0 {
-                conn.stash
-                    .retain(|(h, _)| !(is_advisory(h) && h.group == ctx.group && h.seq < ctx.seq));
+                conn.stash.retain(|(h, _)| !stale_advisory(&ctx, h));
                 conn.advisories = conn.stash.iter().filter(|(h, _)| is_advisory(h)).count();
             }
         }
@@ -517,8 +516,8 @@ impl Core {
             (h.seq <= ctx.seq
                 && h.group == ctx.group
                 && !matches!(h.op, CollectiveOp::SendRecv | CollectiveOp::Close)
-                && !(is_advisory(h) && h.seq < ctx.seq))
-                .then(|| ctx.mismatch(h, count))
+                && !stale_advisory(&ctx, h))
+            .then(|| ctx.mismatch(h, count))
         };
         if let Some(e) = self
             .conns

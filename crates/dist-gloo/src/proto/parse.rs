@@ -9,7 +9,7 @@ use dist_wire::{CloseReason, CollectiveOp, FrameHeader, HEADER_LEN, PAYLOAD_REF_
 use super::CopyIn;
 use super::conn::{Conn, MAX_STASHED_FRAME, Payload};
 use super::step::{Rx, Step};
-use crate::transport::{Incoming, OnFrame, Verdict, is_advisory, judge};
+use crate::transport::{Incoming, OnFrame, Verdict, is_advisory, judge, stale_advisory};
 
 /// Parses what `conn` has staged: delivers the frames the step expects (into their buffers,
 /// copying those sent by reference with `copier`, then to `on_frame`), stashes the others,
@@ -197,10 +197,7 @@ pub(super) fn process(
             // No receive takes it: kept for the judgement of the operation it belongs to
             // (`stashed_conflict`), dropped when that one is over.
             conn.start += HEADER_LEN;
-            if !step
-                .ctx
-                .is_some_and(|c| c.group == h.group && h.seq < c.seq)
-            {
+            if !step.ctx.is_some_and(|c| stale_advisory(&c, &h)) {
                 conn.stash.push_back((h, Payload::Inline(Vec::new())));
                 conn.advisories += 1;
             }

@@ -358,6 +358,12 @@ pub(crate) fn is_advisory(h: &FrameHeader) -> bool {
     h.tag == ADVISORY_TAG && h.payload_len == 0 && h.op != CollectiveOp::SendRecv
 }
 
+/// Whether `h` is an advisory frame of an operation of this group before `ctx`'s: over, so
+/// nothing judges it any more and it is dropped.
+pub(crate) fn stale_advisory(ctx: &StepCtx, h: &FrameHeader) -> bool {
+    is_advisory(h) && h.group == ctx.group && h.seq < ctx.seq
+}
+
 /// How a received header relates to what a step expects.
 pub(crate) enum Verdict {
     /// The next frame of the expected message.
@@ -489,7 +495,7 @@ pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Op
         return None;
     }
     // No step takes an advisory frame: of an earlier operation, it is only stale.
-    if is_advisory(h) && h.seq < ctx.seq {
+    if stale_advisory(ctx, h) {
         return None;
     }
     let deferred_agreement = h.payload_len == 0 && h.root as usize == ctx.rank;
