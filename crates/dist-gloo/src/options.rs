@@ -25,8 +25,11 @@ pub struct GlooOptions {
     /// group (or when the group is closed): a disagreement is then reported on the root one
     /// operation later, still naming both sides, and the root no longer waits for every
     /// rank to have entered the operation. `false` makes it read every frame before it
-    /// returns. `None` is `true` (`DIST_GLOO_EAGER_ROOT=1` sets `false`). Purely local:
-    /// ranks may differ.
+    /// returns. `None` is `true` (`DIST_GLOO_EAGER_ROOT=1` sets `false`). Every rank must use
+    /// the same value (checked when the group is built): with lazy roots, the receivers of a
+    /// broadcast or scatter that repeats the last rooted call send the root no agreement frame
+    /// at all, which an eager root would wait for; such a root looks at what its peers sent
+    /// every 32 of those operations and at close instead.
     pub lazy_root_verification: Option<bool>,
     /// Broadcasts of at least this many bytes on more than two ranks scatter the buffer and
     /// ring all-gather it (van de Geijn) instead of running the pipelined chain. `None`

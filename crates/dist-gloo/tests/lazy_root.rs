@@ -1,6 +1,8 @@
 //! A lazy root (the default) returns once its data is out and verifies the other ranks'
 //! agreement frames later: before it next receives anything, after at most
-//! [`LAZY_ROOT_MAX_DEFERRED`] operations that only send, or at close. These tests hold that
+//! [`LAZY_ROOT_MAX_DEFERRED`] operations that only send, or at close; repeats of a small
+//! broadcast or scatter owe it no frames, and it looks at what its peers sent every
+//! [`LAZY_ROOT_MAX_DEFERRED`] + 1 of them instead. These tests hold that
 //! the frames left queued never get in the way of what follows (every op kind after runs of
 //! small rooted ops, roots changing), and that a disagreement inside such a run still reaches
 //! the root in time.
@@ -148,13 +150,26 @@ fn runs_of_small_rooted_ops_interleave_with_every_op_on_1_to_5_ranks() {
 }
 
 /// A root that keeps broadcasting small buffers after its receivers disagreed hears of it
-/// within [`LAZY_ROOT_MAX_DEFERRED`] operations, as a mismatch naming both roots (op 3's).
+/// within [`LAZY_ROOT_MAX_DEFERRED`] + 1 operations of the finder's failure, as a mismatch
+/// naming both roots (op 3's). From op 1 on every rank repeats its last call, so no receiver
+/// sends the root an agreement frame and the root reads nothing: it looks at what its peers
+/// sent every `LAZY_ROOT_MAX_DEFERRED` + 1 operations. Rank 0 starts op 4 only once the last
+/// rank has failed, so that the notice is there to be seen however far ahead the root ran.
 #[test]
 fn a_disagreement_inside_a_run_of_broadcasts_reaches_the_root_within_the_bound() {
     for n in 2..=4 {
         let ranks = tcp_world(n, &GlooOptions::default());
+        let (failed, last_failed) = std::sync::mpsc::channel::<()>();
+        let last_failed = std::sync::Mutex::new(last_failed);
         let errs = on_all(&ranks, |b| {
             for k in 0..RUN {
+                if k == 4 && b.rank() == 0 {
+                    last_failed
+                        .lock()
+                        .unwrap()
+                        .recv_timeout(Duration::from_secs(60))
+                        .expect("the last rank fails at op 3 or 4 without rank 0");
+                }
                 let mut v = vec![0f32; 16];
                 // At k = 3 the last rank thinks rank 1 is the root.
                 let root = usize::from(k == 3 && b.rank() == n - 1);
@@ -165,20 +180,23 @@ fn a_disagreement_inside_a_run_of_broadcasts_reaches_the_root_within_the_bound()
                     &opts(),
                 );
                 if let Err(e) = r {
+                    if b.rank() == n - 1 {
+                        failed.send(()).unwrap();
+                    }
                     return (k, e);
                 }
             }
             panic!(
-                "rank {} ran {RUN} broadcasts without hearing of the mismatch",
+                "n={n}: rank {} ran {RUN} broadcasts without hearing of the mismatch",
                 b.rank()
             );
         });
         for (r, (k, e)) in errs.iter().enumerate() {
-            // A rank still finishing op 2 (reading the others' frames) may already meet the
-            // abort notice of a rank that found the mismatch in op 3; no rank gets more than
-            // LAZY_ROOT_MAX_DEFERRED ops past it.
+            // A rank still finishing op 2 may already meet the abort notice of a rank that
+            // found the mismatch in op 3; the root, which waited for the last rank's failure
+            // before op 4, looks within LAZY_ROOT_MAX_DEFERRED + 1 ops.
             assert!(
-                (2..=3 + LAZY_ROOT_MAX_DEFERRED).contains(k),
+                (2..=4 + LAZY_ROOT_MAX_DEFERRED).contains(k),
                 "n={n}: rank {r} failed at {k}: {e}"
             );
             let (ours, theirs) = match e {

@@ -120,6 +120,29 @@ fn broadcast_roots_with(
 /// The root's report one operation later also comes when that operation is the group's
 /// destruction: it is logged, and the peers are told (no rank hangs, none is told the root
 /// left cleanly), so a disagreement is never silent.
+/// The error of a rank's part in a disagreement: `r`'s, or its next operation's.
+fn failed_now_or_at_the_next(b: &GlooBackend, r: dist_backend::Result<()>) -> Error {
+    match r {
+        Err(e) => e,
+        Ok(()) => b
+            .barrier(&opts())
+            .expect_err("a rank that disagrees must fail at its next operation"),
+    }
+}
+
+/// Every rank but 0 names both roots; rank 0's group, closed after the disagreement, says so.
+fn assert_rank_0_closed_after_the_mismatch_the_others_saw(n: usize, errs: &[Error]) {
+    for (r, e) in errs.iter().enumerate().skip(1) {
+        let (ours, theirs) = sides(e);
+        assert_ne!(ours.root, theirs.root, "n={n}: rank {r}: {e}");
+    }
+    let msg = errs[0].to_string();
+    assert!(
+        msg.contains("mismatch") || msg.contains(" met rank "),
+        "n={n}: rank 0 closed after a mismatch; its group must say so: {msg}"
+    );
+}
+
 #[test]
 fn a_lazy_root_that_disagrees_and_then_closes_aborts_the_group() {
     for n in 2..=4 {
@@ -139,23 +162,51 @@ fn a_lazy_root_that_disagrees_and_then_closes_aborts_the_group() {
                 Backend::close(b);
                 b.barrier(&opts()).expect_err("the group is destroyed")
             } else {
-                match r {
-                    Err(e) => e,
-                    Ok(()) => b
-                        .barrier(&opts())
-                        .expect_err("a root that disagrees must fail at its next operation"),
-                }
+                failed_now_or_at_the_next(b, r)
             }
         });
-        for (r, e) in errs.iter().enumerate().skip(1) {
-            let (ours, theirs) = sides(e);
-            assert_ne!(ours.root, theirs.root, "n={n}: rank {r}: {e}");
-        }
-        let msg = errs[0].to_string();
-        assert!(
-            msg.contains("mismatch") || msg.contains(" met rank "),
-            "n={n}: rank 0 closed after a mismatch; its group must say so: {msg}"
-        );
+        assert_rank_0_closed_after_the_mismatch_the_others_saw(n, &errs);
+    }
+}
+
+/// As above, where the root repeats its last call (every rank ran one broadcast from it
+/// before), so that it is owed no agreement frames and reads nothing: it looks at what its
+/// peers sent when it closes. Rank 0 closes once every other rank's broadcast has returned,
+/// so that what they sent is there to be seen.
+#[test]
+fn a_root_that_repeats_its_call_and_then_closes_after_a_disagreement_aborts_the_group() {
+    for n in 2..=4 {
+        let ranks = tcp_world(n, &GlooOptions::default());
+        let (returned, others_returned) = std::sync::mpsc::channel::<()>();
+        let others_returned = std::sync::Mutex::new(others_returned);
+        let errs = on_all(&ranks, |b| {
+            let mut v = vec![0f32; 10];
+            let mut bcast = |root| {
+                b.broadcast(
+                    BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                    DType::F32,
+                    root,
+                    &opts(),
+                )
+            };
+            bcast(0).expect("every rank names root 0");
+            // Rank 0 repeats its call; everyone else thinks rank 1 is the root.
+            let r = bcast(usize::from(b.rank() != 0));
+            if b.rank() == 0 {
+                assert!(r.is_ok(), "the lazy root returns at once: {r:?}");
+                let rx = others_returned.lock().unwrap();
+                for _ in 1..n {
+                    rx.recv_timeout(Duration::from_secs(60))
+                        .expect("every other rank's broadcast returns");
+                }
+                Backend::close(b);
+                b.barrier(&opts()).expect_err("the group is destroyed")
+            } else {
+                returned.send(()).unwrap();
+                failed_now_or_at_the_next(b, r)
+            }
+        });
+        assert_rank_0_closed_after_the_mismatch_the_others_saw(n, &errs);
     }
 }
 
@@ -185,7 +236,7 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
 #[test]
 fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
     type Tweak = fn(&mut GlooOptions);
-    let cases: [(&str, Tweak); 7] = [
+    let cases: [(&str, Tweak); 8] = [
         ("small_bytes=0", |o| o.small_bytes = Some(0)),
         // Even the value that `auto` takes between hosts: on one host it takes another.
         ("halving_doubling_bytes=2097152", |o| {
@@ -204,6 +255,10 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
         }),
         ("area_broadcast_min_bytes=0", |o| {
             o.area_broadcast_min_bytes = Some(0);
+        }),
+        // Lazy roots are owed no frames for repeated small broadcasts; an eager one is.
+        ("lazy_root_verification=false", |o| {
+            o.lazy_root_verification = Some(false);
         }),
     ];
     for n in 2..=4 {
@@ -573,8 +628,10 @@ fn reduce_gather_and_scatter_with_different_roots_fail_on_every_rank() {
 
 /// Every way 2 and 3 ranks can disagree about the root of a broadcast, reduce, gather or
 /// scatter (2 of 4 and 24 of 27 ways to name a root each), small and (3 ranks) 1 MiB a rank,
-/// and (3 ranks, small) over TCP only or after one call alike, and a sample of the 4-rank ways: every rank fails, at once or within its next two
-/// operations, naming a disagreement, and none waits for its timeout. Among the cases this
+/// and small after one call alike (so that some ranks repeat their last call, and exchange
+/// no agreement frames for it) or (3 ranks) over TCP only, or both, and a sample of the
+/// 4-rank ways: every rank fails, at once or within its next two operations, naming a
+/// disagreement, and none waits for its timeout. Among the cases this
 /// found: a reduce's or gather's would-be roots each waited for the other's data (roots
 /// [0, 1, 2] of a gather), a reduce's root waited its whole timeout for a frame after another
 /// rank's notice, and in a reduce with roots [1, 0, 0] every rank sent, none received, and
@@ -604,8 +661,12 @@ fn every_way_of_disagreeing_about_the_root_fails_every_rank_at_once() {
         );
     }
     cases.extend(ways(3).filter(disagree).map(|r| (r, 12, &tcp_only, false)));
-    // A reduce's or gather's root advises the others only when its call differs from its last.
+    // A reduce's or gather's root advises the others only when its call differs from its
+    // last; a small broadcast's or scatter's ranks that repeat their last call exchange no
+    // agreement frames.
+    cases.extend(ways(2).filter(disagree).map(|r| (r, 12, &default, true)));
     cases.extend(ways(3).filter(disagree).map(|r| (r, 12, &default, true)));
+    cases.extend(ways(3).filter(disagree).map(|r| (r, 12, &tcp_only, true)));
     // Every 5th of the 256 ways (a step prime to 4, so that every rank's root varies).
     cases.extend(
         ways(4)

@@ -54,9 +54,12 @@
 //! either way the frames that reach a waiting rank show it, so two would-be roots of a large
 //! buffer fail at once rather than time out.
 //!
-//! What no rank can shed is the receivers' frames to the root: with two ranks that each think
-//! the other is the root, both only receive, and only that frame tells either of them; a
-//! receiver cannot tell that case from agreement before it has sent it.
+//! What no rank can shed in a first call is the receivers' frames to the root: with two ranks
+//! that each think the other is the root, both only receive, and only that frame tells either
+//! of them; a receiver cannot tell that case from agreement before it has sent it. A repeat can
+//! shed them: a small broadcast or scatter whose call is the rank's last rooted call again
+//! runs with no agreement frames at all ([`repeats_silently`]), and its root looks at what its
+//! peers sent every [`LOOK_EVERY`] + 1 such operations instead ([`LOOK_EVERY`]).
 //!
 //! Above that, n − 1 frames per rank cost more than a few serial rounds, and
 //! [`rooted_args`] runs a dissemination exchange before the data: in round k each rank sends
@@ -107,17 +110,22 @@ impl Pending {
     /// Nothing sent or read yet, in a group of `n` ranks, on rank `rank`, for an operation
     /// rooted at `root`: the root is owed every other rank's frame, a receiver none; a root
     /// that receives (`root_receives`: reduce, gather) sends every other rank an advisory
-    /// frame; `lazy_root` as in [`Pending::lazy_root`].
+    /// frame; `lazy_root` as in [`Pending::lazy_root`]. A `repeat` (a broadcast or scatter
+    /// whose call is this rank's last rooted one again, among ranks whose roots are lazy)
+    /// sends no frame and is owed none: see [`repeats_silently`].
     pub(crate) fn new(
         n: usize,
         rank: usize,
         root: usize,
         root_receives: bool,
         lazy_root: bool,
+        repeat: bool,
     ) -> Self {
         Pending {
-            sent: false,
-            unread: (0..n).map(|p| rank == root && p != rank).collect(),
+            sent: repeat,
+            unread: (0..n)
+                .map(|p| rank == root && p != rank && !repeat)
+                .collect(),
             root_receives,
             lazy_root,
             behind_deferred: false,
@@ -154,6 +162,64 @@ impl Pending {
         })
     }
 }
+
+/// Whether `this` call makes the same call as `last` (this rank's last rooted one): the same
+/// operation and arguments, whatever the sequence number.
+pub(crate) fn same_call(last: Option<&OpDesc>, this: &OpDesc) -> bool {
+    let blank = |d: &OpDesc| OpDesc {
+        rank: 0,
+        seq: 0,
+        step: None,
+        ..*d
+    };
+    last.is_some_and(|l| blank(l) == blank(this))
+}
+
+/// Whether a broadcast or scatter runs without the fused agreement's frames: its call
+/// repeats this rank's last rooted call (`repeat`, [`same_call`]), the group's roots are
+/// lazy (`lazy_roots`, agreed when the group is built), and the root sends at most
+/// [`SILENT_MAX_BYTES`] (`root_bytes`, which every rank that repeats computes alike). Then
+/// no receiver sends the root a frame and the root expects none.
+///
+/// Why it is safe: every rank ran the last rooted call alike (or a disagreement in it is
+/// already on its way to every rank). A rank that repeats it therefore disagrees with exactly
+/// the ranks that do not, and those send their frames and expect theirs as usual; the
+/// headers of the data a repeating receiver takes name the root and arguments of the rank
+/// that sent them first. The frames a repeating receiver would have sent could only tell a
+/// root that agrees, or one that does not repeat and so has other evidence on its way (a
+/// non-repeating rank's frame, or the repeaters' data). What is given up: a repeating root
+/// reads nothing, so it hears of a disagreement found elsewhere from the finder's abort
+/// notice, at its next operation that receives, or at the look it takes every
+/// [`MAX_DEFERRED`] operations that only send ([`LOOK_EVERY`]), or at close, rather than by
+/// reading its receivers' frames within [`MAX_DEFERRED`] operations.
+///
+/// Why: those frames were a 4-rank TCP broadcast's cost against Open MPI's (4 B: 12.0 us
+/// with them, 6.8 without, Open MPI 7.5; docs/BENCHMARKS.md), and back-to-back broadcasts
+/// from one root with one buffer (a training loop's) repeat every call after the first.
+/// An eager root (`lazy_roots` false) keeps every frame: it promises to have read them.
+pub(crate) fn repeats_silently(
+    op: dist_wire::CollectiveOp,
+    lazy_roots: bool,
+    repeat: bool,
+    root_bytes: usize,
+) -> bool {
+    use dist_wire::CollectiveOp::{Broadcast, Scatter};
+    lazy_roots && repeat && root_bytes <= SILENT_MAX_BYTES && matches!(op, Broadcast | Scatter)
+}
+
+/// The most a root may send per operation and still run [`repeats_silently`]. Why a bound:
+/// the frames it reads are also what keeps a lazy root within [`deferred_keep`] operations
+/// of its receivers; without them it runs ahead as far as the sockets take, which costs the
+/// receivers reads from memory rather than cache once the operations are large. 4 ranks over
+/// TCP, broadcasts of 16 KiB: mean of the per-iteration maximum 58.8 us silent against 49.8
+/// with frames (medians 17.9 and 19.6).
+pub(crate) const SILENT_MAX_BYTES: usize = 4 << 10;
+
+/// How many operations that only send, and run without the agreement's frames
+/// ([`repeats_silently`]), a root runs between two looks at what its peers sent
+/// (`Transport::look`): the bound on how late it hears of a disagreement found elsewhere
+/// once the finder's notice has arrived. One look costs one non-blocking read per peer.
+pub(crate) const LOOK_EVERY: usize = MAX_DEFERRED;
 
 /// The most rooted ops a lazy root may run ahead of its verification: past this many
 /// deferred agreements, the older half of them is read (in one step where they are alike)

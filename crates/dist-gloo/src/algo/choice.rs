@@ -3,7 +3,7 @@
 //! Why: each rank picks an operation's algorithm from the buffer size and its own settings
 //! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`,
 //! `halving_doubling_bytes`, `ring_piece_bytes`, `area_all_reduce_bytes`,
-//! `area_all_gather_bytes`, `area_broadcast_min_bytes`).
+//! `area_all_gather_bytes`, `area_broadcast_min_bytes`), and whether roots verify lazily.
 //! Ranks whose settings differ would run different algorithms for the same call; the frames'
 //! step tags catch that (a mismatch naming both ranks' algorithm steps, passed to every rank
 //! by the abort notice, which is all a backend built with `GlooBackend::over` gets), but only
@@ -79,7 +79,7 @@ pub(crate) fn check(
                  DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES, DIST_GLOO_BCAST_SCATTER_BYTES, \
                  DIST_GLOO_HALVING_DOUBLING_BYTES, DIST_GLOO_RING_PIECE_BYTES, \
                  DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
-                 DIST_GLOO_AREA_ALL_GATHER_BYTES, DIST_GLOO_AREA_BROADCAST_MIN_BYTES and \
+                 DIST_GLOO_AREA_ALL_GATHER_BYTES, DIST_GLOO_AREA_BROADCAST_MIN_BYTES, DIST_GLOO_EAGER_ROOT and \
                  GlooOptions alike on every rank)"
             ),
         ));

@@ -75,6 +75,10 @@ pub struct GlooBackend {
     /// The agreement frames the roots of earlier rooted ops left unread (see
     /// [`GlooOptions::lazy_root_verification`]), oldest first: read before anything else.
     deferred: Mutex<VecDeque<agree::Deferred>>,
+    /// A root's operations that only sent and read nothing, with no agreement frames owed
+    /// ([`agree::repeats_silently`]), since it last looked at what its peers sent
+    /// ([`Transport::look`]), and the last of them (judged at close).
+    blind: Mutex<Blind>,
     seq: AtomicU64,
     /// This rank's last rooted operation (see `StepCtx::last_rooted`).
     last_rooted: Mutex<Option<OpDesc>>,
@@ -85,6 +89,19 @@ pub struct GlooBackend {
     /// reduce_scatter's copy of its input for the rounds that combine in place
     /// ([`reducescatter::halving`]), kept so that they allocate nothing.
     halving_work: Mutex<Vec<u8>>,
+}
+
+/// What a root ran without reading its links ([`GlooBackend::blind`]).
+#[derive(Default)]
+struct Blind {
+    /// Operations since the last look.
+    ops: usize,
+    /// The last of them, with its count: a look at close judges what came against it.
+    last: Option<(StepCtx, u64)>,
+    /// The sequence number of the first of the operations, each the same call, that this
+    /// rank has run without reading since it last ran anything else: a look names this
+    /// rank's side of a frame of any of them as that call.
+    run_from: Option<u64>,
 }
 
 impl std::fmt::Debug for GlooBackend {
@@ -181,6 +198,13 @@ impl GlooBackend {
                 opts.area_broadcast_min_bytes
                     .map_or_else(auto, |v| v.to_string()),
             ),
+            (
+                // Not an algorithm, but whether a repeated broadcast's receivers send their
+                // root an agreement frame (`agree::repeats_silently`), which an eager root
+                // waits for.
+                "lazy_root_verification",
+                opts.lazy_root_verification.unwrap_or(true).to_string(),
+            ),
         ]);
         let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
         choice::publish(store, prefix, rank, &mine, deadline)
@@ -253,6 +277,7 @@ impl GlooBackend {
                 .unwrap_or(FUSED_AGREEMENT_MAX_RANKS),
             lazy_root: opts.lazy_root_verification.unwrap_or(true),
             deferred: Mutex::new(VecDeque::new()),
+            blind: Mutex::new(Blind::default()),
             seq: AtomicU64::new(0),
             last_rooted: Mutex::new(None),
             poisoned: Mutex::new(None),
@@ -378,6 +403,17 @@ impl GlooBackend {
                 *last = Some(ctx.desc(count as u64));
             }
         }
+        // Whether this call repeats this rank's last rooted one (see `agree::same_call`).
+        let repeat = agree::same_call(ctx.last_rooted.as_ref(), &ctx.desc(count as u64));
+        // What a root sends of each rooted call: the buffer, or for a scatter every block.
+        let root_bytes = count
+            * dtype.size()
+            * if name == CollectiveOp::Scatter {
+                self.world_size
+            } else {
+                1
+            };
+        let silent = agree::repeats_silently(name, self.lazy_root, repeat, root_bytes);
         let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let lazy = self.lazy_root
@@ -397,61 +433,78 @@ impl GlooBackend {
                 _ => false,
             };
         let keep = if sends_only {
-            // What the root sends of each: the buffer, or for a scatter every block.
-            let blocks = if name == CollectiveOp::Scatter {
-                self.world_size
-            } else {
-                1
-            };
-            agree::deferred_keep(count * dtype.size() * blocks)
+            agree::deferred_keep(root_bytes)
         } else {
             0
         };
-        let res = self.verify_deferred(keep, ctx.deadline).and_then(|()| {
-            if !name.rooted() || self.world_size == 1 {
-                f(&o, &mut scratch)
-            } else if self.world_size <= self.fused_agreement_max_ranks {
-                // A reduce's or gather's root advises the others of its view (see
-                // `agree::Pending::new`) when its arguments differ from those of this rank's
-                // last rooted operation: of two ranks that each take themselves for the root,
-                // at most one can be repeating the last one (which every rank ran alike), so
-                // the other's frame reaches it as it waits. Repeats send none: with a frame
-                // on every call (and a pass over the stash on every poll, since narrowed),
-                // 4-rank reduces of 4 B over TCP took 30 us against 13.
-                let same = |d: OpDesc| OpDesc {
-                    rank: 0,
-                    seq: 0,
-                    step: None,
-                    ..d
-                };
-                let root_receives = matches!(name, CollectiveOp::Reduce | CollectiveOp::Gather)
-                    && ctx.last_rooted.map(same) != Some(same(ctx.desc(count as u64)));
-                let mut pending = agree::Pending::new(
-                    self.world_size,
-                    self.rank,
-                    ctx.root as usize,
-                    root_receives,
-                    lazy,
-                );
-                if !self
-                    .deferred
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .is_empty()
-                {
-                    pending.behind_deferred();
-                }
-                *o.agree.borrow_mut() = Some(pending);
-                let r = f(&o, &mut scratch)?;
-                if let Some(d) = o.finish_agreement()? {
-                    let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
-                    q.push_back(d);
-                }
-                Ok(r)
+        // A root that reads nothing, since no frames are owed to it, looks at what its peers
+        // sent every `agree::LOOK_EVERY` such operations (after its older deferred frames,
+        // which lie ahead of anything else on the connections).
+        let look = name != CollectiveOp::SendRecv && {
+            let mut b = self.blind.lock().unwrap_or_else(|e| e.into_inner());
+            if sends_only && silent {
+                b.ops += 1;
+                b.last = Some((ctx, count as u64));
+                b.run_from.get_or_insert(seq);
+                b.ops > agree::LOOK_EVERY
             } else {
-                agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
+                b.run_from = None;
+                false
             }
-        });
+        };
+        let res = self
+            .verify_deferred(if look { 0 } else { keep }, ctx.deadline)
+            .and_then(|()| {
+                if look {
+                    let mut b = self.blind.lock().unwrap_or_else(|e| e.into_inner());
+                    b.ops = 0;
+                    let from = b.run_from;
+                    drop(b);
+                    self.transport.look(&ctx, count as u64, from)
+                } else {
+                    Ok(())
+                }
+            })
+            .and_then(|()| {
+                if !name.rooted() || self.world_size == 1 {
+                    f(&o, &mut scratch)
+                } else if self.world_size <= self.fused_agreement_max_ranks {
+                    // A reduce's or gather's root advises the others of its view (see
+                    // `agree::Pending::new`) when its arguments differ from those of this rank's
+                    // last rooted operation: of two ranks that each take themselves for the root,
+                    // at most one can be repeating the last one (which every rank ran alike), so
+                    // the other's frame reaches it as it waits. Repeats send none: with a frame
+                    // on every call (and a pass over the stash on every poll, since narrowed),
+                    // 4-rank reduces of 4 B over TCP took 30 us against 13.
+                    let root_receives =
+                        matches!(name, CollectiveOp::Reduce | CollectiveOp::Gather) && !repeat;
+                    let mut pending = agree::Pending::new(
+                        self.world_size,
+                        self.rank,
+                        ctx.root as usize,
+                        root_receives,
+                        lazy,
+                        silent,
+                    );
+                    if !self
+                        .deferred
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .is_empty()
+                    {
+                        pending.behind_deferred();
+                    }
+                    *o.agree.borrow_mut() = Some(pending);
+                    let r = f(&o, &mut scratch)?;
+                    if let Some(d) = o.finish_agreement()? {
+                        let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+                        q.push_back(d);
+                    }
+                    Ok(r)
+                } else {
+                    agree::rooted_args(&o).and_then(|()| f(&o, &mut scratch))
+                }
+            });
         if let Err(e) = &res {
             self.fail(e);
         }

@@ -460,10 +460,22 @@ impl Backend for GlooBackend {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .is_none();
-        if let (Some(timeout), true) = (owed, clean)
-            && let Err(e) =
-                self.verify_deferred(0, dist_backend::deadline_after(Instant::now(), timeout))
-        {
+        // And a root that ran operations without frames owed (`agree::repeats_silently`)
+        // looks once more at what its peers sent.
+        let blind = {
+            let mut b = self.blind.lock().unwrap_or_else(|e| e.into_inner());
+            b.last.take().map(|last| (last, b.run_from))
+        };
+        let owed_and_looked = || {
+            if let Some(timeout) = owed {
+                self.verify_deferred(0, dist_backend::deadline_after(Instant::now(), timeout))?;
+            }
+            match blind {
+                Some(((ctx, count), from)) => self.transport.look(&ctx, count, from),
+                None => Ok(()),
+            }
+        };
+        if clean && let Err(e) = owed_and_looked() {
             tracing::error!(rank = self.rank, error = %e, "a rooted operation failed its agreement, found at close");
             self.fail(&e);
         }

@@ -512,24 +512,77 @@ impl Core {
         // operation: the backend reads a lazy root's deferred agreement frames before any
         // operation through the area. Ranks that each took another for a reduce's root all
         // sent, none received, and a barrier through the area let all of them out.
-        let conflict = |h: &FrameHeader| {
-            (h.seq <= ctx.seq
-                && h.group == ctx.group
-                && !matches!(h.op, CollectiveOp::SendRecv | CollectiveOp::Close)
-                && !stale_advisory(&ctx, h))
-            .then(|| ctx.mismatch(h, count))
-        };
-        if let Some(e) = self
-            .conns
-            .iter()
-            .flatten()
-            .flat_map(Conn::stashed_headers)
-            .find_map(conflict)
-        {
+        if let Some(e) = self.unclaimed_frame(&ctx, count) {
             step.fail(e);
             return Status::Failed;
         }
         self.check(&ctx, step, &[], &[], missing, now)
+    }
+
+    /// The mismatch shown by a stashed collective frame of operation `ctx` or an earlier one
+    /// (but a stale advisory frame), for a rank that expects none: no step will take it.
+    fn unclaimed_frame(&self, ctx: &StepCtx, count: u64) -> Option<Error> {
+        let conflict = |h: &FrameHeader| {
+            (h.seq <= ctx.seq
+                && h.group == ctx.group
+                && !matches!(h.op, CollectiveOp::SendRecv | CollectiveOp::Close)
+                && !stale_advisory(ctx, h))
+            .then(|| ctx.mismatch(h, count))
+        };
+        self.conns
+            .iter()
+            .flatten()
+            .flat_map(Conn::stashed_headers)
+            .find_map(conflict)
+    }
+
+    /// Judges, for `step` (which sends and receives nothing, begun between two operations by
+    /// a rank that expects no frame: see `Transport::look`), what the connections hold once
+    /// the driver has read them: fails on a peer's abort notice, and on a stashed collective
+    /// frame of the step's operation or an earlier one ([`Core::unclaimed_frame`]); else done.
+    /// A mismatch with a frame of operation `run_from` or later names this rank's side as the
+    /// step's call (`Transport::look`). [`Core::finish`] it as any step.
+    pub fn look(
+        &mut self,
+        step: &mut Step,
+        count: u64,
+        run_from: Option<u64>,
+        now: Instant,
+    ) -> Status {
+        let Some(ctx) = step.ctx else {
+            return Status::Done;
+        };
+        if step.failed.is_some() {
+            return Status::Failed;
+        }
+        if let Some(e) = self.unclaimed_frame(&ctx, count) {
+            let e = match e {
+                Error::Mismatch { ours, theirs }
+                    if run_from.is_some_and(|from| theirs.seq >= from) =>
+                {
+                    Error::Mismatch {
+                        ours: dist_backend::OpDesc {
+                            seq: theirs.seq,
+                            ..ours
+                        },
+                        theirs,
+                    }
+                }
+                e => e,
+            };
+            step.fail(e);
+            return Status::Failed;
+        }
+        for peer in 0..self.conns.len() {
+            if let Some(c) = self.conns[peer].as_mut()
+                && std::mem::take(&mut c.unreported_abort)
+            {
+                let e = self.peer_error(&ctx, now, peer, &[]);
+                step.fail(e);
+                return Status::Failed;
+            }
+        }
+        Status::Done
     }
 
     /// The rest of [`Core::poll`], for a live step waiting for `missing`.

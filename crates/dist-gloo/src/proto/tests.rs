@@ -629,6 +629,62 @@ fn an_operation_without_frames_waits_for_the_ranks_named_and_fails_as_a_step_wou
     }
 }
 
+/// A look between operations (a root that expects no frames: `Transport::look`) passes over a
+/// later operation's frame; fails on a frame of an earlier one, naming this rank's side as
+/// its own repeated call when the frame falls in the run of repeats (and as the look's call
+/// at the look's sequence number otherwise); and fails on a peer's abort notice, naming the
+/// culprit it gives.
+#[test]
+fn a_look_fails_on_unclaimed_frames_and_abort_notices_and_passes_later_frames() {
+    let t0 = Instant::now();
+    let mut c = ctx(0, CollectiveOp::Broadcast, 9, t0);
+    c.root = 0;
+    let frame_of = |seq, root| {
+        let mut h = ctx(2, CollectiveOp::Broadcast, seq, t0);
+        h.root = root;
+        let mut f = h.header(1, 0, 0, 1).encode().to_vec();
+        f.push(7);
+        f
+    };
+
+    let mut core = Core::new(0, 3, 64);
+    let mut step = core.begin(c, &[], &[]);
+    feed(&mut core, &mut step, &mut [], 2, &frame_of(10, 0));
+    assert_eq!(core.look(&mut step, 1, Some(4), t0), Status::Done);
+    core.finish(&mut step, &[], t0).unwrap();
+
+    for (run_from, ours_seq) in [(Some(4), 6), (Some(7), 9), (None, 9)] {
+        let mut core = Core::new(0, 3, 64);
+        let mut step = core.begin(c, &[], &[]);
+        feed(&mut core, &mut step, &mut [], 2, &frame_of(6, 1));
+        assert_eq!(core.look(&mut step, 1, run_from, t0), Status::Failed);
+        match core.finish(&mut step, &[], t0).unwrap_err() {
+            Error::Mismatch { ours, theirs } => {
+                assert_eq!((ours.seq, ours.root), (ours_seq, Some(0)), "{run_from:?}");
+                assert_eq!((theirs.rank, theirs.seq, theirs.root), (2, 6, Some(1)));
+            }
+            other => panic!("expected a mismatch, got {other}"),
+        }
+    }
+
+    let mut core = Core::new(0, 3, 64);
+    let mut step = core.begin(c, &[], &[]);
+    feed(
+        &mut core,
+        &mut step,
+        &mut [],
+        1,
+        &CloseReason::Lost { culprit: 2 }.encode(1),
+    );
+    assert_eq!(core.look(&mut step, 1, None, t0), Status::Failed);
+    match core.finish(&mut step, &[], t0).unwrap_err() {
+        Error::PeerLost {
+            rank: 0, peer: 2, ..
+        } => {}
+        other => panic!("expected PeerLost naming rank 2, got {other}"),
+    }
+}
+
 /// A connection holding [`READ_AHEAD_BYTES`] of frames for later steps is read ahead no more
 /// in a collective step (its sender is left to the transport's flow control), still in a
 /// point-to-point one (sends stay eager), and again once a step took the frames.

@@ -297,6 +297,15 @@ pub trait Transport: Send + Sync {
     /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the peer
     /// is gone. Never blocks: reads ahead what has arrived from `peer` into the stash.
     fn probe(&self, peer: usize, tag: u32) -> bool;
+    /// Between steps, for a rank that expects nothing from anyone (a root that only sends,
+    /// with no agreement frames owed: `algo::agree::repeats_silently`): reads what each peer
+    /// has sent so far, without waiting, and fails as a step of operation `ctx` (announcing
+    /// `count`) would on what that shows: a peer's abort notice, and any collective frame of
+    /// this operation or an earlier one, which no step will take (`Core::look`). `run_from`:
+    /// the first sequence number from which this rank's operations up to `ctx`'s were all
+    /// `ctx`'s call, so that a mismatch with a frame of one of them names that call. A
+    /// failure aborts the group and tells the peers, as a failed step does.
+    fn look(&self, ctx: &StepCtx, count: u64, run_from: Option<u64>) -> Result<()>;
     /// Messages this rank has sent by reference, copied by the receiver straight out of this
     /// process's memory (0 for transports that never do).
     fn messages_by_reference(&self) -> u64 {

@@ -288,6 +288,28 @@ impl Transport for MemTransport {
         g.core.probe(peer, tag)
     }
 
+    fn look(&self, ctx: &StepCtx, count: u64, run_from: Option<u64>) -> Result<()> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        let bells = &self.bells[..];
+        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        let mut step = g.core.begin(*ctx, &[], &[]);
+        for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+            g.read(bells, &mut step, &[], &mut [], noop, peer, usize::MAX, true);
+        }
+        let now = Instant::now();
+        let failed = matches!(g.core.look(&mut step, count, run_from, now), Status::Failed);
+        let r = g.core.finish(&mut step, &[], now);
+        if failed {
+            // The abort notices the failure queued.
+            let mut idle = Step::idle();
+            for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+                g.write(bells, &mut idle, &[], &mut [], noop, peer);
+            }
+        }
+        r
+    }
+
     fn abort(&self) {
         self.lock().core.abort();
     }

@@ -300,15 +300,7 @@ impl Engine {
         // any number of operations through the area. What the peers sent before arriving is
         // in their rings now: one read of each ring that holds bytes, then the stash is
         // judged (if anything is stashed).
-        let mut read = self.core.holds_stashed();
-        for peer in 0..peers {
-            if let Some(Some(c)) = self.conns.get_mut(peer)
-                && c.link.may_have_input()
-            {
-                c.readable = true;
-                read |= self.read_some(&mut step, &[], &mut [], noop, peer, 1, true);
-            }
-        }
+        let read = self.core.holds_stashed() | self.read_each_once(&mut step);
         if read && let Status::Failed = self.core.poll_waiting_for(&mut step, count, &[], now) {
             return self.fail(&mut step, &[], &mut [], noop, now);
         }
@@ -359,6 +351,42 @@ impl Engine {
             }
         }
         result
+    }
+
+    /// One read of each link that may hold input (a shared-memory ring that holds bytes, any
+    /// socket), whatever the core holds read ahead: for `step`, which waits for nothing.
+    /// Returns whether a byte moved.
+    fn read_each_once(&mut self, step: &mut Step) -> bool {
+        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        let mut read = false;
+        for peer in 0..self.conns.len() {
+            if let Some(Some(c)) = self.conns.get_mut(peer)
+                && c.link.may_have_input()
+            {
+                c.readable = true;
+                read |= self.read_some(step, &[], &mut [], noop, peer, 1, true);
+            }
+        }
+        read
+    }
+
+    /// See [`crate::transport::Transport::look`]: reads each link dry, then the core's
+    /// verdict ([`Core::look`]); a failure ends as a failed step does ([`Engine::fail`]).
+    pub(super) fn look(&mut self, ctx: &StepCtx, count: u64, run_from: Option<u64>) -> Result<()> {
+        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        let mut step = self.core.begin(*ctx, &[], &[]);
+        // Every link until it would block: a ring's reads take one header or payload each.
+        for peer in 0..self.conns.len() {
+            if let Some(Some(c)) = self.conns.get_mut(peer) {
+                c.readable = true;
+                self.read_some(&mut step, &[], &mut [], noop, peer, usize::MAX, true);
+            }
+        }
+        let now = Instant::now();
+        match self.core.look(&mut step, count, run_from, now) {
+            Status::Failed => self.fail(&mut step, &[], &mut [], noop, now),
+            _ => self.core.finish(&mut step, &[], now),
+        }
     }
 
     /// A failed sleep in the poller ends the group: the step cannot know what it missed.

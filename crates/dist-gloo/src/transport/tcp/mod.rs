@@ -230,6 +230,13 @@ impl Transport for TcpTransport {
         Some(eng.through_area(ctx, area, count, mine, each))
     }
 
+    fn look(&self, ctx: &StepCtx, count: u64, run_from: Option<u64>) -> Result<()> {
+        self.engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .look(ctx, count, run_from)
+    }
+
     fn probe(&self, peer: usize, tag: u32) -> bool {
         self.engine
             .lock()
