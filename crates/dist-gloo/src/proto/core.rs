@@ -539,7 +539,7 @@ impl Core {
     /// Judges, for `step` (which sends and receives nothing, begun between two operations by
     /// a rank that expects no frame: see `Transport::look`), what the connections hold once
     /// the driver has read them: fails on a peer's abort notice, and on a stashed collective
-    /// frame of the step's operation or an earlier one ([`Core::unclaimed_frame`]); else done.
+    /// frame of the step's operation or an earlier one (`Core::unclaimed_frame`); else done.
     /// A mismatch with a frame of operation `run_from` or later names this rank's side as the
     /// step's call (`Transport::look`). [`Core::finish`] it as any step.
     pub fn look(
