@@ -29,7 +29,7 @@ pub struct GlooOptions {
     /// the same value (checked when the group is built): with lazy roots, the receivers of a
     /// broadcast or scatter that repeats the last rooted call send the root no agreement frame
     /// at all, which an eager root would wait for; such a root looks at what its peers sent
-    /// every 32 of those operations and at close instead.
+    /// every 33rd of those operations and at close instead.
     pub lazy_root_verification: Option<bool>,
     /// Broadcasts of at least this many bytes on more than two ranks scatter the buffer and
     /// ring all-gather it (van de Geijn) instead of running the pipelined chain. `None`

@@ -189,9 +189,9 @@ pub(crate) fn same_call(last: Option<&OpDesc>, this: &OpDesc) -> bool {
 /// root that agrees, or one that does not repeat and so has other evidence on its way (a
 /// non-repeating rank's frame, or the repeaters' data). What is given up: a repeating root
 /// reads nothing, so it hears of a disagreement found elsewhere from the finder's abort
-/// notice, at its next operation that receives, or at the look it takes every
-/// [`MAX_DEFERRED`] operations that only send ([`LOOK_EVERY`]), or at close, rather than by
-/// reading its receivers' frames within [`MAX_DEFERRED`] operations.
+/// notice, at its next operation that receives, at the look it takes after every
+/// [`LOOK_EVERY`] such operations, or at close, rather than by reading its receivers' frames
+/// within [`MAX_DEFERRED`] operations.
 ///
 /// Why: those frames were a 4-rank TCP broadcast's cost against Open MPI's (4 B: 12.0 us
 /// with them, 6.8 without, Open MPI 7.5; docs/BENCHMARKS.md), and back-to-back broadcasts
@@ -217,8 +217,9 @@ pub(crate) const SILENT_MAX_BYTES: usize = 4 << 10;
 
 /// How many operations that only send, and run without the agreement's frames
 /// ([`repeats_silently`]), a root runs between two looks at what its peers sent
-/// (`Transport::look`): the bound on how late it hears of a disagreement found elsewhere
-/// once the finder's notice has arrived. One look costs one non-blocking read per peer.
+/// (`Transport::look`, taken at the start of the next such operation): the bound on how late
+/// it hears of a disagreement found elsewhere once the finder's notice has arrived. One look
+/// costs a non-blocking read or two per peer.
 pub(crate) const LOOK_EVERY: usize = MAX_DEFERRED;
 
 /// The most rooted ops a lazy root may run ahead of its verification: past this many

@@ -79,8 +79,8 @@ pub(crate) fn check(
                  DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES, DIST_GLOO_BCAST_SCATTER_BYTES, \
                  DIST_GLOO_HALVING_DOUBLING_BYTES, DIST_GLOO_RING_PIECE_BYTES, \
                  DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
-                 DIST_GLOO_AREA_ALL_GATHER_BYTES, DIST_GLOO_AREA_BROADCAST_MIN_BYTES, DIST_GLOO_EAGER_ROOT and \
-                 GlooOptions alike on every rank)"
+                 DIST_GLOO_AREA_ALL_GATHER_BYTES, DIST_GLOO_AREA_BROADCAST_MIN_BYTES, \
+                 DIST_GLOO_EAGER_ROOT and GlooOptions alike on every rank)"
             ),
         ));
     }

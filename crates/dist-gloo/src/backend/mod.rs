@@ -438,8 +438,8 @@ impl GlooBackend {
             0
         };
         // A root that reads nothing, since no frames are owed to it, looks at what its peers
-        // sent every `agree::LOOK_EVERY` such operations (after its older deferred frames,
-        // which lie ahead of anything else on the connections).
+        // sent after every `agree::LOOK_EVERY` such operations, before the next (after its
+        // older deferred frames, which lie ahead of anything else on the connections).
         let look = name != CollectiveOp::SendRecv && {
             let mut b = self.blind.lock().unwrap_or_else(|e| e.into_inner());
             if sends_only && silent {
