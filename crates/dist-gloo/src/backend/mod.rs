@@ -440,30 +440,14 @@ impl GlooBackend {
         // A root that reads nothing, since no frames are owed to it, looks at what its peers
         // sent after every `agree::LOOK_EVERY` such operations, before the next (after its
         // older deferred frames, which lie ahead of anything else on the connections).
-        let look = name != CollectiveOp::SendRecv && {
-            let mut b = self.blind.lock().unwrap_or_else(|e| e.into_inner());
-            if sends_only && silent {
-                b.ops += 1;
-                b.last = Some((ctx, count as u64));
-                b.run_from.get_or_insert(seq);
-                b.ops > agree::LOOK_EVERY
-            } else {
-                b.run_from = None;
-                false
-            }
-        };
+        let look = (name != CollectiveOp::SendRecv)
+            .then(|| self.blind_run(&ctx, count as u64, sends_only && silent))
+            .flatten();
         let res = self
-            .verify_deferred(if look { 0 } else { keep }, ctx.deadline)
-            .and_then(|()| {
-                if look {
-                    let mut b = self.blind.lock().unwrap_or_else(|e| e.into_inner());
-                    b.ops = 0;
-                    let from = b.run_from;
-                    drop(b);
-                    self.transport.look(&ctx, count as u64, from)
-                } else {
-                    Ok(())
-                }
+            .verify_deferred(if look.is_some() { 0 } else { keep }, ctx.deadline)
+            .and_then(|()| match look {
+                Some(run_from) => self.transport.look(&ctx, count as u64, run_from),
+                None => Ok(()),
             })
             .and_then(|()| {
                 if !name.rooted() || self.world_size == 1 {
@@ -539,6 +523,25 @@ impl GlooBackend {
             agree::verify_deferred(&*self.transport, &batch, deadline)?;
         }
         Ok(())
+    }
+
+    /// Counts operation `ctx` (with `count`) in [`GlooBackend::blind`] when it reads nothing
+    /// (`blind`: a root that only sends and is owed no frames), else ends the run of such
+    /// operations. `Some(run_from)` (see `Transport::look`) when this one is past
+    /// [`agree::LOOK_EVERY`] of them since the last look: look before it.
+    fn blind_run(&self, ctx: &StepCtx, count: u64, blind: bool) -> Option<Option<u64>> {
+        let mut b = self.blind.lock().unwrap_or_else(|e| e.into_inner());
+        if !blind {
+            b.run_from = None;
+            return None;
+        }
+        b.ops += 1;
+        b.last = Some((*ctx, count));
+        b.run_from.get_or_insert(ctx.seq);
+        (b.ops > agree::LOOK_EVERY).then(|| {
+            b.ops = 0;
+            b.run_from
+        })
     }
 
     /// Aborts the group after `e`: its connections are in an unknown state.

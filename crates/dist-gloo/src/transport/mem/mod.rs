@@ -203,6 +203,17 @@ impl Inner {
     }
 }
 
+impl MemTransport {
+    /// Writes the abort notices a failed step queued (what the pipes take now).
+    fn write_notices(&self, g: &mut Inner) {
+        let mut idle = Step::idle();
+        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+            g.write(&self.bells, &mut idle, &[], &mut [], noop, peer);
+        }
+    }
+}
+
 impl Transport for MemTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -259,10 +270,7 @@ impl Transport for MemTransport {
                         }
                     }
                     let r = g.core.finish(&mut step, sends, now);
-                    let mut idle = Step::idle();
-                    for peer in (0..self.world_size).filter(|&p| p != self.rank) {
-                        g.write(bells, &mut idle, &[], &mut [], on_frame, peer);
-                    }
+                    self.write_notices(g);
                     return r;
                 }
             }
@@ -301,11 +309,7 @@ impl Transport for MemTransport {
         let failed = matches!(g.core.look(&mut step, count, run_from, now), Status::Failed);
         let r = g.core.finish(&mut step, &[], now);
         if failed {
-            // The abort notices the failure queued.
-            let mut idle = Step::idle();
-            for peer in (0..self.world_size).filter(|&p| p != self.rank) {
-                g.write(bells, &mut idle, &[], &mut [], noop, peer);
-            }
+            self.write_notices(g);
         }
         r
     }

@@ -300,7 +300,7 @@ impl Engine {
         // any number of operations through the area. What the peers sent before arriving is
         // in their rings now: one read of each ring that holds bytes, then the stash is
         // judged (if anything is stashed).
-        let read = self.core.holds_stashed() | self.read_each_once(&mut step);
+        let read = self.core.holds_stashed() | self.read_each(&mut step, 1);
         if read && let Status::Failed = self.core.poll_waiting_for(&mut step, count, &[], now) {
             return self.fail(&mut step, &[], &mut [], noop, now);
         }
@@ -353,10 +353,10 @@ impl Engine {
         result
     }
 
-    /// One read of each link that may hold input (a shared-memory ring that holds bytes, any
-    /// socket), whatever the core holds read ahead: for `step`, which waits for nothing.
-    /// Returns whether a byte moved.
-    fn read_each_once(&mut self, step: &mut Step) -> bool {
+    /// Up to `reads` reads of each link that may hold input (a shared-memory ring that holds
+    /// bytes, any socket), whatever the core holds read ahead, stopping where one would
+    /// block: for `step`, which waits for nothing. Returns whether a byte moved.
+    fn read_each(&mut self, step: &mut Step, reads: usize) -> bool {
         let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
         let mut read = false;
         for peer in 0..self.conns.len() {
@@ -364,7 +364,7 @@ impl Engine {
                 && c.link.may_have_input()
             {
                 c.readable = true;
-                read |= self.read_some(step, &[], &mut [], noop, peer, 1, true);
+                read |= self.read_some(step, &[], &mut [], noop, peer, reads, true);
             }
         }
         read
@@ -376,12 +376,7 @@ impl Engine {
         let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
         let mut step = self.core.begin(*ctx, &[], &[]);
         // Every link until it would block: a ring's reads take one header or payload each.
-        for peer in 0..self.conns.len() {
-            if let Some(Some(c)) = self.conns.get_mut(peer) {
-                c.readable = true;
-                self.read_some(&mut step, &[], &mut [], noop, peer, usize::MAX, true);
-            }
-        }
+        self.read_each(&mut step, usize::MAX);
         let now = Instant::now();
         match self.core.look(&mut step, count, run_from, now) {
             Status::Failed => self.fail(&mut step, &[], &mut [], noop, now),
