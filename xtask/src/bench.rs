@@ -422,7 +422,7 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
         "same invocation".to_string()
     };
     println!(
-        "\n# world_size {n}: dist-gloo vs {peer} ({how}; busbw in GB/s, time = median of per-iteration max over ranks; mean: their mean, the throughput of back-to-back calls, which the median hides where a rank runs ahead and waits in a few long iterations)"
+        "\n# world_size {n}: dist-gloo vs {peer} ({how}; busbw in GB/s, time = median of per-iteration max over ranks; mean: their mean, the throughput of back-to-back calls and the time nccl-tests and the OSU benchmarks report, which the median hides where a rank runs ahead and waits in a few long iterations)"
     );
     println!(
         "# {:>15} {:>10} | {:>10} {:>8} | {:>10} {:>8} | {:>8} | {:>9} {:>9} {:>6}{}",

@@ -16,6 +16,8 @@
 //! `scatter` (a size is then one rank's block, as for all_gather). `--shift B` starts every
 //! buffer of the odd ranks B bytes into its memory, so that ranks' buffers sit at different
 //! offsets within their pages, as two programs' (or one program's heap) buffers may.
+//! `--per-rank 1` also prints each rank's own times (10th, 50th and 90th percentile and mean)
+//! before the maximum over ranks is taken: where one rank runs ahead, the two differ.
 
 #![allow(missing_docs, reason = "an example binary")]
 
@@ -40,6 +42,7 @@ struct Args {
     root: usize,
     huge_pages: bool,
     shift: usize,
+    per_rank: bool,
 }
 
 /// nccl-tests' datatype names.
@@ -97,6 +100,7 @@ fn parse() -> Args {
         root: 0,
         huge_pages: false,
         shift: 0,
+        per_rank: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -126,11 +130,27 @@ fn parse() -> Args {
             "-r" => a.root = v.parse().expect("-r takes a rank"),
             "--huge-pages" => a.huge_pages = v != "0",
             "--shift" => a.shift = v.parse().expect("--shift takes a byte count"),
+            "--per-rank" => a.per_rank = v != "0",
             other => panic!("unknown argument {other}"),
         }
         i += 2;
     }
     a
+}
+
+/// One rank's own iteration times (seconds) as a line: percentiles and mean, in us.
+fn own_times(rank: usize, op: &str, size: usize, times: &[f64]) -> String {
+    let mut v = times.to_vec();
+    v.sort_by(f64::total_cmp);
+    let at = |q: usize| v[(v.len() * q / 100).min(v.len() - 1)] * 1e6;
+    let mean = v.iter().sum::<f64>() / v.len() as f64 * 1e6;
+    format!(
+        "# rank {rank} {op} {size} B, own times over {} iterations: p10 {:.1} median {:.1} p90 {:.1} mean {mean:.1} us",
+        v.len(),
+        at(10),
+        at(50),
+        at(90),
+    )
 }
 
 fn bus_factor(op: &str, n: usize) -> Option<f64> {
@@ -455,6 +475,9 @@ fn main() {
                 let t0 = Instant::now();
                 run_once(&pg, op, &mut c, &args, &opts);
                 *t = t0.elapsed().as_secs_f64();
+            }
+            if args.per_rank {
+                println!("{}", own_times(rank, op, size, &times));
             }
             pg.all_reduce(
                 BufMut::Host(bytemuck::cast_slice_mut(&mut times)),
