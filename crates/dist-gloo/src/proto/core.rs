@@ -11,7 +11,7 @@ use super::parse::process;
 use super::step::{Status, Step};
 use crate::transport::{
     Incoming, OnFrame, Outgoing, StepCtx, abort_reason, closed_error_at, is_advisory,
-    stale_advisory, stalled_on, stashed_conflict, step_count,
+    stale_advisory, stalled_on, step_count,
 };
 
 /// How many bytes a connection may hold read ahead of the steps that want them before a
@@ -143,8 +143,7 @@ impl Core {
         self.conns
             .iter()
             .flatten()
-            .flat_map(Conn::stashed_headers)
-            .find_map(|h| stashed_conflict(ctx, h, count))
+            .find_map(|c| c.stashed_conflict(ctx, count))
     }
 
     /// Whether any connection holds stashed frames (read before a step wanted them).

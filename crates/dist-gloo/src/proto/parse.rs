@@ -184,10 +184,12 @@ pub(super) fn process(
                     }
                 }
                 Some(Err(e)) => {
+                    conn.note_stashed(&h);
                     conn.stash.push_back((h, Payload::Remote(at)));
                     step.fail(e);
                 }
                 Some(Ok(Verdict::Stash | Verdict::Closed)) | None => {
+                    conn.note_stashed(&h);
                     conn.stash.push_back((h, Payload::Remote(at)));
                 }
             }
@@ -198,6 +200,7 @@ pub(super) fn process(
             // (`stashed_conflict`), dropped when that one is over.
             conn.start += HEADER_LEN;
             if !step.ctx.is_some_and(|c| stale_advisory(&c, &h)) {
+                conn.note_stashed(&h);
                 conn.stash.push_back((h, Payload::Inline(Vec::new())));
                 conn.advisories += 1;
             }
@@ -297,5 +300,6 @@ fn begin_stash(conn: &mut Conn, h: FrameHeader) {
         ));
         return;
     }
+    conn.note_stashed(&h);
     conn.partial = Some((h, vec![0; h.payload_len as usize], 0));
 }

@@ -685,6 +685,56 @@ fn a_look_fails_on_unclaimed_frames_and_abort_notices_and_passes_later_frames() 
     }
 }
 
+/// A step's look at the stash for a peer's frame of its operation that disagrees: a stash in
+/// order is read only up to the first frame of a later operation, but one out of order (a
+/// peer that numbered its operations otherwise, or frames of two groups) is read whole, so a
+/// disagreement stashed behind a later operation's frame is still found.
+#[test]
+fn a_disagreement_stashed_behind_a_later_operations_frame_is_found() {
+    let t0 = Instant::now();
+    let mut c = ctx(0, CollectiveOp::Broadcast, 9, t0);
+    c.root = 0;
+    let frame_of = |group, seq, root| {
+        let mut h = StepCtx::started_at(
+            2,
+            group,
+            CollectiveOp::Broadcast,
+            seq,
+            DType::U8,
+            t0,
+            Duration::from_secs(10),
+        );
+        h.root = root;
+        let mut f = h.header(1, 0, 0, 1).encode().to_vec();
+        f.push(7);
+        f
+    };
+    // (group, sequence number, root) of each frame rank 2 sent, in order; whether the step at
+    // sequence number 9 (group 1, root 0) fails on them.
+    let cases: [(&[(u32, u64, u32)], bool); 6] = [
+        (&[(1, 9, 0), (1, 10, 1)], false),
+        (&[(1, 10, 0), (1, 11, 1)], false),
+        (&[(1, 9, 1), (1, 10, 0)], true),
+        (&[(1, 10, 0), (1, 9, 1)], true),
+        (&[(1, 10, 0), (1, 10, 1), (1, 9, 1)], true),
+        (&[(2, 30, 0), (1, 9, 1)], true),
+    ];
+    for (frames, fails) in cases {
+        let mut core = Core::new(0, 3, 64);
+        let mut step = core.begin(c, &[], &[]);
+        for &(group, seq, root) in frames {
+            feed(
+                &mut core,
+                &mut step,
+                &mut [],
+                2,
+                &frame_of(group, seq, root),
+            );
+        }
+        assert_eq!(core.may_fail_at_once(&step, &[], &[]), fails, "{frames:?}");
+    }
+}
+
 /// A connection holding [`READ_AHEAD_BYTES`] of frames for later steps is read ahead no more
 /// in a collective step (its sender is left to the transport's flow control), still in a
 /// point-to-point one (sends stay eager), and again once a step took the frames.

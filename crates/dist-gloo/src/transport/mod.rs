@@ -486,6 +486,13 @@ pub(crate) fn step_count(sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> u64 
         .unwrap_or(0)
 }
 
+/// Whether `h` belongs to a collective operation, numbered in its group: a peer sends such
+/// frames of one group in nondecreasing sequence numbers (it runs the group's operations one
+/// at a time, in order), which is what [`stashed_conflict`]'s callers may count on.
+pub(crate) fn numbered(h: &FrameHeader) -> bool {
+    h.op != CollectiveOp::SendRecv && h.op != CollectiveOp::Close
+}
+
 /// A frame `peer` sent in this very operation (same group and sequence number) that the
 /// step does not wait for, judged as it arrives: `Some` when its operation or arguments
 /// differ from this rank's. Why: a rank waits only on the peers its algorithm names, and
@@ -500,7 +507,7 @@ pub(crate) fn step_count(sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> u64 
 /// `count` is this rank's, for the error only.
 pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Option<Error> {
     let collective = |op| op != CollectiveOp::SendRecv && op != CollectiveOp::Close;
-    if !collective(h.op) || !collective(ctx.op) || ctx.args_in_payload || h.group != ctx.group {
+    if !numbered(h) || !collective(ctx.op) || ctx.args_in_payload || h.group != ctx.group {
         return None;
     }
     // No step takes an advisory frame: of an earlier operation, it is only stale.
