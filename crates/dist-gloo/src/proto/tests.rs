@@ -711,7 +711,8 @@ fn a_disagreement_stashed_behind_a_later_operations_frame_is_found() {
     };
     // (group, sequence number, root) of each frame rank 2 sent, in order; whether the step at
     // sequence number 9 (group 1, root 0) fails on them.
-    let cases: [(&[(u32, u64, u32)], bool); 6] = [
+    type Frames = &'static [(u32, u64, u32)];
+    let cases: [(Frames, bool); 6] = [
         (&[(1, 9, 0), (1, 10, 1)], false),
         (&[(1, 10, 0), (1, 11, 1)], false),
         (&[(1, 9, 1), (1, 10, 0)], true),
