@@ -128,7 +128,7 @@ impl Conn {
     /// The first stashed frame that shows this rank's operation `ctx` disagreeing with the
     /// peer ([`stashed_conflict`]; `count` is this rank's, for the error). Frames of later
     /// operations cannot: where the stash is in order, the scan ends at the first of them.
-    pub(super) fn stashed_conflict(&self, ctx: &StepCtx, count: u64) -> Option<Error> {
+    pub(super) fn first_disagreement(&self, ctx: &StepCtx, count: u64) -> Option<Error> {
         for h in self.stashed_headers() {
             if let Some(e) = stashed_conflict(ctx, h, count) {
                 return Some(e);

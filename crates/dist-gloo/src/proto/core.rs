@@ -143,7 +143,7 @@ impl Core {
         self.conns
             .iter()
             .flatten()
-            .find_map(|c| c.stashed_conflict(ctx, count))
+            .find_map(|c| c.first_disagreement(ctx, count))
     }
 
     /// Whether any connection holds stashed frames (read before a step wanted them).
