@@ -125,6 +125,12 @@ impl Conn {
         self.last_stashed = Some((h.group, h.seq));
     }
 
+    /// Stashes a whole frame (header `h`, `payload`) as it arrives.
+    pub(super) fn push_stashed(&mut self, h: FrameHeader, payload: Payload) {
+        self.note_stashed(&h);
+        self.stash.push_back((h, payload));
+    }
+
     /// The first stashed frame that shows this rank's operation `ctx` disagreeing with the
     /// peer ([`stashed_conflict`]; `count` is this rank's, for the error). Frames of later
     /// operations cannot: where the stash is in order, the scan ends at the first of them.

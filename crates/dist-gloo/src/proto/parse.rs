@@ -184,13 +184,11 @@ pub(super) fn process(
                     }
                 }
                 Some(Err(e)) => {
-                    conn.note_stashed(&h);
-                    conn.stash.push_back((h, Payload::Remote(at)));
+                    conn.push_stashed(h, Payload::Remote(at));
                     step.fail(e);
                 }
                 Some(Ok(Verdict::Stash | Verdict::Closed)) | None => {
-                    conn.note_stashed(&h);
-                    conn.stash.push_back((h, Payload::Remote(at)));
+                    conn.push_stashed(h, Payload::Remote(at));
                 }
             }
             continue;
@@ -200,8 +198,7 @@ pub(super) fn process(
             // (`stashed_conflict`), dropped when that one is over.
             conn.start += HEADER_LEN;
             if !step.ctx.is_some_and(|c| stale_advisory(&c, &h)) {
-                conn.note_stashed(&h);
-                conn.stash.push_back((h, Payload::Inline(Vec::new())));
+                conn.push_stashed(h, Payload::Inline(Vec::new()));
                 conn.advisories += 1;
             }
             continue;

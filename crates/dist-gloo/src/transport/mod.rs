@@ -490,7 +490,13 @@ pub(crate) fn step_count(sends: &[Outgoing<'_>], recvs: &[Incoming<'_>]) -> u64 
 /// frames of one group in nondecreasing sequence numbers (it runs the group's operations one
 /// at a time, in order), which is what [`stashed_conflict`]'s callers may count on.
 pub(crate) fn numbered(h: &FrameHeader) -> bool {
-    h.op != CollectiveOp::SendRecv && h.op != CollectiveOp::Close
+    numbered_op(h.op)
+}
+
+/// Whether `op` is a collective operation, numbered in its group (not point-to-point, not a
+/// `Close`).
+fn numbered_op(op: CollectiveOp) -> bool {
+    op != CollectiveOp::SendRecv && op != CollectiveOp::Close
 }
 
 /// A frame `peer` sent in this very operation (same group and sequence number) that the
@@ -506,8 +512,7 @@ pub(crate) fn numbered(h: &FrameHeader) -> bool {
 /// header-only frame naming this rank as the root: a lazy root's deferred agreement frame.
 /// `count` is this rank's, for the error only.
 pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Option<Error> {
-    let collective = |op| op != CollectiveOp::SendRecv && op != CollectiveOp::Close;
-    if !numbered(h) || !collective(ctx.op) || ctx.args_in_payload || h.group != ctx.group {
+    if !numbered(h) || !numbered_op(ctx.op) || ctx.args_in_payload || h.group != ctx.group {
         return None;
     }
     // No step takes an advisory frame: of an earlier operation, it is only stale.
