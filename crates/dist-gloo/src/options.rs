@@ -187,17 +187,22 @@ impl GlooOptions {
         }
     }
 
-    /// The default of [`GlooOptions::area_all_reduce_bytes`]: 16 MiB where the group's ranks
+    /// The default of [`GlooOptions::area_all_reduce_bytes`]: 2 MiB where the group's ranks
     /// outnumber the host's CPUs (`cores_shared`, which every rank resolves alike), else off.
     /// Where ranks take turns on the cores, each of the ring's 2(n − 1) waits for a peer costs
-    /// a turn, and two shots wait twice per mebibyte: 4 ranks on 2 cores, gloo_bench, 5 runs
-    /// alternated (us), 64 KiB 56.7 over messages against 46.0, 1 MiB 620 against 330, 4 MiB
-    /// 2015 against 1653, 16 MiB 10027 against 6977, 32 MiB even (18857 against 19145). With
-    /// a core per rank the ring's waits are short and two shots' extra pass over the bytes
-    /// costs more (2 ranks on 2 cores: 1 MiB 98 against 123); hosts with more cores than ranks
-    /// were not measured, and keep the ring.
+    /// a turn, and two shots wait twice per mebibyte: 4 ranks on 2 cores, gloo_bench, 6-8 runs
+    /// alternated, medians of the runs (us), two shots against the ring or halving-doubling:
+    /// 64 KiB 45 against 46, 256 KiB 114 against 119, 1 MiB 280 against 420, 2 MiB 537 against
+    /// 845. From 4 MiB the ring has caught up since it learnt to run in pieces (it took 2015
+    /// us against two shots' 1653 before): 4 MiB 1407 against 1080, 8 MiB 3335 against 3198,
+    /// 16 MiB 6360 against 6333. It also bears a slow spell of the host better: in runs where
+    /// a plain 8 MiB copy took 0.7-0.9 ms instead of 0.3 (it comes and goes for seconds on
+    /// this virtual machine, and hits Open MPI's runs alike), the 16 MiB all_reduce took 18-19
+    /// ms in two shots and 10-11 in the ring. With a core per rank the ring's waits are short
+    /// and two shots' extra pass over the bytes costs more (2 ranks on 2 cores: 1 MiB 98
+    /// against 123); hosts with more cores than ranks were not measured, and keep the ring.
     pub fn auto_area_all_reduce_bytes(cores_shared: bool) -> usize {
-        if cores_shared { 16 << 20 } else { 0 }
+        if cores_shared { 2 << 20 } else { 0 }
     }
 
     /// The default of [`GlooOptions::area_all_gather_bytes`]: outputs of 2 MiB (at 4 ranks,

@@ -51,7 +51,9 @@ pub(crate) fn through_shared_memory(
 /// the peer it waits for must be scheduled first, so the waits, not the bytes, set the pace up
 /// to megabytes: 4 ranks on 2 cores, gloo_bench, 4 runs alternated (us), 64 KiB 60.5 over
 /// messages against 45.8 here, 256 KiB 141 against 88, 1 MiB 589 against 306, 4 MiB 1756
-/// against 1432 (`docs/BENCHMARKS.md` has more). Two shots move
+/// against 1432 (`docs/BENCHMARKS.md` has more). From 4 MiB the ring in pieces has since
+/// caught up, and bears the host's slow spells better
+/// ([`crate::GlooOptions::auto_area_all_reduce_bytes`] has the figures). Two shots move
 /// every byte three times through the cache (in, reduced, out), where the ring by reference
 /// moves it twice through the kernel's copy, so with a core per rank (2 ranks on 2 cores) it
 /// lost: 1 MiB 98 against 123, 16 MiB 2917 against 3311.
