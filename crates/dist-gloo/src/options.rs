@@ -85,6 +85,23 @@ pub struct GlooOptions {
     /// turns it off; `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` sets it. Every rank must use the
     /// same value (checked when the group is built).
     pub area_broadcast_min_bytes: Option<usize>,
+    /// all_to_alls go through the group's shared-memory area where the whole group maps one
+    /// and every rank's input is at most this many bytes (and fits the area); where some
+    /// rank's does not, the ranks find it out in the area and run the operation by messages
+    /// (see `algo::alltoall::through_shared_memory`). `None` or `0` (the default) turns it
+    /// off; `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` sets it. Every rank must use the same value
+    /// (checked when the group is built).
+    ///
+    /// Why off: every all_to_all then pays a wait for the whole group in the area, also those
+    /// whose inputs do not fit, and the area's copies suffer most when the host is slow. 4
+    /// ranks on 2 cores, gloo_bench, 6 runs alternated with it off, medians of the runs (us),
+    /// up to 256 KiB of input: 4 B 7.2 against 12.4, 64 B 9.6 against 12.9, 1 KiB 8.9 against
+    /// 13.0, but 16 KiB 20.6 against 21.2 and 64 KiB 55.0 against 43.9, and 256 KiB 177
+    /// against 85, where three runs in a slow spell of the host (an 8 MiB copy taking 3x its
+    /// time, as for [`GlooOptions::auto_area_all_reduce_bytes`]) took 245-249 through the area
+    /// and 82-92 by messages; inputs past the limit pay the group's wait, about 10 us on top
+    /// (512 KiB 146 against 128).
+    pub area_all_to_all_bytes: Option<usize>,
 }
 
 /// all_reduce buffers up to this size never run recursive halving and doubling: its 2·log2 n
@@ -246,8 +263,9 @@ impl GlooOptions {
     /// `DIST_GLOO_RING_PIECE_BYTES` ([`GlooOptions::ring_piece_bytes`]),
     /// `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` ([`GlooOptions::all_to_all_pairwise_bytes`]),
     /// `DIST_GLOO_AREA_ALL_REDUCE_BYTES` ([`GlooOptions::area_all_reduce_bytes`]),
-    /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` ([`GlooOptions::area_all_gather_bytes`]) and
-    /// `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` ([`GlooOptions::area_broadcast_min_bytes`]).
+    /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` ([`GlooOptions::area_all_gather_bytes`]),
+    /// `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` ([`GlooOptions::area_broadcast_min_bytes`]) and
+    /// `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` ([`GlooOptions::area_all_to_all_bytes`]).
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -262,6 +280,7 @@ impl GlooOptions {
             area_all_reduce_bytes: var("DIST_GLOO_AREA_ALL_REDUCE_BYTES"),
             area_all_gather_bytes: var("DIST_GLOO_AREA_ALL_GATHER_BYTES"),
             area_broadcast_min_bytes: var("DIST_GLOO_AREA_BROADCAST_MIN_BYTES"),
+            area_all_to_all_bytes: var("DIST_GLOO_AREA_ALL_TO_ALL_BYTES"),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {

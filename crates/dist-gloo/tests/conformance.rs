@@ -42,16 +42,19 @@ fn gloo_opts() -> GlooOptions {
     o.area_all_reduce_bytes = Some(0);
     o.area_all_gather_bytes = Some(0);
     o.area_broadcast_min_bytes = Some(usize::MAX);
+    o.area_all_to_all_bytes = Some(0);
     o
 }
 
 /// [`gloo_opts`] with every all_reduce over 4 KiB in two shots through the group area, every
-/// all_gather whose blocks fit the area through it, and every broadcast through it.
+/// all_gather whose blocks fit the area through it, every broadcast through it, and every
+/// all_to_all through it (by messages after it where an input does not fit).
 fn through_the_area() -> GlooOptions {
     let mut o = gloo_opts();
     o.area_all_reduce_bytes = Some(usize::MAX);
     o.area_all_gather_bytes = Some(usize::MAX);
     o.area_broadcast_min_bytes = Some(0);
+    o.area_all_to_all_bytes = Some(usize::MAX);
     o
 }
 
@@ -461,13 +464,14 @@ fn world_size_5() {
     over_every_driver(5);
 }
 
-/// all_reduce in two shots through the group area, and all_gather and broadcast through it, on
-/// 2 to 5 ranks: the suite's data checks (every type and op; the big count in up to five pieces
-/// of the area, the last one short), then counts the area's exchanges: two per piece of an
-/// all_reduce, one per all_gather, one per piece of a broadcast, and none for any once the
-/// options turn the area off.
+/// all_reduce in two shots through the group area, and all_gather, broadcast and all_to_all
+/// through it, on 2 to 5 ranks: the suite's data checks (every type and op; the big count in
+/// up to five pieces of the area, the last one short), then counts the area's exchanges: two
+/// per piece of an all_reduce, one per all_gather, one per piece of a broadcast, one per
+/// all_to_all (also where an input is too large for it), and none for any once the options
+/// turn the area off.
 #[test]
-fn all_reduce_all_gather_and_broadcast_through_the_group_area() {
+fn all_reduce_all_gather_broadcast_and_all_to_all_through_the_group_area() {
     let exchanges = |ranks: &[GlooBackend]| -> Vec<u64> {
         ranks
             .iter()
@@ -488,10 +492,16 @@ fn all_reduce_all_gather_and_broadcast_through_the_group_area() {
         check_one_all_gather(&ranks, d, &counts);
         let root = n - 1;
         check_one_broadcast(&ranks, d, count, root);
+        // all_to_all with uneven splits: through the area, then with rank 0's input too
+        // large for it, by messages after one exchange of the tables.
+        let small = |s: usize, r: usize| 3 + s + 2 * r + usize::from(s == r);
+        check_all_to_all(&ranks, d, small, &opts(), "through the area");
+        let large = |s: usize, r: usize| if s == 0 { 140_000 + r } else { small(s, r) };
+        check_all_to_all(&ranks, d, large, &opts(), "too large for the area");
         for (r, (a, b)) in exchanges(&ranks).iter().zip(before).enumerate() {
             assert_eq!(
                 a - b,
-                2 * 4 + 1 + 4,
+                2 * 4 + 1 + 4 + 2,
                 "ws {n} rank {r}: exchanges through the area"
             );
         }
@@ -501,6 +511,7 @@ fn all_reduce_all_gather_and_broadcast_through_the_group_area() {
         check_one_all_reduce(&ranks, d, op, count);
         check_one_all_gather(&ranks, d, &counts);
         check_one_broadcast(&ranks, d, count, root);
+        check_all_to_all(&ranks, d, |s, r| 3 + s + r, &opts(), "area off");
         assert_eq!(
             exchanges(&ranks),
             before,

@@ -237,7 +237,7 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
 #[test]
 fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
     type Tweak = fn(&mut GlooOptions);
-    let cases: [(&str, Tweak); 8] = [
+    let cases: [(&str, Tweak); 9] = [
         ("small_bytes=0", |o| o.small_bytes = Some(0)),
         // Even the value that `auto` takes between hosts: on one host it takes another.
         ("halving_doubling_bytes=2097152", |o| {
@@ -247,7 +247,7 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
         ("fused_agreement_max_ranks=1", |o| {
             o.fused_agreement_max_ranks = Some(1);
         }),
-        // `auto` takes 0 or 16 MiB by the host's CPUs: neither is `auto` before it resolves.
+        // `auto` takes 0 or 2 MiB by the host's CPUs: neither is `auto` before it resolves.
         ("area_all_reduce_bytes=0", |o| {
             o.area_all_reduce_bytes = Some(0)
         }),
@@ -256,6 +256,9 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
         }),
         ("area_broadcast_min_bytes=0", |o| {
             o.area_broadcast_min_bytes = Some(0);
+        }),
+        ("area_all_to_all_bytes=4096", |o| {
+            o.area_all_to_all_bytes = Some(4096);
         }),
         // Lazy roots are owed no frames for repeated small broadcasts; an eager one is.
         ("lazy_root_verification=false", |o| {
@@ -411,6 +414,55 @@ fn broadcast_area_disagreement_fails_on_every_rank_at_once() {
         for (r, e) in errs.iter().enumerate() {
             let (a, b) = sides(e);
             assert_ne!(a.root, b.root, "n={n}: rank {r}: {e}");
+        }
+    }
+}
+
+/// all_to_all through the group area (`area_all_to_all_bytes`) where rank 1 sends rank 2 one
+/// element more than rank 2 expects from it: every rank reads every rank's table of counts,
+/// so every rank fails at once, naming the same pair with both counts, even the ranks whose
+/// own blocks agree. The same counts where rank 1's input is too large for the area (so that
+/// the ranks go on by messages after the tables) fail the same way.
+#[test]
+fn all_to_all_counts_that_disagree_fail_every_rank_through_the_area() {
+    for (n, big) in [(3, 0), (4, 0), (3, 2 << 20)] {
+        let base = GlooOptions {
+            area_all_to_all_bytes: Some(usize::MAX),
+            ..GlooOptions::default()
+        };
+        let ranks = with_odd_last(shm_rings_transports(n, &base), &base, |_| {});
+        // Rank s sends rank r 2 + s elements (rank 1: `big` more to rank 0); rank 2 expects
+        // one fewer from rank 1 than it sends.
+        let sends = |s: usize| -> Vec<usize> {
+            (0..n)
+                .map(|r| 2 + s + if s == 1 && r == 0 { big } else { 0 })
+                .collect()
+        };
+        let recvs = |r: usize| -> Vec<usize> {
+            (0..n)
+                .map(|s| sends(s)[r] - usize::from(r == 2 && s == 1))
+                .collect()
+        };
+        let errs = all_fail_at_once(&ranks, "all_to_all counts", |b| {
+            let (s, r) = (sends(b.rank()), recvs(b.rank()));
+            let input = vec![1u8; s.iter().sum()];
+            let mut output = vec![0u8; r.iter().sum()];
+            b.all_to_all(
+                BufRef::Host(&input),
+                BufMut::Host(&mut output),
+                DType::U8,
+                &s,
+                &r,
+                &opts(),
+            )
+        });
+        for (r, e) in errs.iter().enumerate() {
+            let (ours, theirs) = sides(e);
+            assert_eq!(
+                (ours.rank, ours.count, theirs.rank, theirs.count),
+                (2, 2, 1, 3),
+                "n={n}, big={big}: rank {r}: {e}"
+            );
         }
     }
 }

@@ -80,6 +80,7 @@ pub(crate) fn check(
                  DIST_GLOO_HALVING_DOUBLING_BYTES, DIST_GLOO_RING_PIECE_BYTES, \
                  DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
                  DIST_GLOO_AREA_ALL_GATHER_BYTES, DIST_GLOO_AREA_BROADCAST_MIN_BYTES, \
+                 DIST_GLOO_AREA_ALL_TO_ALL_BYTES, \
                  DIST_GLOO_EAGER_ROOT and GlooOptions alike on every rank)"
             ),
         ));

@@ -15,6 +15,7 @@ use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx, Transport};
 pub(crate) mod agree;
 pub(crate) mod allgather;
 pub(crate) mod allreduce;
+pub(crate) mod alltoall;
 pub(crate) mod bcast;
 pub(crate) mod choice;
 pub(crate) mod reducescatter;

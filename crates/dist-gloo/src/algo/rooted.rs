@@ -1,4 +1,4 @@
-//! reduce, gather, scatter, all_to_all and barrier.
+//! reduce, gather, scatter and barrier.
 
 use dist_backend::Result;
 use dist_wire::ReduceOp;
@@ -117,77 +117,6 @@ pub(crate) fn scatter(
         .map(|p| o.send(p, &input[blocks[p].clone()], tags::GATHER))
         .collect();
     o.step(&sends, &mut [])
-}
-
-/// Exchange of blocks with every peer: all in flight at once in one step, or, on more than two
-/// ranks with a block to or from another rank of at least `pairwise_from` bytes
-/// (`GlooOptions::all_to_all_pairwise_bytes`), in n − 1
-/// steps, step k sending to rank + k and receiving from rank − k, so that (when every rank
-/// runs it) each rank feeds one peer and is fed by one at a time. Each frame announces the
-/// element count of its block, so split sizes that disagree between two ranks are caught.
-/// Ranks may choose differently (their blocks differ): every block carries the same tag, and
-/// one that arrives before the step that takes it is kept.
-///
-/// The engine writes a step's sends in list order, so the lists are staggered: rank r sends to
-/// r+1, r+2, ... and receives from r-1, r-2, ... If every rank listed its peers in rank order,
-/// all of them would first fill rank 0's socket, then rank 1's: incast on one receiver while
-/// the others sit idle. Staggered, each receiver is fed by a different sender at every moment.
-///
-/// The own block bypasses the cache where the output is at least `output_leaves_cache_from`
-/// bytes (`output_copy::output_leaves_cache_bytes`).
-pub(crate) fn all_to_all(
-    o: &Op<'_>,
-    input: &[u8],
-    output: &mut [u8],
-    send_counts: &[usize],
-    recv_counts: &[usize],
-    pairwise_from: usize,
-    output_leaves_cache_from: usize,
-) -> Result<()> {
-    let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
-    let sb = blocks_of(send_counts, elem);
-    let rb = blocks_of(recv_counts, elem);
-    // This rank's own block is a copy, not an exchange.
-    let largest = (0..n)
-        .filter(|&p| p != r)
-        .map(|p| sb[p].len().max(rb[p].len()))
-        .max()
-        .unwrap_or(0);
-    let leaves_cache = output.len() >= output_leaves_cache_from;
-    let mut parts: Vec<Option<&mut [u8]>> =
-        split_blocks(output, &rb).into_iter().map(Some).collect();
-    if let Some(mine) = parts[r].take() {
-        copy_into_output(mine, &input[sb[r].clone()], leaves_cache);
-    }
-    // Index k - 1 holds the send to r + k and the receive from r - k.
-    let sends: Vec<_> = (1..n)
-        .map(|k| (r + k) % n)
-        .map(|p| crate::transport::Outgoing {
-            peer: p,
-            data: &input[sb[p].clone()],
-            count: send_counts[p] as u64,
-            tag: tags::DIRECT,
-        })
-        .collect();
-    let mut recvs: Vec<_> = (1..n)
-        .map(|k| (r + n - k) % n)
-        .map(|p| crate::transport::Incoming {
-            peer: p,
-            // Only this rank's own part was taken.
-            buf: parts[p].take().unwrap_or_default(),
-            count: recv_counts[p] as u64,
-            tag: tags::DIRECT,
-            streamed: None,
-            seq_ahead: 0,
-        })
-        .collect();
-    if n > 2 && largest >= pairwise_from {
-        for (send, recv) in sends.chunks(1).zip(recvs.chunks_mut(1)) {
-            o.step(send, recv)?;
-        }
-        return Ok(());
-    }
-    o.step(&sends, &mut recvs)
 }
 
 /// Barrier: through memory the whole group maps where the transport has it (an exchange of

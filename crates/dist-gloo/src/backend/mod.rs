@@ -13,8 +13,8 @@ use dist_backend::{
 use dist_wire::{CollectiveOp, DType, NO_ROOT, ReduceOp};
 
 use crate::algo::{
-    Op, STAR_MAX_BYTES, agree, allgather, allreduce, bcast, blocks_of, choice, reducescatter,
-    rooted, takes_star,
+    Op, STAR_MAX_BYTES, agree, allgather, allreduce, alltoall, bcast, blocks_of, choice,
+    reducescatter, rooted, takes_star,
 };
 use crate::options::{FUSED_AGREEMENT_MAX_RANKS, GlooOptions};
 use crate::output_copy::{copy_into_output, output_leaves_cache_bytes};
@@ -50,6 +50,8 @@ pub struct GlooBackend {
     area_all_gather_bytes: usize,
     /// [`GlooOptions::area_broadcast_min_bytes`], resolved.
     area_broadcast_min_bytes: usize,
+    /// [`GlooOptions::area_all_to_all_bytes`], resolved.
+    area_all_to_all_bytes: usize,
     /// The output size from which this rank's and the other local ranks' outputs together
     /// exceed the host's last-level cache, so that own blocks are copied into outputs with
     /// stores that bypass it (`output_copy`). Purely local: ranks may differ.
@@ -199,6 +201,10 @@ impl GlooBackend {
                     .map_or_else(auto, |v| v.to_string()),
             ),
             (
+                "area_all_to_all_bytes",
+                opts.area_all_to_all_bytes.unwrap_or(0).to_string(),
+            ),
+            (
                 // Not an algorithm, but whether a repeated broadcast's receivers send their
                 // root an agreement frame (`agree::repeats_silently`), which an eager root
                 // waits for.
@@ -270,6 +276,7 @@ impl GlooBackend {
             area_broadcast_min_bytes: opts
                 .area_broadcast_min_bytes
                 .unwrap_or_else(|| GlooOptions::auto_area_broadcast_min_bytes(cores_shared)),
+            area_all_to_all_bytes: opts.area_all_to_all_bytes.unwrap_or(0),
             output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts

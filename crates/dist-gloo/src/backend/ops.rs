@@ -300,9 +300,20 @@ impl Backend for GlooBackend {
                 ),
             ));
         }
-        self.run(name, dtype, 0, None, None, None, opts, |o, _| {
+        self.run(name, dtype, 0, None, None, None, opts, |o, scratch| {
+            if let Some(done) = alltoall::through_shared_memory(
+                o,
+                input,
+                output,
+                send_counts,
+                recv_counts,
+                self.area_all_to_all_bytes,
+                scratch,
+            ) {
+                return done;
+            }
             let pairwise_from = self.all_to_all_pairwise_bytes;
-            rooted::all_to_all(
+            alltoall::by_messages(
                 o,
                 input,
                 output,

@@ -488,8 +488,10 @@ impl Core {
     /// lost, gone or aborted, a stashed frame of this operation that disagrees with it, the
     /// deadline (naming `missing`); on any frame of this very operation, since a peer that
     /// sends one runs it over messages, which the ranks choose alike only when they agree on
-    /// its arguments; and on any frame of an earlier operation, which no step took. The
-    /// driver reads each link once after every rank arrived, so that such a frame is seen.
+    /// its arguments (unless `ctx.area_then_messages`: then every rank goes on over messages
+    /// alike, and the frame waits for those steps); and on any frame of an earlier operation,
+    /// which no step took. The driver reads each link once after every rank arrived, so that
+    /// such a frame is seen.
     pub fn poll_waiting_for(
         &mut self,
         step: &mut Step,
@@ -521,8 +523,10 @@ impl Core {
     /// The mismatch shown by a stashed collective frame of operation `ctx` or an earlier one
     /// (but a stale advisory frame), for a rank that expects none: no step will take it.
     fn unclaimed_frame(&self, ctx: &StepCtx, count: u64) -> Option<Error> {
+        let this_or_earlier =
+            |seq: u64| seq < ctx.seq || (seq == ctx.seq && !ctx.area_then_messages);
         let conflict = |h: &FrameHeader| {
-            (h.seq <= ctx.seq
+            (this_or_earlier(h.seq)
                 && h.group == ctx.group
                 && !matches!(h.op, CollectiveOp::SendRecv | CollectiveOp::Close)
                 && !stale_advisory(ctx, h))

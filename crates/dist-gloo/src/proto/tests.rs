@@ -589,6 +589,52 @@ fn an_operation_without_frames_waits_for_the_ranks_named_and_fails_as_a_step_wou
         other => panic!("expected a mismatch, got {other}"),
     }
 
+    // An all_to_all that goes on over messages after the area (some rank's input did not
+    // fit, which every rank read there): rank 2 has read that and sent its first block while
+    // this rank still waits for rank 0's arrival. The frame waits for the step that takes it.
+    let a2a = StepCtx {
+        area_then_messages: true,
+        ..ctx(1, CollectiveOp::AllToAll, 5, t0)
+    };
+    let mut core = Core::new(1, 3, 64);
+    let mut step = core.begin(a2a, &[], &[]);
+    feed(
+        &mut core,
+        &mut step,
+        &mut [],
+        2,
+        &frame_of(CollectiveOp::AllToAll, 5),
+    );
+    assert_eq!(core.poll_waiting_for(&mut step, 0, &[0], t0), pending);
+    assert_eq!(core.poll_waiting_for(&mut step, 0, &[], t0), Status::Done);
+    core.finish(&mut step, &[], t0).unwrap();
+    assert!(core.holds_stashed(), "the block waits in the stash");
+    // Without the flag the same frame says rank 2 runs the operation over messages.
+    let mut core = Core::new(1, 3, 64);
+    let mut step = core.begin(
+        StepCtx {
+            area_then_messages: false,
+            ..a2a
+        },
+        &[],
+        &[],
+    );
+    feed(
+        &mut core,
+        &mut step,
+        &mut [],
+        2,
+        &frame_of(CollectiveOp::AllToAll, 5),
+    );
+    assert_eq!(
+        core.poll_waiting_for(&mut step, 0, &[0], t0),
+        Status::Failed
+    );
+    assert!(matches!(
+        core.finish(&mut step, &[], t0),
+        Err(Error::Mismatch { .. })
+    ));
+
     let mut core = Core::new(1, 3, 64);
     let mut step = core.begin(c, &[], &[]);
     feed(

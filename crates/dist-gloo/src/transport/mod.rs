@@ -56,6 +56,11 @@ pub struct StepCtx {
     /// rank never took (it returned before that frame came) is judged against it, so that the
     /// mismatch names both sides of the operation they disagreed on.
     pub last_rooted: Option<OpDesc>,
+    /// The operation may go on over messages after an exchange through the group area, on
+    /// what every rank read there alike (an all_to_all some rank's input did not fit, see
+    /// `algo::alltoall`): the area's wait then keeps a frame of this very operation for the
+    /// steps to come instead of taking it for a peer that runs the operation over messages.
+    pub area_then_messages: bool,
     /// When the whole operation started (for `Timeout::waited`).
     pub started: Instant,
     /// When the whole operation must be done.
@@ -98,6 +103,7 @@ impl StepCtx {
             reduce_arg: 0,
             args_in_payload: false,
             last_rooted: None,
+            area_then_messages: false,
             started,
             deadline: dist_backend::deadline_after(started, timeout),
         }
