@@ -373,6 +373,27 @@ fn median_row<'a>(runs: &'a [Value], op: &str, size: u64) -> Option<(&'a Value, 
     Some((rows[(rows.len() - 1) / 2].0, lo, hi))
 }
 
+/// The peer's time over ours round by round, for `op` at `size`: the median of those ratios
+/// (the lower middle for an even count) and their range, or `None` where a round lacks the
+/// cell on either side. A round runs the two sides back to back, so a slow spell of the host,
+/// which can last seconds and make every copy take three times as long, falls on both or
+/// neither more often than on the two sides' median rounds, which may come from different
+/// rounds (see docs/BENCHMARKS.md, "The host's slow spells").
+fn paired(ours: &[Value], theirs: &[Value], op: &str, size: u64) -> Option<(f64, f64, f64)> {
+    let time = |v: &Value| find(v, op, size).and_then(|r| r["median_us"].as_f64());
+    let mut ratios: Vec<f64> = ours
+        .iter()
+        .zip(theirs)
+        .map(|(a, b)| Some(time(b)? / time(a)?))
+        .collect::<Option<_>>()?;
+    ratios.sort_by(f64::total_cmp);
+    Some((
+        ratios[(ratios.len().checked_sub(1)?) / 2],
+        *ratios.first()?,
+        *ratios.last()?,
+    ))
+}
+
 /// The mean columns of a row: each side's mean of the per-iteration maxima and their ratio
 /// (the peer's time over ours, so that above 1 is ahead, as the median's ratio), or dashes
 /// where a side reported none.
@@ -417,7 +438,11 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
         } else {
             "alternated rounds"
         };
-        format!("{rounds} {unit}, each side's median round; range: its rounds' times")
+        format!(
+            "{rounds} {unit}, each side's median round; range: its rounds' times; paired: the \
+             median and range over rounds of the peer's time over ours in the same round, run \
+             back to back"
+        )
     } else {
         "same invocation".to_string()
     };
@@ -437,7 +462,7 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
         "peer mean",
         "ratio",
         if rounds > 1 {
-            " | ours range us | peer range us"
+            " | ours range us | peer range us | paired"
         } else {
             ""
         }
@@ -474,7 +499,10 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
             };
             let bw = |b: Option<f64>| b.map_or("-".to_string(), |b| format!("{b:.3}"));
             let ranges = if rounds > 1 {
-                format!(" | {a_lo:>6.1}-{a_hi:<7.1} | {b_lo:>6.1}-{b_hi:<7.1}")
+                let pair = paired(ours, theirs, op, s).map_or("-".to_string(), |(m, lo, hi)| {
+                    format!("{m:.2}x ({lo:.2}-{hi:.2})")
+                });
+                format!(" | {a_lo:>6.1}-{a_hi:<7.1} | {b_lo:>6.1}-{b_hi:<7.1} | {pair}")
             } else {
                 String::new()
             };
@@ -705,6 +733,23 @@ mod tests {
         let (row, ..) = median_row(&runs[..2], "all_reduce", 4096).unwrap();
         assert_eq!(row["median_us"].as_f64(), Some(10.0));
         assert!(median_row(&runs, "all_reduce", 8192).is_none());
+    }
+
+    #[test]
+    fn paired_ratios_divide_each_rounds_times_and_take_their_median() {
+        let run = |us: f64| {
+            serde_json::json!({"results": [
+                {"op": "all_reduce", "bytes_per_rank": 4096, "median_us": us}
+            ]})
+        };
+        // Round 3 is a slow spell for both sides: by the sides' median rounds the peer leads
+        // (30 against 40), round by round we do.
+        let ours = [run(20.0), run(40.0), run(90.0)];
+        let theirs = [run(30.0), run(20.0), run(100.0)];
+        let (m, lo, hi) = paired(&ours, &theirs, "all_reduce", 4096).unwrap();
+        assert_eq!((m, lo, hi), (100.0 / 90.0, 0.5, 1.5));
+        assert!(paired(&ours, &theirs, "all_reduce", 8192).is_none());
+        assert!(paired(&[], &[], "all_reduce", 4096).is_none());
     }
 
     #[test]

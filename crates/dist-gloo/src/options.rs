@@ -209,7 +209,7 @@ impl GlooOptions {
     /// Where ranks take turns on the cores, each of the ring's 2(n − 1) waits for a peer costs
     /// a turn, and two shots wait twice per mebibyte: 4 ranks on 2 cores, gloo_bench, 6-8 runs
     /// alternated, medians of the runs (us), two shots against the ring or halving-doubling:
-    /// 64 KiB 45 against 46, 256 KiB 114 against 119, 1 MiB 280 against 420, 2 MiB 537 against
+    /// 64 KiB 45.5 against 45.3, 256 KiB 114 against 119, 1 MiB 283 against 425, 2 MiB 537 against
     /// 845. From 4 MiB the ring has caught up since it learnt to run in pieces (it took 2015
     /// us against two shots' 1653 before): 4 MiB 1407 against 1080, 8 MiB 3335 against 3198,
     /// 16 MiB 6360 against 6333. It also bears a slow spell of the host better: in runs where
