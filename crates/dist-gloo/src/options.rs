@@ -86,21 +86,12 @@ pub struct GlooOptions {
     /// same value (checked when the group is built).
     pub area_broadcast_min_bytes: Option<usize>,
     /// all_to_alls go through the group's shared-memory area where the whole group maps one
-    /// and every rank's input is at most this many bytes (and fits the area); where some
-    /// rank's does not, the ranks find it out in the area and run the operation by messages
-    /// (see `algo::alltoall::through_shared_memory`). `None` or `0` (the default) turns it
-    /// off; `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` sets it. Every rank must use the same value
-    /// (checked when the group is built).
-    ///
-    /// Why off: every all_to_all then pays a wait for the whole group in the area, also those
-    /// whose inputs do not fit, and the area's copies suffer most when the host is slow. 4
-    /// ranks on 2 cores, gloo_bench, 6 runs alternated with it off, medians of the runs (us),
-    /// up to 256 KiB of input: 4 B 7.2 against 12.4, 64 B 9.6 against 12.9, 1 KiB 8.9 against
-    /// 13.0, but 16 KiB 20.6 against 21.2 and 64 KiB 55.0 against 43.9, and 256 KiB 177
-    /// against 85, where three runs in a slow spell of the host (an 8 MiB copy taking 3x its
-    /// time, as for [`GlooOptions::auto_area_all_reduce_bytes`]) took 245-249 through the area
-    /// and 82-92 by messages; inputs past the limit pay the group's wait, about 10 us on top
-    /// (512 KiB 146 against 128).
+    /// and every rank's input is at most this many bytes (and fits the area); a rank whose
+    /// input does not fit says so in the area and goes on by messages, and the others, finding
+    /// its table of counts without data, follow (see `algo::alltoall::through_shared_memory`).
+    /// `None` picks [`GlooOptions::auto_area_all_to_all_bytes`] once the mesh is built; `0`
+    /// turns it off; `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` sets it. Every rank must use the same
+    /// value (checked when the group is built).
     pub area_all_to_all_bytes: Option<usize>,
 }
 
@@ -229,6 +220,23 @@ impl GlooOptions {
     /// figures): ahead up to 768 KiB blocks, behind at 1 MiB.
     pub fn auto_area_all_gather_bytes(cores_shared: bool) -> usize {
         if cores_shared { 2 << 20 } else { 0 }
+    }
+
+    /// The default of [`GlooOptions::area_all_to_all_bytes`]: inputs of up to 16 KiB where
+    /// the group's ranks outnumber the host's CPUs (as for
+    /// [`GlooOptions::auto_area_all_reduce_bytes`]), else up to 4 KiB.
+    ///
+    /// Measured with gloo_bench, runs alternated with the area off, medians of the runs (us).
+    /// 4 ranks on 2 cores, 6 runs: 4 B 7.9 against 12.0, 1 KiB 8.1 against 13.1, 4 KiB 9.1
+    /// against 15.2, 16 KiB 13.6 against 19.9. In 8 runs during a slow spell of the host (as
+    /// for [`GlooOptions::auto_area_all_reduce_bytes`]) 16 KiB was even (27.5 against 27.2),
+    /// and larger inputs lost: 64 KiB 72.9 against 56.8, 256 KiB 253 against 78. 2 ranks on 2
+    /// cores, 6 runs: 4 B 0.7 against 1.2, 4 KiB 1.2 against 1.6, but 16 KiB 2.9 against 2.3.
+    /// A rank whose input is over the limit pays one publication of its table: 4 ranks, 8
+    /// runs, 64 B 13.6 against 12.8, 16 KiB 22.8 against 22.2, 64 KiB and 256 KiB even; 2
+    /// ranks, 64 KiB 4.7 against 4.6.
+    pub fn auto_area_all_to_all_bytes(cores_shared: bool) -> usize {
+        if cores_shared { 16 << 10 } else { 4 << 10 }
     }
 
     /// The default of [`GlooOptions::area_broadcast_min_bytes`]: 512 KiB where the group's

@@ -493,15 +493,22 @@ fn all_reduce_all_gather_broadcast_and_all_to_all_through_the_group_area() {
         let root = n - 1;
         check_one_broadcast(&ranks, d, count, root);
         // all_to_all with uneven splits: through the area, then with rank 0's input too
-        // large for it, by messages after one exchange of the tables.
+        // large for it, by messages once the others have found its table without data.
         let small = |s: usize, r: usize| 3 + s + 2 * r + usize::from(s == r);
         check_all_to_all(&ranks, d, small, &opts(), "through the area");
         let large = |s: usize, r: usize| if s == 0 { 140_000 + r } else { small(s, r) };
         check_all_to_all(&ranks, d, large, &opts(), "too large for the area");
+        // Every input too large: each rank announces its table and goes on by messages
+        // without waiting. Twice, so that every slot of the area is written again, then
+        // through the area once more, which must read this operation's tables, not those.
+        let every_large = |s: usize, r: usize| 140_000 + s + r;
+        check_all_to_all(&ranks, d, every_large, &opts(), "every input too large");
+        check_all_to_all(&ranks, d, every_large, &opts(), "every input too large again");
+        check_all_to_all(&ranks, d, small, &opts(), "through the area after that");
         for (r, (a, b)) in exchanges(&ranks).iter().zip(before).enumerate() {
             assert_eq!(
                 a - b,
-                2 * 4 + 1 + 4 + 2,
+                2 * 4 + 1 + 4 + 5,
                 "ws {n} rank {r}: exchanges through the area"
             );
         }

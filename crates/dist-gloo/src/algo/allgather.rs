@@ -41,7 +41,7 @@ pub(crate) fn through_shared_memory(
         return None;
     }
     let me = o.rank();
-    o.t.shared_memory_exchange(&o.ctx, o.count, input, &mut |p, theirs| {
+    o.t.shared_memory_exchange(&o.ctx, o.count, &[input], &mut |p, theirs| {
         super::expect_published(o, p, theirs, blocks[p].len())?;
         if p != me {
             dist_simd::copy::bulk(&mut output[blocks[p].clone()], theirs);

@@ -26,7 +26,7 @@ pub(crate) fn through_shared_memory(
     }
     let acc = super::scratch_bytes(scratch, data.len());
     let done =
-        o.t.shared_memory_exchange(&o.ctx, o.count, data, &mut |p, theirs| {
+        o.t.shared_memory_exchange(&o.ctx, o.count, &[data], &mut |p, theirs| {
             super::expect_published(o, p, theirs, acc.len())?;
             if p == 0 {
                 dist_simd::copy::bulk(acc, theirs);
@@ -85,7 +85,7 @@ fn two_shots(o: &Op<'_>, piece: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>)
     let acc = super::scratch_bytes(scratch, mine.len());
     let whole = piece.len();
     let published =
-        o.t.shared_memory_exchange(&o.ctx, o.count, piece, &mut |p, theirs| {
+        o.t.shared_memory_exchange(&o.ctx, o.count, &[piece], &mut |p, theirs| {
             super::expect_published(o, p, theirs, whole)?;
             let theirs = &theirs[mine.clone()];
             if p == 0 {
@@ -97,7 +97,7 @@ fn two_shots(o: &Op<'_>, piece: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>)
         });
     super::unwrap_area(o, published)?;
     let gathered =
-        o.t.shared_memory_exchange(&o.ctx, o.count, acc, &mut |p, theirs| {
+        o.t.shared_memory_exchange(&o.ctx, o.count, &[acc], &mut |p, theirs| {
             super::expect_published(o, p, theirs, blocks[p].len())?;
             if p != r {
                 dist_simd::copy::bulk(&mut piece[blocks[p].clone()], theirs);

@@ -15,18 +15,21 @@ use crate::transport::StepCtx;
 ///
 /// Every rank takes this path where `max_input` is not 0 and the area can hold the table
 /// (those agree on every rank), whatever its own input. A rank whose input is larger than
-/// `max_input` or than the area publishes its table alone; every rank reads every table, so
-/// all then see the same thing and return `None` together, and the caller runs the operation
-/// by messages. The tables also let every rank compare every pair's counts (what q sends p
-/// against what p expects from q), so that counts that disagree fail every rank alike, naming
-/// the first such pair, as a mismatch. `None` without an exchange where the transport has no
-/// area, or on one rank.
+/// `max_input` or than the area announces its table alone
+/// ([`crate::transport::Transport::shared_memory_announce`]) and returns `None` at once, so
+/// that the caller runs the operation by messages: a group whose every input is too large
+/// pays no wait. The others, waiting in the area, find that table without data and return
+/// `None` too; every one of them reads every table, so they agree. The tables also let every
+/// rank that waited compare every pair's counts (what q sends p against what p expects from
+/// q), so that counts that disagree fail each of them alike, naming the first such pair, as a
+/// mismatch; a rank that went on by messages hears of it from their abort notices, or finds
+/// its own pair's counts in the frames' headers. `None` without an exchange where the
+/// transport has no area, or on one rank.
 ///
 /// Why: where the ranks outnumber the cores every message costs a wait for a peer's turn on
 /// a core, and small all_to_alls take about half the time this way (4 ranks on 2 cores: 4 B
-/// 7.2 us against 12.4). Off unless asked for: every all_to_all, also one too large for the
-/// area, then waits for the whole group, and larger ones lost
-/// (`GlooOptions::area_all_to_all_bytes` has the figures).
+/// 7.2 us against 12.4). `scratch` holds the tables, so that a call allocates nothing but the
+/// list of output blocks.
 pub(crate) fn through_shared_memory(
     o: &Op<'_>,
     input: &[u8],
@@ -37,38 +40,37 @@ pub(crate) fn through_shared_memory(
     scratch: &mut Vec<u64>,
 ) -> Option<Result<()>> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
-    let table = 16 * n;
+    let words = 2 * n;
     let room = o.t.shared_memory_bytes();
-    if n == 1 || max_input == 0 || room < table {
+    if n == 1 || max_input == 0 || room < 8 * words {
         return None;
     }
-    let fits = input.len() <= max_input && input.len() <= room - table;
-    let publication = super::scratch_bytes(scratch, table + if fits { input.len() } else { 0 });
-    let (counts, data) = publication.split_at_mut(table);
-    for (slot, &c) in counts
-        .chunks_exact_mut(8)
-        .zip(send_counts.iter().chain(recv_counts))
-    {
-        slot.copy_from_slice(&(c as u64).to_le_bytes());
+    // This rank's table, then every rank's as it is read.
+    scratch.clear();
+    scratch.resize(words * (n + 1), 0);
+    let (mine, tables) = scratch.split_at_mut(words);
+    for (word, &c) in mine.iter_mut().zip(send_counts.iter().chain(recv_counts)) {
+        *word = (c as u64).to_le();
     }
-    if fits {
-        data.copy_from_slice(input);
-    }
-    let rb = blocks_of(recv_counts, elem);
-    let mut parts: Vec<&mut [u8]> = split_blocks(output, &rb);
-    // Every rank's published send and receive counts, in rank order.
-    let mut tables: Vec<Counts> = Vec::with_capacity(n);
-    let mut all_fit = true;
+    let table: &[u8] = bytemuck::cast_slice(mine);
     // A rank that finds a publication without its data goes on by messages at once, while
     // others may still wait in the area for the last arrival: their wait keeps its frames.
     let ctx = StepCtx {
         area_then_messages: true,
         ..o.ctx
     };
+    if input.len() > max_input || input.len() > room - table.len() {
+        o.t.shared_memory_announce(&ctx, 0, &[table]);
+        return None;
+    }
+    let rb = blocks_of(recv_counts, elem);
+    let mut parts: Vec<&mut [u8]> = split_blocks(output, &rb);
+    let mut all_fit = true;
     let exchanged =
-        o.t.shared_memory_exchange(&ctx, 0, publication, &mut |p, theirs| {
-            let (counts, data) = read_table(o, p, theirs, n)?;
-            let sends = &counts.sends;
+        o.t.shared_memory_exchange(&ctx, 0, &[table, input], &mut |p, theirs| {
+            let counts = &mut tables[p * words..(p + 1) * words];
+            let data = read_table(o, p, theirs, counts)?;
+            let sends = &counts[..n];
             let total = sends.iter().try_fold(0usize, |acc, &c| {
                 usize::try_from(c)
                     .ok()
@@ -87,39 +89,30 @@ pub(crate) fn through_shared_memory(
                 }
                 _ => return Err(corrupt(o, p, data.len())),
             }
-            tables.push(counts);
             Ok(())
         });
     if let Err(e) = exchanged? {
         return Some(Err(e));
     }
-    if let Some(e) = disagreeing_pair(o, &tables) {
-        o.t.abort();
-        return Some(Err(e));
+    if let Some(e) = disagreeing_pair(o, tables) {
+        return Some(Err(o.t.fail_with(&o.ctx, e)));
     }
     all_fit.then_some(Ok(()))
 }
 
-/// One rank's published counts: what it sends each rank, and expects from each.
-struct Counts {
-    sends: Vec<u64>,
-    recvs: Vec<u64>,
-}
-
-/// Rank `p`'s publication split into its counts and its data. The table is checked for
-/// length only; its values come from another process and are checked where used.
-fn read_table<'d>(o: &Op<'_>, p: usize, theirs: &'d [u8], n: usize) -> Result<(Counts, &'d [u8])> {
-    if theirs.len() < 16 * n {
+/// Rank `p`'s publication split: its table of counts, what it sends each rank then what it
+/// expects from each, into `counts`, and its data, returned. The table is checked for length
+/// only; its values come from another process and are checked where used.
+fn read_table<'d>(o: &Op<'_>, p: usize, theirs: &'d [u8], counts: &mut [u64]) -> Result<&'d [u8]> {
+    let len = 8 * counts.len();
+    if theirs.len() < len {
         return Err(corrupt(o, p, theirs.len()));
     }
-    let (table, data) = theirs.split_at(16 * n);
-    let mut words = table
-        .chunks_exact(8)
-        .map(bytemuck::pod_read_unaligned::<u64>)
-        .map(u64::from_le);
-    let sends = words.by_ref().take(n).collect();
-    let recvs = words.collect();
-    Ok((Counts { sends, recvs }, data))
+    let (table, data) = theirs.split_at(len);
+    for (word, bytes) in counts.iter_mut().zip(table.chunks_exact(8)) {
+        *word = u64::from_le(bytemuck::pod_read_unaligned::<u64>(bytes));
+    }
+    Ok(data)
 }
 
 /// Rank `p`'s publication does not hold what its table says: a corrupt area, reported rather
@@ -136,17 +129,19 @@ fn corrupt(o: &Op<'_>, p: usize, len: usize) -> Error {
 }
 
 /// The first pair, in order of sender then receiver, whose sender's count for the receiver
-/// differs from the receiver's count for the sender, as a mismatch between the two. Every
-/// rank reads the same tables, so every rank names the same pair.
-fn disagreeing_pair(o: &Op<'_>, tables: &[Counts]) -> Option<Error> {
+/// differs from the receiver's count for the sender, as a mismatch between the two. `tables`
+/// holds every rank's counts in rank order (what it sends each rank, then what it expects
+/// from each). Every rank reads the same tables, so every rank names the same pair.
+fn disagreeing_pair(o: &Op<'_>, tables: &[u64]) -> Option<Error> {
+    let n = o.n();
     let desc = |rank: usize, count: u64| OpDesc {
         rank,
         count,
         ..o.ctx.desc(0)
     };
-    for (q, sender) in tables.iter().enumerate() {
-        for (p, receiver) in tables.iter().enumerate() {
-            let (sent, expected) = (sender.sends[p], receiver.recvs[q]);
+    for (q, sender) in tables.chunks_exact(2 * n).enumerate() {
+        for (p, receiver) in tables.chunks_exact(2 * n).enumerate() {
+            let (sent, expected) = (sender[p], receiver[n + q]);
             if sent != expected {
                 return Some(Error::Mismatch {
                     ours: desc(p, expected),

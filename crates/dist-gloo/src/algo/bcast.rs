@@ -60,9 +60,12 @@ pub(crate) fn through_shared_memory(
         let piece = at..(at + piece_bytes).min(len);
         let size = |p: usize| if p == root { piece.len() } else { 0 };
         let published = if r == root {
-            o.t.shared_memory_exchange(&o.ctx, o.count, &data[piece.clone()], &mut |p, theirs| {
-                super::expect_published(o, p, theirs, size(p))
-            })
+            o.t.shared_memory_exchange(
+                &o.ctx,
+                o.count,
+                &[&data[piece.clone()]],
+                &mut |p, theirs| super::expect_published(o, p, theirs, size(p)),
+            )
         } else {
             let into = &mut data[piece.clone()];
             o.t.shared_memory_exchange(&o.ctx, o.count, &[], &mut |p, theirs| {

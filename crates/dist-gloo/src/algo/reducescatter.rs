@@ -26,7 +26,7 @@ pub(crate) fn through_shared_memory(
         return None;
     }
     let mine = blocks[o.rank()].clone();
-    o.t.shared_memory_exchange(&o.ctx, o.count, input, &mut |p, theirs| {
+    o.t.shared_memory_exchange(&o.ctx, o.count, &[input], &mut |p, theirs| {
         super::expect_published(o, p, theirs, input.len())?;
         if p == 0 {
             dist_simd::copy::bulk(output, &theirs[mine.clone()]);

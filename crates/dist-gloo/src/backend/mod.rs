@@ -202,7 +202,8 @@ impl GlooBackend {
             ),
             (
                 "area_all_to_all_bytes",
-                opts.area_all_to_all_bytes.unwrap_or(0).to_string(),
+                opts.area_all_to_all_bytes
+                    .map_or_else(auto, |v| v.to_string()),
             ),
             (
                 // Not an algorithm, but whether a repeated broadcast's receivers send their
@@ -276,7 +277,9 @@ impl GlooBackend {
             area_broadcast_min_bytes: opts
                 .area_broadcast_min_bytes
                 .unwrap_or_else(|| GlooOptions::auto_area_broadcast_min_bytes(cores_shared)),
-            area_all_to_all_bytes: opts.area_all_to_all_bytes.unwrap_or(0),
+            area_all_to_all_bytes: opts
+                .area_all_to_all_bytes
+                .unwrap_or_else(|| GlooOptions::auto_area_all_to_all_bytes(cores_shared)),
             output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts

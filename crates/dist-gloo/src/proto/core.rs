@@ -683,6 +683,19 @@ impl Core {
         arrived || c.state != PeerState::Open
     }
 
+    /// Fails operation `ctx` with `e`, found outside any step (by comparing what the ranks
+    /// published in shared memory), as a failed step would: the group is aborted and, where
+    /// `e` blames another rank, every open peer is sent the notice (transmit it). Returns the
+    /// error to report, as [`Core::finish`] does.
+    pub fn fail_outside_step(&mut self, ctx: StepCtx, e: Error, now: Instant) -> Error {
+        let mut step = self.begin(ctx, &[], &[]);
+        step.fail(e);
+        match self.finish(&mut step, &[], now) {
+            Err(e) => e,
+            Ok(()) => unreachable!("a step failed just above finished Ok"),
+        }
+    }
+
     /// Marks the group aborted by a failure found outside any step: closing then says no
     /// goodbye.
     pub fn abort(&mut self) {

@@ -277,6 +277,15 @@ pub trait Transport: Send + Sync {
     /// by comparing values): closing it then says no goodbye, which would tell the peers that
     /// this rank left cleanly. A failed step marks it by itself.
     fn abort(&self) {}
+    /// Fails operation `ctx` with `e`, found outside any step (ranks that disagree, found by
+    /// comparing what they published in shared memory), as a failed step would: the group is
+    /// aborted, and where `e` blames another rank every peer is told whom and why, so that a
+    /// rank that went on by messages and waits for this one fails at once. Returns the error
+    /// to report.
+    fn fail_with(&self, _ctx: &StepCtx, e: Error) -> Error {
+        self.abort();
+        e
+    }
     /// Bytes a rank may publish in one [`Transport::shared_memory_exchange`]: 0 where the
     /// transport has no memory the whole group maps. Every rank of the group gets the same
     /// answer.
@@ -284,8 +293,9 @@ pub trait Transport: Send + Sync {
         0
     }
     /// Runs operation `ctx` through memory every rank of the group maps (where every pair of
-    /// the group talks through shared-memory rings): this rank publishes `mine` (at most
-    /// [`Transport::shared_memory_bytes`]) with its header, announcing `count`, and once every
+    /// the group talks through shared-memory rings): this rank publishes `mine`, its parts one
+    /// after the other (at most [`Transport::shared_memory_bytes`] in all), with its header,
+    /// announcing `count`, and once every
     /// rank has published, `each(p, data)` gets every rank p's data in rank order, this
     /// rank's own included. No messages; the same errors as over messages (a peer lost or
     /// gone, an abort, the deadline naming the ranks that did not come, ranks that disagree
@@ -295,10 +305,24 @@ pub trait Transport: Send + Sync {
         &self,
         _ctx: &StepCtx,
         _count: u64,
-        _mine: &[u8],
+        _mine: &[&[u8]],
         _each: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Option<Result<()>> {
         None
+    }
+    /// The first half of [`Transport::shared_memory_exchange`] alone: this rank publishes
+    /// `mine` for operation `ctx` and arrives, waking the ranks asleep in the area, but does
+    /// not wait for the others or read what they published. Returns whether it published
+    /// (false where the transport has no such memory or `mine` does not fit).
+    ///
+    /// Only for an operation that then goes on by messages and receives a frame from every
+    /// other rank: that frame, sent once its rank was done with the operation before, is what
+    /// keeps this rank from writing over a slot another may still read (the area holds two
+    /// operations per rank). The all_to_all's rank whose input is too large for the area
+    /// announces its table of counts this way, so that the ranks waiting there learn at once
+    /// to go on by messages, and a group whose every input is too large pays no wait.
+    fn shared_memory_announce(&self, _ctx: &StepCtx, _count: u64, _mine: &[&[u8]]) -> bool {
+        false
     }
     /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the peer
     /// is gone. Never blocks: reads ahead what has arrived from `peer` into the stash.

@@ -28,7 +28,11 @@
 //! reads exactly k with that bit, every rank is in barrier k and no header need be read (at 2
 //! ranks the peer's header line was a quarter of a barrier's time). Two slots per rank are
 //! enough: a rank that writes its slot for operation k + 2 has seen every rank arrive at
-//! k + 1, and each read its slots of k before it arrived there. A rank that found the
+//! k + 1, and each read its slots of k before it arrived there. The one operation whose rank
+//! may publish and not wait (an all_to_all too large for the area, whose rank publishes its
+//! table of counts and goes on by messages: [`crate::transport::Transport::shared_memory_announce`])
+//! then receives a frame of k + 1 from every rank, sent once that rank was done with k.
+//! A rank that found the
 //! others missing for its whole spin raises its `sleeping` flag, looks once more, and sleeps in
 //! the poller over its links; a rank that arrives rings the doorbell of every rank whose flag
 //! is up. Both sides store, issue a `SeqCst` fence, then load what the other stored (as the
@@ -161,26 +165,39 @@ impl GroupArea {
         (self.arrived(rank).load(Ordering::Relaxed) & COUNT) + 1
     }
 
-    /// Writes `header` and `data` (at most [`AREA_DATA_BYTES`]) into `rank`'s slot for its
-    /// operation `mark`, before it arrives there.
-    pub(crate) fn publish(&self, rank: usize, mark: u64, header: &[u8; HEADER_LEN], data: &[u8]) {
-        assert!(data.len() <= AREA_DATA_BYTES, "{} bytes", data.len());
+    /// Writes `header` and then `parts` one after the other (at most [`AREA_DATA_BYTES`] in
+    /// all) into `rank`'s slot for its operation `mark`, before it arrives there. In parts so
+    /// that a publication that puts a few bytes of its own in front of a caller's buffer (the
+    /// all_to_all's table of counts) need not first copy the two together.
+    pub(crate) fn publish(
+        &self,
+        rank: usize,
+        mark: u64,
+        header: &[u8; HEADER_LEN],
+        parts: &[&[u8]],
+    ) {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        assert!(len <= AREA_DATA_BYTES, "{len} bytes");
         let at = self.slot_at(rank, mark);
         // SAFETY: `slot_at` is a slot inside the area `new` checked to lie in the live mapping,
-        // `SLOT_BYTES` long, which `HEADER_LEN + data.len()` does not exceed. Only this rank
-        // writes it, and no rank reads it between this write and the arrival store that
-        // follows (see the module docs), so nothing reads the bytes while they change. The two
-        // views are disjoint, end with this function, and alias neither `header` nor `data`,
-        // which are this process's own memory, not the mapping.
-        let (head, body) = unsafe {
+        // `SLOT_BYTES` long, which `HEADER_LEN + len` does not exceed. Only this rank writes
+        // it, and no rank reads it between this write and the arrival store that follows (see
+        // the module docs), so nothing reads the bytes while they change. The two views are
+        // disjoint, end with this function, and alias none of `header` and `parts`, which are
+        // this process's own memory, not the mapping.
+        let (head, mut body) = unsafe {
             let dst = self.map.as_mut_ptr().add(at);
             (
                 std::slice::from_raw_parts_mut(dst, HEADER_LEN),
-                std::slice::from_raw_parts_mut(dst.add(HEADER_LEN), data.len()),
+                std::slice::from_raw_parts_mut(dst.add(HEADER_LEN), len),
             )
         };
         head.copy_from_slice(header);
-        dist_simd::copy::bulk(body, data);
+        for part in parts {
+            let (here, rest) = body.split_at_mut(part.len());
+            dist_simd::copy::bulk(here, part);
+            body = rest;
+        }
     }
 
     /// Copies `rank`'s header for operation `mark` (which every rank has arrived at).
@@ -315,14 +332,14 @@ mod tests {
                 rank,
                 mark,
                 &[rank as u8 + 1; HEADER_LEN],
-                &[10 + rank as u8; 5],
+                &[&[10 + rank as u8; 2], &[10 + rank as u8; 3]],
             );
             area.arrive(rank, mark, false, &mut sleepers);
         }
         // Rank 0 goes on to its second operation: its first publication is still there.
         let mark = a.next_mark(0);
         assert_eq!(mark, 2);
-        a.publish(0, mark, &[9; HEADER_LEN], &[99; 5]);
+        a.publish(0, mark, &[9; HEADER_LEN], &[&[99; 5]]);
         for rank in 0..2 {
             b.read_header(rank, 1, &mut h);
             b.with_data(rank, 1, 5, |d| out.copy_from_slice(d));

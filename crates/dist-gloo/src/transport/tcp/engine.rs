@@ -221,7 +221,7 @@ impl Engine {
         ctx: &StepCtx,
         area: &GroupArea,
         count: u64,
-        mine: &[u8],
+        mine: &[&[u8]],
         each: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Result<()> {
         let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
@@ -236,17 +236,7 @@ impl Engine {
         {
             return self.fail(&mut step, &[], &mut [], noop, now);
         }
-        let header = ctx.header(count, AREA_TAG, 0, mine.len());
-        let mark = area.next_mark(ctx.rank);
-        area.publish(ctx.rank, mark, &header.encode(), mine);
-        let mut sleepers = Vec::new();
-        let barrier = ctx.op == CollectiveOp::Barrier && mine.is_empty();
-        area.arrive(ctx.rank, mark, barrier, &mut sleepers);
-        for &p in &sleepers {
-            if let Some(Some(c)) = self.conns.get_mut(p) {
-                c.link.doorbell();
-            }
-        }
+        let (header, mark) = self.arrive_in_area(ctx, area, count, mine);
         let mut idle = Idle::default();
         let mut quick = 0;
         let mut all_barriers;
@@ -334,7 +324,12 @@ impl Engine {
                 })
             };
             result = match agrees {
-                Ok(Ok(None)) => each(p, mine),
+                Ok(Ok(None)) => match mine {
+                    [] => each(p, &[]),
+                    [whole] => each(p, whole),
+                    // In parts: read back whole from the area.
+                    _ => area.with_data(p, mark, header.payload_len as usize, |d| each(p, d)),
+                },
                 Ok(Ok(Some(len))) => area.with_data(p, mark, len, |d| each(p, d)),
                 Ok(Err(h)) => Err(ctx.mismatch(&h, count)),
                 Err(source) => Err(Error::Wire {
@@ -351,6 +346,55 @@ impl Engine {
             }
         }
         result
+    }
+
+    /// See [`crate::transport::Transport::shared_memory_announce`]: the arrival of
+    /// [`Engine::through_area`] without its wait.
+    pub(super) fn announce_in_area(
+        &mut self,
+        ctx: &StepCtx,
+        area: &GroupArea,
+        count: u64,
+        mine: &[&[u8]],
+    ) {
+        self.arrive_in_area(ctx, area, count, mine);
+    }
+
+    /// Publishes `mine` with this rank's header for operation `ctx` (announcing `count`) in
+    /// its next slot, stores its arrival, and rings the doorbell of every rank asleep in the
+    /// area. Returns the header and the operation's mark.
+    fn arrive_in_area(
+        &mut self,
+        ctx: &StepCtx,
+        area: &GroupArea,
+        count: u64,
+        mine: &[&[u8]],
+    ) -> (FrameHeader, u64) {
+        let len = mine.iter().map(|p| p.len()).sum();
+        let header = ctx.header(count, AREA_TAG, 0, len);
+        let mark = area.next_mark(ctx.rank);
+        area.publish(ctx.rank, mark, &header.encode(), mine);
+        let mut sleepers = Vec::new();
+        let barrier = ctx.op == CollectiveOp::Barrier && len == 0;
+        area.arrive(ctx.rank, mark, barrier, &mut sleepers);
+        for &p in &sleepers {
+            if let Some(Some(c)) = self.conns.get_mut(p) {
+                c.link.doorbell();
+            }
+        }
+        (header, mark)
+    }
+
+    /// See [`crate::transport::Transport::fail_with`]: [`Core::fail_outside_step`], then what
+    /// each link takes of the notices at once (the rest goes out at close).
+    pub(super) fn fail_with(&mut self, ctx: &StepCtx, e: Error) -> Error {
+        let e = self.core.fail_outside_step(*ctx, e, Instant::now());
+        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        let mut idle = Step::idle();
+        for peer in 0..self.conns.len() {
+            self.write(&mut idle, &[], &mut [], noop, peer);
+        }
+        e
     }
 
     /// Up to `reads` reads of each link that may hold input (a shared-memory ring that holds

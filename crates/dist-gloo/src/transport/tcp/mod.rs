@@ -219,15 +219,27 @@ impl Transport for TcpTransport {
         &self,
         ctx: &StepCtx,
         count: u64,
-        mine: &[u8],
+        mine: &[&[u8]],
         each: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Option<Result<()>> {
         let area = self.group_area.as_ref()?;
-        if mine.len() > shm::group_area::AREA_DATA_BYTES {
+        if mine.iter().map(|p| p.len()).sum::<usize>() > shm::group_area::AREA_DATA_BYTES {
             return None;
         }
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         Some(eng.through_area(ctx, area, count, mine, each))
+    }
+
+    fn shared_memory_announce(&self, ctx: &StepCtx, count: u64, mine: &[&[u8]]) -> bool {
+        let Some(area) = self.group_area.as_ref() else {
+            return false;
+        };
+        if mine.iter().map(|p| p.len()).sum::<usize>() > shm::group_area::AREA_DATA_BYTES {
+            return false;
+        }
+        let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        eng.announce_in_area(ctx, area, count, mine);
+        true
     }
 
     fn look(&self, ctx: &StepCtx, count: u64, run_from: Option<u64>) -> Result<()> {
@@ -287,6 +299,13 @@ impl Transport for TcpTransport {
     fn copies_split(&self) -> u64 {
         let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         eng.cma.as_ref().map_or(0, |c| c.split_copies())
+    }
+
+    fn fail_with(&self, ctx: &StepCtx, e: dist_backend::Error) -> dist_backend::Error {
+        self.engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .fail_with(ctx, e)
     }
 
     fn abort(&self) {
