@@ -503,7 +503,13 @@ fn all_reduce_all_gather_broadcast_and_all_to_all_through_the_group_area() {
         // through the area once more, which must read this operation's tables, not those.
         let every_large = |s: usize, r: usize| 140_000 + s + r;
         check_all_to_all(&ranks, d, every_large, &opts(), "every input too large");
-        check_all_to_all(&ranks, d, every_large, &opts(), "every input too large again");
+        check_all_to_all(
+            &ranks,
+            d,
+            every_large,
+            &opts(),
+            "every input too large again",
+        );
         check_all_to_all(&ranks, d, small, &opts(), "through the area after that");
         for (r, (a, b)) in exchanges(&ranks).iter().zip(before).enumerate() {
             assert_eq!(

@@ -90,8 +90,12 @@ pub(super) const SINGLE_COPY_MIN_BYTES: usize = 256 << 10;
 /// with 256 KiB (gloo_bench, us): 256 KiB per rank (64 KiB messages) 72-75 against 145-165,
 /// 512 KiB 108-151 against 243-316 (Open MPI's shared memory: 65-68 and 107). The same
 /// threshold for all_reduce cost 1.6-2x at 256 KiB (halving-doubling's exchanges each wait
-/// for the other's acknowledgement), and all_gather gained nothing.
-pub(super) const ALL_TO_ALL_SHARED_CORES_MIN_BYTES: usize = 64 << 10;
+/// for the other's acknowledgement), and all_gather gained nothing. Down from 64 KiB
+/// (2026-11-28), against the build before, alternated, 8 runs, medians of the runs: 128 KiB
+/// per rank (32 KiB messages) 46.5 against 53.6, 192 KiB 51.7 against 81.0 (ranges 49-57
+/// against 77-95), 256 KiB even (62.6 against 63.8); with 16 KiB messages too, 64 KiB per
+/// rank was even (41.4 against 40.4).
+pub(super) const ALL_TO_ALL_SHARED_CORES_MIN_BYTES: usize = 32 << 10;
 
 /// The smallest message of broadcast and scatter (and, where the ranks fit the CPUs, of
 /// gather) that goes by reference over shared-memory rings, where receivers split their copies with a helper thread (`split_reads`): then two
