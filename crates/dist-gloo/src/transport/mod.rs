@@ -295,12 +295,12 @@ pub trait Transport: Send + Sync {
     /// Runs operation `ctx` through memory every rank of the group maps (where every pair of
     /// the group talks through shared-memory rings): this rank publishes `mine`, its parts one
     /// after the other (at most [`Transport::shared_memory_bytes`] in all), with its header,
-    /// announcing `count`, and once every
-    /// rank has published, `each(p, data)` gets every rank p's data in rank order, this
-    /// rank's own included. No messages; the same errors as over messages (a peer lost or
-    /// gone, an abort, the deadline naming the ranks that did not come, ranks that disagree
-    /// about the operation or its arguments). `None` where the transport has no such memory
-    /// or `mine` does not fit, and the caller runs the operation over messages instead.
+    /// announcing `count`, and once every rank has published, `each(p, data)` gets every rank
+    /// p's data in rank order, this rank's own included. No messages; the same errors as over
+    /// messages (a peer lost or gone, an abort, the deadline naming the ranks that did not
+    /// come, ranks that disagree about the operation or its arguments). `None` where the
+    /// transport has no such memory or `mine` does not fit, and the caller runs the operation
+    /// over messages instead.
     fn shared_memory_exchange(
         &self,
         _ctx: &StepCtx,

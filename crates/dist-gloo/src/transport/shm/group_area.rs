@@ -28,11 +28,11 @@
 //! reads exactly k with that bit, every rank is in barrier k and no header need be read (at 2
 //! ranks the peer's header line was a quarter of a barrier's time). Two slots per rank are
 //! enough: a rank that writes its slot for operation k + 2 has seen every rank arrive at
-//! k + 1, and each read its slots of k before it arrived there. The one operation whose rank
-//! may publish and not wait (an all_to_all too large for the area, whose rank publishes its
-//! table of counts and goes on by messages: [`crate::transport::Transport::shared_memory_announce`])
-//! then receives a frame of k + 1 from every rank, sent once that rank was done with k.
-//! A rank that found the
+//! k + 1, and each read its slots of k before it arrived there. One operation publishes
+//! without waiting: the rank of an all_to_all whose input is too large for the area publishes
+//! its table of counts and goes on by messages
+//! ([`crate::transport::Transport::shared_memory_announce`]). It then receives a frame of
+//! k + 1 from every rank, each sent once its sender was done with k. A rank that found the
 //! others missing for its whole spin raises its `sleeping` flag, looks once more, and sleeps in
 //! the poller over its links; a rank that arrives rings the doorbell of every rank whose flag
 //! is up. Both sides store, issue a `SeqCst` fence, then load what the other stored (as the
