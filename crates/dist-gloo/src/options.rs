@@ -222,24 +222,30 @@ impl GlooOptions {
         if cores_shared { 2 << 20 } else { 0 }
     }
 
-    /// The default of [`GlooOptions::area_all_to_all_bytes`]: inputs of up to 64 KiB where
+    /// The default of [`GlooOptions::area_all_to_all_bytes`]: inputs of up to 32 KiB where
     /// the group's ranks outnumber the host's CPUs (as for
     /// [`GlooOptions::auto_area_all_reduce_bytes`]), else up to 4 KiB.
     ///
     /// Measured with gloo_bench, runs alternated with the area off or at a lower limit,
     /// medians of the runs (us). 4 ranks on 2 cores, 6 runs: 4 B 7.9 against 12.0, 1 KiB 8.1
     /// against 13.1, 4 KiB 9.1 against 15.2, 16 KiB 13.6 against 19.9. 10 runs: 32 KiB 15.2
-    /// against 28.4; 64 KiB 25.5 against 36.2, and 26.5 against 39.8 (runs 22.9-32.0 and one
-    /// of 73.0, against 29.9-50.3). Larger inputs gain less and suffer more from the host's
-    /// slow spells (as for [`GlooOptions::auto_area_all_reduce_bytes`]): 128 KiB 44.7 against
-    /// 47.5, 256 KiB 50.5 against 64.0 but with one run of 270; in an earlier set of runs
-    /// during a spell, 64 KiB took 72.9 against 56.8 and 256 KiB 253 against 78. 2 ranks on 2
-    /// cores, 6 runs: 4 B 0.7 against 1.2, 4 KiB 1.2 against 1.6, but 16 KiB 2.9 against 2.3.
+    /// against 28.4, and 18.3 (16.1-21.4) against 27.3 (25.9-35.4). Against Open MPI's shared
+    /// memory in three invocations (`cargo xtask bench`, 5 rounds), 32 KiB read 1.84-2.19x
+    /// through the area and 1.19-1.55x by messages.
+    ///
+    /// Not 64 KiB, though it is ahead by the median in calm hours (25.5 against 36.2, 29.9
+    /// against 38.7, 10 runs each): the area suffers most from the host's slow spells (as for
+    /// [`GlooOptions::auto_area_all_reduce_bytes`]). In one set of runs during a spell 64 KiB
+    /// took 72.9 against 56.8, and against Open MPI in a slow hour it read 0.64x and 0.51x
+    /// where messages read 0.89x. 256 KiB was ahead by the median (50.5 against 64.0) with one
+    /// run of 270. 2 ranks on 2 cores, 6 runs: 4 B 0.7 against 1.2, 4 KiB 1.2 against 1.6, but
+    /// 16 KiB 2.9 against 2.3.
+    ///
     /// A rank whose input is over the limit pays one publication of its table: 4 ranks, 8
     /// runs, 64 B 13.6 against 12.8, 16 KiB 22.8 against 22.2, 64 KiB and 256 KiB even; 2
     /// ranks, 64 KiB 4.7 against 4.6.
     pub fn auto_area_all_to_all_bytes(cores_shared: bool) -> usize {
-        if cores_shared { 64 << 10 } else { 4 << 10 }
+        if cores_shared { 32 << 10 } else { 4 << 10 }
     }
 
     /// The default of [`GlooOptions::area_broadcast_min_bytes`]: 512 KiB where the group's
