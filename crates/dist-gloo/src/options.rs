@@ -236,9 +236,9 @@ impl GlooOptions {
     /// Not 64 KiB, though it is ahead by the median in calm hours (25.5 against 36.2, 29.9
     /// against 38.7, 10 runs each): the area suffers most from the host's slow spells (as for
     /// [`GlooOptions::auto_area_all_reduce_bytes`]). In one set of runs during a spell 64 KiB
-    /// took 72.9 against 56.8, and against Open MPI in a slow hour it read 0.64x and 0.51x
-    /// where messages read 0.89x. 256 KiB was ahead by the median (50.5 against 64.0) with one
-    /// run of 270. 2 ranks on 2 cores, 6 runs: 4 B 0.7 against 1.2, 4 KiB 1.2 against 1.6, but
+    /// took 72.9 against 56.8; against Open MPI in a slow hour it read 0.64x where messages
+    /// read 0.89x, and 0.51x in a table of its own. 256 KiB was ahead by the median (50.5
+    /// against 64.0) with one run of 270. 2 ranks on 2 cores, 6 runs: 4 B 0.7 against 1.2, 4 KiB 1.2 against 1.6, but
     /// 16 KiB 2.9 against 2.3.
     ///
     /// A rank whose input is over the limit pays one publication of its table: 4 ranks, 8
