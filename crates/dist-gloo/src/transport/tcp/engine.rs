@@ -348,22 +348,12 @@ impl Engine {
         result
     }
 
-    /// See [`crate::transport::Transport::shared_memory_announce`]: the arrival of
-    /// [`Engine::through_area`] without its wait.
-    pub(super) fn announce_in_area(
-        &mut self,
-        ctx: &StepCtx,
-        area: &GroupArea,
-        count: u64,
-        mine: &[&[u8]],
-    ) {
-        self.arrive_in_area(ctx, area, count, mine);
-    }
-
     /// Publishes `mine` with this rank's header for operation `ctx` (announcing `count`) in
     /// its next slot, stores its arrival, and rings the doorbell of every rank asleep in the
-    /// area. Returns the header and the operation's mark.
-    fn arrive_in_area(
+    /// area. Returns the header and the operation's mark. The first half of
+    /// [`Engine::through_area`], and alone
+    /// [`crate::transport::Transport::shared_memory_announce`].
+    pub(super) fn arrive_in_area(
         &mut self,
         ctx: &StepCtx,
         area: &GroupArea,
@@ -389,11 +379,7 @@ impl Engine {
     /// each link takes of the notices at once (the rest goes out at close).
     pub(super) fn fail_with(&mut self, ctx: &StepCtx, e: Error) -> Error {
         let e = self.core.fail_outside_step(*ctx, e, Instant::now());
-        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
-        let mut idle = Step::idle();
-        for peer in 0..self.conns.len() {
-            self.write(&mut idle, &[], &mut [], noop, peer);
-        }
+        self.write_owed(&mut |_, _, _| Ok(()));
         e
     }
 
@@ -460,11 +446,17 @@ impl Engine {
             }
         }
         let r = self.core.finish(step, sends, now);
+        self.write_owed(on_frame);
+        r
+    }
+
+    /// Writes to every peer what the core holds for it outside any step (abort notices,
+    /// acknowledgements) while each link takes it; the rest goes out at close.
+    fn write_owed(&mut self, on_frame: &mut OnFrame<'_>) {
         let mut idle = Step::idle();
         for peer in 0..self.conns.len() {
             self.write(&mut idle, &[], &mut [], on_frame, peer);
         }
-        r
     }
 
     /// Writes what the core has for `peer` while the link takes it. Returns whether a byte

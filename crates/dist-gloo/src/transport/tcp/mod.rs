@@ -184,6 +184,11 @@ impl TcpTransport {
     }
 }
 
+/// Whether a publication in `parts` fits a slot of the group area.
+fn fits_area(parts: &[&[u8]]) -> bool {
+    parts.iter().map(|p| p.len()).sum::<usize>() <= shm::group_area::AREA_DATA_BYTES
+}
+
 impl Transport for TcpTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -222,23 +227,17 @@ impl Transport for TcpTransport {
         mine: &[&[u8]],
         each: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Option<Result<()>> {
-        let area = self.group_area.as_ref()?;
-        if mine.iter().map(|p| p.len()).sum::<usize>() > shm::group_area::AREA_DATA_BYTES {
-            return None;
-        }
+        let area = self.group_area.as_ref().filter(|_| fits_area(mine))?;
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         Some(eng.through_area(ctx, area, count, mine, each))
     }
 
     fn shared_memory_announce(&self, ctx: &StepCtx, count: u64, mine: &[&[u8]]) -> bool {
-        let Some(area) = self.group_area.as_ref() else {
+        let Some(area) = self.group_area.as_ref().filter(|_| fits_area(mine)) else {
             return false;
         };
-        if mine.iter().map(|p| p.len()).sum::<usize>() > shm::group_area::AREA_DATA_BYTES {
-            return false;
-        }
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
-        eng.announce_in_area(ctx, area, count, mine);
+        eng.arrive_in_area(ctx, area, count, mine);
         true
     }
 
