@@ -467,6 +467,64 @@ fn all_to_all_counts_that_disagree_fail_every_rank_through_the_area() {
     }
 }
 
+/// A rank whose all_to_all input is too large for the group area publishes its table and goes
+/// on by messages without reading anyone's header; the others, waiting in the area, find that
+/// its header disagrees with theirs (another element type, or another operation through the
+/// area). They must tell it: it waits for their frames, which never come. Every rank fails at
+/// once, naming the odd rank.
+#[test]
+fn a_rank_that_announces_hears_of_the_disagreement_its_header_caused() {
+    let area_limit = 4 << 10;
+    for n in 2..=4 {
+        let odd = n - 1;
+        let base = GlooOptions {
+            area_all_to_all_bytes: Some(area_limit),
+            ..GlooOptions::default()
+        };
+        let all_to_all = |b: &GlooBackend, dtype: DType, per_peer: usize| {
+            let counts = vec![per_peer; n];
+            let input = vec![1u8; per_peer * n * dtype.size()];
+            let mut output = vec![0u8; input.len()];
+            b.all_to_all(
+                BufRef::Host(&input),
+                BufMut::Host(&mut output),
+                dtype,
+                &counts,
+                &counts,
+                &opts(),
+            )
+        };
+        // The odd rank's input is 4 times the area's limit; the others' 4 elements per peer.
+        let big = area_limit / DType::F32.size();
+        let ranks = with_odd_last(shm_rings_transports(n, &base), &base, |_| {});
+        let errs = all_fail_at_once(&ranks, "another dtype", |b| {
+            if b.rank() == odd {
+                all_to_all(b, DType::F32, big)
+            } else {
+                all_to_all(b, DType::I32, 4)
+            }
+        });
+        assert_each_names(&errs, odd, n);
+        let ranks = with_odd_last(shm_rings_transports(n, &base), &base, |_| {});
+        let errs = all_fail_at_once(&ranks, "another op", |b| {
+            if b.rank() == odd {
+                all_to_all(b, DType::F32, big)
+            } else {
+                let input = [1u8; 16];
+                let mut output = vec![0u8; 16 * n];
+                b.all_gather(
+                    BufRef::Host(&input),
+                    BufMut::Host(&mut output),
+                    DType::U8,
+                    &vec![16; n],
+                    &opts(),
+                )
+            }
+        });
+        assert_each_names(&errs, odd, n);
+    }
+}
+
 /// Each of `errs` (one per rank of `n`) is a mismatch one of whose sides is rank `odd`.
 fn assert_each_names(errs: &[Error], odd: usize, n: usize) {
     for (r, e) in errs.iter().enumerate() {

@@ -655,20 +655,34 @@ impl Core {
             return Err(e);
         }
         let ctx = step.ctx.expect("a failed step has a context");
+        Err(self.report_failure(&ctx, e, step, sends, now))
+    }
+
+    /// The first report of `step`'s failure `e`: aborts the group, names the rank to blame
+    /// where `e` came second hand or from a stall, and queues the notice to every open peer.
+    /// Returns the error to report.
+    fn report_failure(
+        &mut self,
+        ctx: &StepCtx,
+        e: Error,
+        step: &Step,
+        sends: &[Outgoing<'_>],
+        now: Instant,
+    ) -> Error {
         self.aborted = true;
         let e = if self.second_hand(&e) {
-            self.first_hand(&ctx, now, &e).unwrap_or(e)
+            self.first_hand(ctx, now, &e).unwrap_or(e)
         } else {
             e
         };
-        let e = self.stalled_on(&ctx, now, &e, step, sends).unwrap_or(e);
+        let e = self.stalled_on(ctx, now, &e, step, sends).unwrap_or(e);
         if let Some(reason) = abort_reason(&e) {
             self.notify_abort(&reason, step, sends);
         }
         for c in self.conns.iter_mut().flatten() {
             c.unreported_abort = false;
         }
-        Err(e)
+        e
     }
 
     /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the
@@ -688,12 +702,8 @@ impl Core {
     /// `e` blames another rank, every open peer is sent the notice (transmit it). Returns the
     /// error to report, as [`Core::finish`] does.
     pub fn fail_outside_step(&mut self, ctx: StepCtx, e: Error, now: Instant) -> Error {
-        let mut step = self.begin(ctx, &[], &[]);
-        step.fail(e);
-        match self.finish(&mut step, &[], now) {
-            Err(e) => e,
-            Ok(()) => unreachable!("a step failed just above finished Ok"),
-        }
+        let step = self.begin(ctx, &[], &[]);
+        self.report_failure(&ctx, e, &step, &[], now)
     }
 
     /// Marks the group aborted by a failure found outside any step: closing then says no

@@ -215,7 +215,8 @@ impl Engine {
     /// or runs another operation fails it as it fails an operation over messages, and the
     /// deadline fails it naming the ranks that have not arrived. Then it checks every rank's
     /// header against its own (ranks that disagree fail as a mismatch, every one of them,
-    /// since all read the same headers) and hands `each` every rank's data in rank order.
+    /// since all read the same headers, and send the abort notice for a rank that only
+    /// announced) and hands `each` every rank's data in rank order.
     pub(super) fn through_area(
         &mut self,
         ctx: &StepCtx,
@@ -323,24 +324,37 @@ impl Engine {
                         .ok_or(h)
                 })
             };
-            result = match agrees {
-                Ok(Ok(None)) => match mine {
-                    [] => each(p, &[]),
-                    [whole] => each(p, whole),
-                    // In parts: read back whole from the area.
-                    _ => area.with_data(p, mark, header.payload_len as usize, |d| each(p, d)),
-                },
-                Ok(Ok(Some(len))) => area.with_data(p, mark, len, |d| each(p, d)),
-                Ok(Err(h)) => Err(ctx.mismatch(&h, count)),
-                Err(source) => Err(Error::Wire {
+            let header_error = match agrees {
+                Ok(Ok(None)) => {
+                    result = match mine {
+                        [] => each(p, &[]),
+                        [whole] => each(p, whole),
+                        // In parts: read back whole from the area.
+                        _ => area.with_data(p, mark, header.payload_len as usize, |d| each(p, d)),
+                    };
+                    None
+                }
+                Ok(Ok(Some(len))) => {
+                    result = area.with_data(p, mark, len, |d| each(p, d));
+                    None
+                }
+                Ok(Err(h)) => Some(ctx.mismatch(&h, count)),
+                Err(source) => Some(Error::Wire {
                     rank: ctx.rank,
                     op: ctx.op.name(),
                     source,
                 }),
             };
+            if let Some(e) = header_error {
+                // Every rank that waited here reads the same headers and fails alike, but a
+                // rank that only announced (an all_to_all too large for the area) reads none
+                // and waits for frames by messages: it learns of the failure from the notice.
+                return Err(self.fail_with(ctx, e));
+            }
             if result.is_err() {
-                // Every rank reads the same headers, so every one fails here: no notice is
-                // owed, but the group is done.
+                // The caller's verdict on what the ranks published, which every rank that
+                // waited reaches alike; a caller whose peers may have gone on by messages
+                // tells them itself (`Transport::fail_with`). The group is done.
                 self.core.abort();
                 break;
             }
