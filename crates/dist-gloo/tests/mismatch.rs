@@ -525,6 +525,106 @@ fn a_rank_that_announces_hears_of_the_disagreement_its_header_caused() {
     }
 }
 
+/// A rank that runs an operation over messages, where the others run it through the group
+/// area, hears nothing from them (they send no frames); where it only receives, the two sides
+/// would wait for each other until the timeout. Before it sleeps it looks at the area: a peer
+/// there at this very operation disagrees with it. Cases: rank 0 as the star's root of an
+/// all_reduce or all_gather whose count puts it over the area's limit; a reduce's root that
+/// repeats its call (no advisory frame) against ranks in a barrier; a broadcast leaf that
+/// repeats its call silently against ranks in a barrier; one rank whose options keep its
+/// all_to_all off the area (under `GlooBackend::over`, which does not compare them).
+#[test]
+fn a_rank_over_messages_that_only_receives_finds_the_ranks_in_the_area() {
+    let base = GlooOptions {
+        area_all_reduce_bytes: Some(0),
+        area_all_gather_bytes: Some(0),
+        area_broadcast_min_bytes: Some(usize::MAX),
+        ..GlooOptions::default()
+    };
+    let world = |n: usize| with_odd_last(shm_rings_transports(n, &base), &base, |_| {});
+    for n in 3..=4 {
+        let errs = all_fail_at_once(&world(n), "star root", |b| {
+            sum_ones(b, if b.rank() == 0 { 2000 } else { 1000 })
+        });
+        assert_each_names(&errs, 0, n);
+        let errs = all_fail_at_once(&world(n), "all_gather star root", |b| {
+            let per = if b.rank() == 0 { 5000 } else { 4096 };
+            let input = vec![1u8; per];
+            let mut output = vec![0u8; per * n];
+            b.all_gather(
+                BufRef::Host(&input),
+                BufMut::Host(&mut output),
+                DType::U8,
+                &vec![per; n],
+                &opts(),
+            )
+        });
+        assert_each_names(&errs, 0, n);
+    }
+    let reduce = |b: &GlooBackend| {
+        let mut v = vec![1f32; 16];
+        b.reduce(
+            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+            DType::F32,
+            ReduceOp::Sum,
+            0,
+            &opts(),
+        )
+    };
+    let broadcast = |b: &GlooBackend| {
+        let mut v = vec![0f32; 1024];
+        b.broadcast(
+            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+            DType::F32,
+            0,
+            &opts(),
+        )
+    };
+    for n in 2..=4 {
+        let ranks = world(n);
+        on_all(&ranks, |b| reduce(b).unwrap());
+        let errs = all_fail_at_once(&ranks, "repeating reduce root", |b| {
+            if b.rank() == 0 {
+                reduce(b)
+            } else {
+                b.barrier(&opts())
+            }
+        });
+        assert_each_names(&errs, 0, n);
+        let ranks = world(n);
+        on_all(&ranks, |b| broadcast(b).unwrap());
+        let errs = all_fail_at_once(&ranks, "silent receiver", |b| {
+            if b.rank() == n - 1 {
+                broadcast(b)
+            } else {
+                b.barrier(&opts())
+            }
+        });
+        assert_each_names(&errs, n - 1, n);
+        let area = GlooOptions {
+            area_all_to_all_bytes: Some(4 << 10),
+            ..GlooOptions::default()
+        };
+        let ranks = with_odd_last(shm_rings_transports(n, &area), &area, |o| {
+            o.area_all_to_all_bytes = Some(0);
+        });
+        let errs = all_fail_at_once(&ranks, "all_to_all off the area on one rank", |b| {
+            let counts = vec![4; n];
+            let input = vec![1u8; 4 * n];
+            let mut output = vec![0u8; 4 * n];
+            b.all_to_all(
+                BufRef::Host(&input),
+                BufMut::Host(&mut output),
+                DType::U8,
+                &counts,
+                &counts,
+                &opts(),
+            )
+        });
+        assert_each_names(&errs, n - 1, n);
+    }
+}
+
 /// Each of `errs` (one per rank of `n`) is a mismatch one of whose sides is rank `odd`.
 fn assert_each_names(errs: &[Error], odd: usize, n: usize) {
     for (r, e) in errs.iter().enumerate() {

@@ -706,6 +706,14 @@ impl Core {
         self.report_failure(&ctx, e, &step, &[], now)
     }
 
+    /// Fails `step` with `e`, which the driver found outside the frames (the group area shows
+    /// a peer running this operation through it while this rank runs it over messages). The
+    /// next [`Core::poll`] says `Failed`, and [`Core::finish`] reports `e` and queues the
+    /// abort notices, as for a failure found in a frame.
+    pub fn fail_step(&self, step: &mut Step, e: Error) {
+        step.fail(e);
+    }
+
     /// Marks the group aborted by a failure found outside any step: closing then says no
     /// goodbye.
     pub fn abort(&mut self) {

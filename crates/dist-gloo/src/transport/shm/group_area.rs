@@ -290,6 +290,26 @@ impl GroupArea {
         all
     }
 
+    /// Raises `rank`'s sleep flag before it sleeps in a step over messages, and puts into
+    /// `arrived` the other ranks already at its operation `mark` (its next through the area):
+    /// from then on, a rank that arrives there rings its doorbell. Lower the flag with
+    /// [`GroupArea::wake`] once awake.
+    ///
+    /// Why: a rank that runs an operation over messages while the others run it through the
+    /// area hears nothing from them, since they send no frames; where it only receives (a
+    /// star's root, a tree's leaf, a repeated root) the two sides would each wait for the
+    /// other until the timeout. The headers of the ranks at `mark` say what they run.
+    pub(crate) fn sleep_watching(&self, rank: usize, mark: u64, arrived: &mut Vec<usize>) {
+        self.sleeping(rank).store(1, Ordering::SeqCst);
+        // Pairs with the fence in `arrive`, as in `sleep`.
+        fence(Ordering::SeqCst);
+        arrived.clear();
+        arrived.extend(
+            (0..self.world)
+                .filter(|&p| p != rank && self.arrived(p).load(Ordering::SeqCst) & COUNT >= mark),
+        );
+    }
+
     /// Lowers `rank`'s sleep flag after it woke.
     pub(crate) fn wake(&self, rank: usize) {
         self.sleeping(rank).store(0, Ordering::Relaxed);

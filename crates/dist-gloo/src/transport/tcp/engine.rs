@@ -42,6 +42,15 @@ fn streams_output(op: CollectiveOp) -> bool {
     )
 }
 
+/// Whether a step of `ctx` over messages watches the group area before it sleeps
+/// ([`Engine::in_area_instead`]). Not point-to-point or closing: they have no sequence number,
+/// and a peer may be in a collective meanwhile. Not the argument agreement's rounds
+/// (`args_in_payload`): a peer done with them may already be in the area for the same
+/// operation's data.
+fn watches_area(ctx: &StepCtx) -> bool {
+    !matches!(ctx.op, CollectiveOp::SendRecv | CollectiveOp::Close) && !ctx.args_in_payload
+}
+
 /// How long a step has waited with nothing to do, and so how it waits next.
 #[derive(Default)]
 struct Idle {
@@ -110,13 +119,16 @@ impl Engine {
     /// Runs one step to its end: moves bytes until the core says it is done or failed, then
     /// returns its result. A failed step's abort notices (which say whom to blame) are
     /// written before the step's offers by reference are withdrawn, so that a peer whose copy
-    /// fails on the withdrawal finds the notice after the frame.
+    /// fails on the withdrawal finds the notice after the frame. Before it sleeps, a step of
+    /// a group with an `area` looks there for peers running this very operation through it
+    /// ([`Engine::in_area_instead`]).
     pub(super) fn run(
         &mut self,
         ctx: &StepCtx,
         sends: &[Outgoing<'_>],
         recvs: &mut [Incoming<'_>],
         on_frame: &mut OnFrame<'_>,
+        area: Option<&GroupArea>,
     ) -> Result<()> {
         // Declared first so it runs last, after the abort notice, and on unwinding too.
         let _withdraw = self.cma.as_ref().map(|c| c.withdrawal());
@@ -200,7 +212,21 @@ impl Engine {
                     if idle.spin(now, self.spin, self.busy_spin) {
                         continue;
                     }
+                    let watched = area.filter(|_| watches_area(ctx));
+                    if let Some(area) = watched {
+                        let count = recvs
+                            .first()
+                            .map_or_else(|| sends.first().map_or(0, |s| s.count), |r| r.count);
+                        if let Some(e) = self.in_area_instead(ctx, area, count) {
+                            area.wake(ctx.rank);
+                            self.core.fail_step(&mut step, e);
+                            return self.fail(&mut step, sends, recvs, on_frame, now);
+                        }
+                    }
                     let slept = self.wait(deadline.saturating_duration_since(now));
+                    if let Some(area) = watched {
+                        area.wake(ctx.rank);
+                    }
                     self.check_slept(ctx, slept)?;
                 }
             }
@@ -387,6 +413,33 @@ impl Engine {
             }
         }
         (header, mark)
+    }
+
+    /// Before a step over messages of operation `ctx` sleeps: raises this rank's sleep flag in
+    /// the group `area` (so that a rank arriving there rings its doorbell), and returns the
+    /// mismatch if a peer already there runs this very operation (its header's sequence
+    /// number), which this rank runs over messages. `count` is this step's, for the error.
+    ///
+    /// Why: ranks choose the area or messages alike for a call they agree on, so a peer in the
+    /// area at this operation disagrees with this rank. The ranks in the area send no frames,
+    /// so a rank over messages that only receives (a star's root, a tree's leaf, a root that
+    /// repeats its call) would otherwise wait for them until the timeout, and they for it.
+    /// The ranks there hear of it from the abort notice, which they read while they wait.
+    /// A peer already past this operation is at this rank's next mark with a later sequence
+    /// number: this rank sleeps, and is woken at most once by each such arrival.
+    fn in_area_instead(&mut self, ctx: &StepCtx, area: &GroupArea, count: u64) -> Option<Error> {
+        let mark = area.next_mark(ctx.rank);
+        let mut arrived = Vec::new();
+        area.sleep_watching(ctx.rank, mark, &mut arrived);
+        let mut theirs = [0u8; HEADER_LEN];
+        arrived.into_iter().find_map(|p| {
+            area.read_header(p, mark, &mut theirs);
+            // A header that does not decode is for the ranks that read it there to report.
+            FrameHeader::decode(&theirs)
+                .ok()
+                .filter(|h| h.seq == ctx.seq && h.op != CollectiveOp::SendRecv)
+                .map(|h| ctx.mismatch(&h, count))
+        })
     }
 
     /// See [`crate::transport::Transport::fail_with`]: [`Core::fail_outside_step`], then what

@@ -210,7 +210,7 @@ impl Transport for TcpTransport {
         on_frame: &mut OnFrame<'_>,
     ) -> Result<()> {
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
-        eng.run(ctx, sends, recvs, on_frame)
+        eng.run(ctx, sends, recvs, on_frame, self.group_area.as_ref())
     }
 
     fn shared_memory_bytes(&self) -> usize {
