@@ -200,7 +200,10 @@ impl GroupArea {
         }
     }
 
-    /// Copies `rank`'s header for operation `mark` (which every rank has arrived at).
+    /// Copies `rank`'s header for operation `mark`, at which `rank` has arrived (the caller saw
+    /// its word) and which this rank has not passed: every rank arrived there, or, before a
+    /// step over messages sleeps, `mark` is this rank's next (`Engine::in_area_instead`).
+    /// Either way `rank` writes that slot again only after this rank arrives at `mark + 1`.
     pub(crate) fn read_header(&self, rank: usize, mark: u64, header: &mut [u8; HEADER_LEN]) {
         self.read_slot(rank, mark, 0, header);
     }
