@@ -444,17 +444,7 @@ fn all_to_all_counts_that_disagree_fail_every_rank_through_the_area() {
                 .collect()
         };
         let errs = all_fail_at_once(&ranks, "all_to_all counts", |b| {
-            let (s, r) = (sends(b.rank()), recvs(b.rank()));
-            let input = vec![1u8; s.iter().sum()];
-            let mut output = vec![0u8; r.iter().sum()];
-            b.all_to_all(
-                BufRef::Host(&input),
-                BufMut::Host(&mut output),
-                DType::U8,
-                &s,
-                &r,
-                &opts(),
-            )
+            all_to_all_ones(b, DType::U8, &sends(b.rank()), &recvs(b.rank()))
         });
         for (r, e) in errs.iter().enumerate() {
             let (ours, theirs) = sides(e);
@@ -483,16 +473,7 @@ fn a_rank_that_announces_hears_of_the_disagreement_its_header_caused() {
         };
         let all_to_all = |b: &GlooBackend, dtype: DType, per_peer: usize| {
             let counts = vec![per_peer; n];
-            let input = vec![1u8; per_peer * n * dtype.size()];
-            let mut output = vec![0u8; input.len()];
-            b.all_to_all(
-                BufRef::Host(&input),
-                BufMut::Host(&mut output),
-                dtype,
-                &counts,
-                &counts,
-                &opts(),
-            )
+            all_to_all_ones(b, dtype, &counts, &counts)
         };
         // The odd rank's input is 4 times the area's limit; the others' 4 elements per peer.
         let big = area_limit / DType::F32.size();
@@ -610,19 +591,29 @@ fn a_rank_over_messages_that_only_receives_finds_the_ranks_in_the_area() {
         });
         let errs = all_fail_at_once(&ranks, "all_to_all off the area on one rank", |b| {
             let counts = vec![4; n];
-            let input = vec![1u8; 4 * n];
-            let mut output = vec![0u8; 4 * n];
-            b.all_to_all(
-                BufRef::Host(&input),
-                BufMut::Host(&mut output),
-                DType::U8,
-                &counts,
-                &counts,
-                &opts(),
-            )
+            all_to_all_ones(b, DType::U8, &counts, &counts)
         });
         assert_each_names(&errs, n - 1, n);
     }
+}
+
+/// An all_to_all on `b` of ones of `dtype`, `send`/`recv` elements to/from each rank.
+fn all_to_all_ones(
+    b: &GlooBackend,
+    dtype: DType,
+    send: &[usize],
+    recv: &[usize],
+) -> dist_backend::Result<()> {
+    let input = vec![1u8; send.iter().sum::<usize>() * dtype.size()];
+    let mut output = vec![0u8; recv.iter().sum::<usize>() * dtype.size()];
+    b.all_to_all(
+        BufRef::Host(&input),
+        BufMut::Host(&mut output),
+        dtype,
+        send,
+        recv,
+        &opts(),
+    )
 }
 
 /// Each of `errs` (one per rank of `n`) is a mismatch one of whose sides is rank `odd`.
