@@ -876,6 +876,19 @@ fn every_way_of_disagreeing_about_the_root_fails_every_rank_at_once() {
             .filter(disagree)
             .map(|r| (r, 12, &default, false)),
     );
+    // After a reduce from root 0, one rank naming another root; over TCP their binomial
+    // trees waited in a cycle while the rank taken for the root, which only sent, excused the
+    // changed rank's frame in its next operation (as a lazy root's deferred one).
+    for roots in [vec![0, 0, 0, 1], vec![0, 3, 0, 0]] {
+        cases.push((roots.clone(), 12, &tcp_only, true));
+        cases.push((roots, 12, &default, true));
+    }
+    cases.extend(
+        ways(4)
+            .step_by(5)
+            .filter(disagree)
+            .map(|r| (r, 12, &tcp_only, true)),
+    );
     for (roots, bytes, gopts, after_one_alike) in &cases {
         let root_of = |r: usize| roots[r];
         for op in [

@@ -260,6 +260,11 @@ pub(crate) struct Deferred {
 }
 
 impl Deferred {
+    /// The operation's sequence number.
+    pub(crate) fn seq(&self) -> u64 {
+        self.ctx.seq
+    }
+
     /// The timeout the operation was given, which its late verification gets again.
     pub(crate) fn timeout(&self) -> std::time::Duration {
         self.ctx

@@ -22,7 +22,7 @@ use crate::transport::mem::MemTransport;
 #[cfg(doc)]
 use crate::transport::tcp::MeshOptions;
 use crate::transport::tcp::TcpTransport;
-use crate::transport::{StepCtx, Transport};
+use crate::transport::{DeferredSeqs, StepCtx, Transport};
 
 mod ops;
 mod validate;
@@ -424,7 +424,6 @@ impl GlooBackend {
                 1
             };
         let silent = agree::repeats_silently(name, self.lazy_root, repeat, root_bytes);
-        let o = Op::new(&*self.transport, ctx, count as u64);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let lazy = self.lazy_root
             && root == Some(self.rank)
@@ -455,11 +454,16 @@ impl GlooBackend {
             .flatten();
         let res = self
             .verify_deferred(if look.is_some() { 0 } else { keep }, ctx.deadline)
-            .and_then(|()| match look {
-                Some(run_from) => self.transport.look(&ctx, count as u64, run_from),
-                None => Ok(()),
+            .and_then(|left| match look {
+                Some(run_from) => self
+                    .transport
+                    .look(&ctx, count as u64, run_from)
+                    .map(|()| left),
+                None => Ok(left),
             })
-            .and_then(|()| {
+            .and_then(|left| {
+                ctx.deferred = left;
+                let o = Op::new(&*self.transport, ctx, count as u64);
                 if !name.rooted() || self.world_size == 1 {
                     f(&o, &mut scratch)
                 } else if self.world_size <= self.fused_agreement_max_ranks {
@@ -514,11 +518,17 @@ impl GlooBackend {
     /// half of the queue at once costs one step per half a queue of broadcasts (17 of
     /// [`agree::MAX_DEFERRED`] = 32 for small ones; [`agree::deferred_keep`] for large), and
     /// leaves the root `keep / 2` operations ahead of the frames it has read, so that it
-    /// seldom waits for its receivers' newest frames.
-    fn verify_deferred(&self, keep: usize, deadline: Instant) -> Result<()> {
+    /// seldom waits for its receivers' newest frames. Returns the operations still deferred,
+    /// for the next operation's context (`StepCtx::deferred`).
+    fn verify_deferred(&self, keep: usize, deadline: Instant) -> Result<DeferredSeqs> {
         let mut q = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        let left = |q: &VecDeque<agree::Deferred>| {
+            let mut seqs = DeferredSeqs::default();
+            q.iter().for_each(|d| seqs.insert(d.seq()));
+            seqs
+        };
         if q.len() <= keep {
-            return Ok(());
+            return Ok(left(&q));
         }
         let target = keep / 2;
         while q.len() > target {
@@ -532,7 +542,7 @@ impl GlooBackend {
             let batch: Vec<agree::Deferred> = q.drain(..run).collect();
             agree::verify_deferred(&*self.transport, &batch, deadline)?;
         }
-        Ok(())
+        Ok(left(&q))
     }
 
     /// Counts operation `ctx` (with `count`) in [`GlooBackend::blind`] when it reads nothing

@@ -61,6 +61,10 @@ pub struct StepCtx {
     /// `algo::alltoall`): the area's wait then keeps a frame of this very operation for the
     /// steps to come instead of taking it for a peer that runs the operation over messages.
     pub area_then_messages: bool,
+    /// The earlier operations whose agreement frames this rank, a lazy root, has left unread
+    /// (`algo::agree::Deferred`): a header-only frame of one of them that names this rank as
+    /// the root is one it will read later, not a disagreement ([`stashed_conflict`]).
+    pub deferred: DeferredSeqs,
     /// When the whole operation started (for `Timeout::waited`).
     pub started: Instant,
     /// When the whole operation must be done.
@@ -104,6 +108,7 @@ impl StepCtx {
             args_in_payload: false,
             last_rooted: None,
             area_then_messages: false,
+            deferred: DeferredSeqs::default(),
             started,
             deadline: dist_backend::deadline_after(started, timeout),
         }
@@ -403,6 +408,39 @@ pub(crate) fn stale_advisory(ctx: &StepCtx, h: &FrameHeader) -> bool {
     is_advisory(h) && h.group == ctx.group && h.seq < ctx.seq
 }
 
+/// A set of sequence numbers, those of the operations whose agreement frames a lazy root
+/// left unread ([`StepCtx::deferred`]): exact for up to 64 consecutive numbers from the first
+/// one inserted, which is what a root's queue of deferred operations spans unless the caller
+/// numbers its operations itself; beyond that, or inserted out of order, it answers "maybe",
+/// which only excuses a stray frame as the check did before it knew the set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeferredSeqs {
+    first: u64,
+    mask: u64,
+    loose: bool,
+}
+
+impl DeferredSeqs {
+    /// Adds `seq`, the next deferred operation (in increasing order).
+    pub fn insert(&mut self, seq: u64) {
+        if self.mask == 0 && !self.loose {
+            self.first = seq;
+        }
+        match seq.checked_sub(self.first) {
+            Some(d) if d < 64 => self.mask |= 1 << d,
+            _ => self.loose = true,
+        }
+    }
+
+    /// Whether operation `seq` may be one whose frames are deferred.
+    pub fn may_hold(&self, seq: u64) -> bool {
+        self.loose
+            || seq
+                .checked_sub(self.first)
+                .is_some_and(|d| d < 64 && self.mask >> d & 1 == 1)
+    }
+}
+
 /// How a received header relates to what a step expects.
 pub(crate) enum Verdict {
     /// The next frame of the expected message.
@@ -539,7 +577,12 @@ fn numbered_op(op: CollectiveOp) -> bool {
 /// frames a step reads compare them. A frame of an earlier operation still unread is one
 /// this rank never took (every frame of a collective is received in the operation that sends
 /// it), so its sender disagreed with this rank about that operation, unless it is a
-/// header-only frame naming this rank as the root: a lazy root's deferred agreement frame.
+/// header-only frame naming this rank as the root of an operation whose agreement frames this
+/// rank deferred ([`StepCtx::deferred`]). Excusing every such frame let a rank that another
+/// took for a reduce's root, and that only sent, wait in its next operation with the
+/// disagreement in its stash: 4 ranks over TCP repeating a reduce from root 0, then rank 3
+/// naming root 1, waited in a cycle (0 on 2, 2 on 3, 3 on 0) while rank 1 held rank 3's
+/// frame and excused it.
 /// `count` is this rank's, for the error only.
 pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Option<Error> {
     if !numbered(h) || !numbered_op(ctx.op) || ctx.args_in_payload || h.group != ctx.group {
@@ -549,7 +592,8 @@ pub(crate) fn stashed_conflict(ctx: &StepCtx, h: &FrameHeader, count: u64) -> Op
     if stale_advisory(ctx, h) {
         return None;
     }
-    let deferred_agreement = h.payload_len == 0 && h.root as usize == ctx.rank;
+    let deferred_agreement =
+        h.payload_len == 0 && h.root as usize == ctx.rank && ctx.deferred.may_hold(h.seq);
     let conflict = match h.seq.cmp(&ctx.seq) {
         std::cmp::Ordering::Less => !deferred_agreement,
         std::cmp::Ordering::Equal => {
@@ -701,4 +745,32 @@ fn desc_header(d: &OpDesc) -> FrameHeader {
 pub(crate) fn frames(len: usize, seg: usize) -> impl ExactSizeIterator<Item = Range<usize>> {
     let n = len.div_ceil(seg).max(1);
     (0..n).map(move |i| (i * seg).min(len)..((i + 1) * seg).min(len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeferredSeqs;
+
+    #[test]
+    fn deferred_seqs_are_exact_within_64_of_the_first_and_maybe_beyond() {
+        let mut s = DeferredSeqs::default();
+        assert!(!s.may_hold(0) && !s.may_hold(7), "empty");
+        for seq in [10, 11, 13, 73] {
+            s.insert(seq);
+        }
+        for seq in [10, 11, 13, 73] {
+            assert!(s.may_hold(seq), "{seq} was inserted");
+        }
+        for seq in [0, 9, 12, 14, 72, 74, u64::MAX] {
+            assert!(!s.may_hold(seq), "{seq} was not");
+        }
+        // Past the window: no longer told apart, every number may be held.
+        s.insert(74);
+        assert!(s.may_hold(74) && s.may_hold(12) && s.may_hold(1000));
+        // Out of order: likewise.
+        let mut s = DeferredSeqs::default();
+        s.insert(5);
+        s.insert(4);
+        assert!(s.may_hold(4) && s.may_hold(6));
+    }
 }
