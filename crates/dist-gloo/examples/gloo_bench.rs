@@ -27,6 +27,14 @@ use dist_backend::{Backend, BufMut, BufRef, OpOptions};
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
 
+/// What `--help` prints (the module documentation has the details).
+const USAGE: &str = "usage: gloo_bench [--ops a,b,...] [--sizes bytes,...] [-n iters] [-w warmup] \
+[-c 0|1] [--json path] [--budget seconds] [-d dtype] [-o sum|prod|min|max|avg] [-r root] \
+[--huge-pages 0|1] [--shift bytes] [--per-rank 0|1]
+ops: barrier allreduce_4B all_reduce broadcast all_gather reduce_scatter all_to_all reduce gather \
+scatter; sizes are plain byte counts (one rank's block for all_gather, gather and scatter).
+Run one process per rank under a launcher: distrun --nproc-per-node N -- gloo_bench ...";
+
 struct Args {
     ops: Vec<String>,
     sizes: Vec<usize>,
@@ -131,7 +139,14 @@ fn parse() -> Args {
             "--huge-pages" => a.huge_pages = v != "0",
             "--shift" => a.shift = v.parse().expect("--shift takes a byte count"),
             "--per-rank" => a.per_rank = v != "0",
-            other => panic!("unknown argument {other}"),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => {
+                eprintln!("gloo_bench: unknown argument {other}\n{USAGE}");
+                std::process::exit(2);
+            }
         }
         i += 2;
     }
