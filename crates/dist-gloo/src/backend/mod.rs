@@ -82,8 +82,9 @@ pub struct GlooBackend {
     /// ([`Transport::look`]), and the last of them (judged at close).
     blind: Mutex<Blind>,
     seq: AtomicU64,
-    /// This rank's last rooted operation (see `StepCtx::last_rooted`).
-    last_rooted: Mutex<Option<OpDesc>>,
+    /// This rank's last rooted operation and the first of the run of same calls that ends
+    /// with it (see `StepCtx::last_rooted` and `StepCtx::last_rooted_from`).
+    last_rooted: Mutex<(Option<OpDesc>, u64)>,
     /// The first error; once set, the group refuses further operations.
     poisoned: Mutex<Option<String>>,
     /// Receive scratch, as `u64` so that typed views of it are aligned.
@@ -289,7 +290,7 @@ impl GlooBackend {
             deferred: Mutex::new(VecDeque::new()),
             blind: Mutex::new(Blind::default()),
             seq: AtomicU64::new(0),
-            last_rooted: Mutex::new(None),
+            last_rooted: Mutex::new((None, 0)),
             poisoned: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
             halving_work: Mutex::new(Vec::new()),
@@ -408,9 +409,12 @@ impl GlooBackend {
         ctx.reduce_arg = reduce.map_or(0, |r| r.param_fingerprint());
         if name != CollectiveOp::SendRecv {
             let mut last = self.last_rooted.lock().unwrap_or_else(|e| e.into_inner());
-            ctx.last_rooted = *last;
+            (ctx.last_rooted, ctx.last_rooted_from) = *last;
             if name.rooted() {
-                *last = Some(ctx.desc(count as u64));
+                let this = ctx.desc(count as u64);
+                let run_goes_on = ctx.last_rooted.is_some_and(|l| l.seq + 1 == seq)
+                    && agree::same_call(ctx.last_rooted.as_ref(), &this);
+                *last = (Some(this), if run_goes_on { last.1 } else { seq });
             }
         }
         // Whether this call repeats this rank's last rooted one (see `agree::same_call`).

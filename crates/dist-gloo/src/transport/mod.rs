@@ -56,6 +56,10 @@ pub struct StepCtx {
     /// rank never took (it returned before that frame came) is judged against it, so that the
     /// mismatch names both sides of the operation they disagreed on.
     pub last_rooted: Option<OpDesc>,
+    /// The first operation of the unbroken run that ends with `last_rooted` and whose every
+    /// operation made the same call (back-to-back broadcasts of one buffer from one root): a
+    /// frame of any of them is judged against that call.
+    pub last_rooted_from: u64,
     /// The operation may go on over messages after an exchange through the group area, on
     /// what every rank read there alike (an all_to_all some rank's input did not fit, see
     /// `algo::alltoall`): the area's wait then keeps a frame of this very operation for the
@@ -107,6 +111,7 @@ impl StepCtx {
             reduce_arg: 0,
             args_in_payload: false,
             last_rooted: None,
+            last_rooted_from: 0,
             area_then_messages: false,
             deferred: DeferredSeqs::default(),
             started,
@@ -140,11 +145,13 @@ impl StepCtx {
     }
 
     /// The two sides of a mismatch with `h`: this rank's view of the operation `h` belongs
-    /// to when that is its last rooted one, else of this one (with `count`).
+    /// to when that is its last rooted one or of the run of same calls that ends with it
+    /// ([`StepCtx::last_rooted_from`]), else of this one (with `count`).
     pub(crate) fn mismatch(&self, h: &FrameHeader, count: u64) -> Error {
         let ours = self
             .last_rooted
-            .filter(|d| d.seq == h.seq && h.seq != self.seq)
+            .filter(|d| h.seq != self.seq && (self.last_rooted_from..=d.seq).contains(&h.seq))
+            .map(|d| OpDesc { seq: h.seq, ..d })
             .unwrap_or_else(|| self.desc(count));
         Error::Mismatch {
             ours,
@@ -749,7 +756,46 @@ pub(crate) fn frames(len: usize, seg: usize) -> impl ExactSizeIterator<Item = Ra
 
 #[cfg(test)]
 mod tests {
-    use super::DeferredSeqs;
+    use std::time::Duration;
+
+    use dist_backend::Error;
+    use dist_wire::{CollectiveOp, DType};
+
+    use super::{DeferredSeqs, StepCtx};
+
+    #[test]
+    fn a_frame_of_a_run_of_same_calls_is_judged_against_that_call() {
+        let ctx_at = |rank: usize, seq: u64, root: u32| {
+            let mut c = StepCtx::new(
+                rank,
+                7,
+                CollectiveOp::Broadcast,
+                seq,
+                DType::F32,
+                Duration::from_secs(1),
+            );
+            c.root = root;
+            c
+        };
+        // This rank ran broadcasts 2 to 5 from root 0 alike and is now in #6, from root 2;
+        // rank 3 took rank 1 for the root.
+        let mut now = ctx_at(1, 6, 2);
+        now.last_rooted = Some(ctx_at(1, 5, 0).desc(16));
+        now.last_rooted_from = 2;
+        let ours = |seq: u64| match now.mismatch(&ctx_at(3, seq, 1).header(16, 1, 0, 0), 16) {
+            Error::Mismatch { ours, theirs } => {
+                assert_eq!((theirs.rank, theirs.seq, theirs.root), (3, seq, Some(1)));
+                (ours.seq, ours.root)
+            }
+            other => panic!("{other}"),
+        };
+        for seq in 2..=5 {
+            assert_eq!(ours(seq), (seq, Some(0)), "#{seq} is in the run");
+        }
+        for seq in [1, 6] {
+            assert_eq!(ours(seq), (6, Some(2)), "#{seq} is not: this operation");
+        }
+    }
 
     #[test]
     fn deferred_seqs_are_exact_within_64_of_the_first_and_maybe_beyond() {
