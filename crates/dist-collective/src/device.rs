@@ -43,7 +43,7 @@ impl ProcessGroup {
 
     fn check_device_reduce(&self, op: &'static str, dtype: DType, rop: ReduceOp) -> Result<()> {
         rop.check(dtype)
-            .map_err(|source| self.invalid(op, format!("reduce op: {source}")))
+            .map_err(|source| crate::group::wire_error(self.rank(), op, source))
     }
 
     /// [`all_reduce`](ProcessGroup::all_reduce) on device memory: returns when the backend
@@ -211,12 +211,19 @@ impl ProcessGroup {
                     ),
                 ));
             }
-            let sum: usize = counts.iter().sum();
-            if sum != have {
-                return Err(self.invalid(
-                    OP,
-                    format!("{what} sum to {sum} but the buffer holds {have} elements"),
-                ));
+            match crate::group::checked_sum(counts) {
+                Some(sum) if sum == have => {}
+                Some(sum) => {
+                    return Err(self.invalid(
+                        OP,
+                        format!("{what} sum to {sum} but the buffer holds {have} elements"),
+                    ));
+                }
+                None => {
+                    return Err(
+                        self.invalid(OP, format!("{what} sum past the largest possible length"))
+                    );
+                }
             }
         }
         self.coll(info(OP, dtype, vec![n, m], None), None, |b, o| {

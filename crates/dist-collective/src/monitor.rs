@@ -75,7 +75,8 @@ impl ProcessGroup {
             // the slack of a slow store. The first `timeout` of that is one wait of its own,
             // so that a store that does not answer at all (its host stopped) fails the
             // barrier after `timeout`, not after the whole allowance.
-            let allowance = dist_backend::deadline_after(deadline, timeout + RESULT_SLACK);
+            let allowance =
+                dist_backend::deadline_after(deadline, timeout.saturating_add(RESULT_SLACK));
             let first = store.wait_by(&[&result], deadline);
             let waited = match first {
                 Err(e) if e.is_unreachable() => {

@@ -213,6 +213,15 @@ fn size_mismatches_are_rejected_before_the_wire() {
         errs.push(pg.broadcast(&mut [0u8; 2], 5).unwrap_err());
         errs.push(pg.all_reduce(&mut [1.0f32], ReduceOp::BitXor).unwrap_err());
         errs.push(pg.send(&[1u8], pg.rank(), 0).unwrap_err());
+        // Split sizes whose sum wraps: refused, not wrapped past the length checks.
+        errs.push(
+            pg.all_gather_into_uneven(&[1u8], &mut [0u8; 0], &[usize::MAX, 1])
+                .unwrap_err(),
+        );
+        errs.push(
+            pg.all_to_all_single(&mut [0u8; 4], &[0u8; 4], None, Some(&[usize::MAX, 5]))
+                .unwrap_err(),
+        );
         // The group is still usable after local errors.
         let mut x = [1u32];
         pg.all_reduce(&mut x, ReduceOp::Sum)?;
@@ -261,16 +270,25 @@ fn size_mismatches_are_rejected_before_the_wire() {
             "{}",
             errs[4]
         );
+        // The wire crate's typed error, wrapped as the backend would report it.
         assert!(
-            matches!(&errs[5], Error::InvalidArgument { reason, .. } if reason.contains("reduce op")),
+            matches!(
+                &errs[5],
+                Error::Backend(dist_backend::Error::Wire {
+                    op: "all_reduce",
+                    source: dist_wire::WireError::InvalidReduceOp { .. },
+                    ..
+                })
+            ),
             "{}",
             errs[5]
         );
-        assert!(
-            matches!(errs[6], Error::InvalidArgument { .. }),
-            "{}",
-            errs[6]
-        );
+        for e in &errs[6..] {
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        }
+        for e in &errs[7..] {
+            assert!(e.to_string().contains("largest possible length"), "{e}");
+        }
     }
 }
 

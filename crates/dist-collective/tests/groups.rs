@@ -238,6 +238,8 @@ fn monitored_barrier_names_missing_ranks() {
     let out = run_world(3, |pg| {
         // Everyone arrives: fine.
         pg.monitored_barrier(Duration::from_secs(5), true)?;
+        // No limit at all (torch's `timedelta.max`): rank 0's allowance saturates.
+        pg.monitored_barrier(Duration::MAX, true)?;
         // Rank 2 skips the second one. Ranks 0 and 1 give it 1 s; rank 1 then waits for rank
         // 0's verdict up to 2 × 1 s + 1 s after its own arrival, which rank 0 cannot miss
         // unless it arrives seconds late.

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{on_all, tcp_world};
-use dist_backend::{Backend, BufMut, Error, OpOptions};
+use dist_backend::{Backend, BufMut, BufRef, Error, OpOptions};
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{CollectiveOp, DType, ReduceOp};
 
@@ -182,6 +182,37 @@ fn invalid_arguments_are_rejected_before_the_wire_and_name_rank_op_and_sizes() {
     assert_eq!(
         e,
         "rank 0: all_reduce: reduce op BOR is not defined for dtype bf16"
+    );
+    // Counts whose sum, or whose size in bytes, does not fit a usize: refused, where the
+    // wrapped sums passed the length checks and the block arithmetic panicked.
+    let e = b
+        .all_gather(
+            BufRef::Host(&v[..1]),
+            BufMut::Host(&mut []),
+            DType::U8,
+            &[1, usize::MAX],
+            &quick(100),
+        )
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "rank 0: invalid argument to all_gather: counts sum past any buffer"
+    );
+    let e = b
+        .all_to_all(
+            BufRef::Host(&v[..4]),
+            BufMut::Host(&mut v.clone()[..4]),
+            DType::F32,
+            &[1, 0],
+            &[1, usize::MAX / 2],
+            &quick(100),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the output is 4 bytes but") && e.contains("is past any buffer"),
+        "{e}"
     );
     // None of these consumed a sequence number or aborted the group.
     assert_eq!(b.next_seq(), 0);

@@ -36,7 +36,7 @@ impl<T: Element> DTensor<T> {
         for p in target {
             if let Placement::Partial(rop) = *p {
                 rop.check(T::DTYPE)
-                    .map_err(|e| Error::invalid(rank, op, format!("{p}: {e}")))?;
+                    .map_err(|source| crate::group::wire_error(rank, op, source))?;
             }
         }
         let src = self.placements().to_vec();

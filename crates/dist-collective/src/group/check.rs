@@ -76,15 +76,33 @@ impl ProcessGroup {
 
     pub(super) fn check_reduce<T: Element>(&self, op: &'static str, rop: ReduceOp) -> Result<()> {
         rop.check(T::DTYPE)
-            .map_err(|source| self.invalid(op, format!("reduce op: {source}")))
+            .map_err(|source| wire_error(self.rank(), op, source))
     }
 
+    /// Checks that `counts` has one entry per rank and returns their sum. A sum past
+    /// `usize::MAX` is refused: wrapped, it passed the length checks and panicked in the
+    /// backend's block arithmetic (in a debug build, here).
     pub(super) fn check_counts(
         &self,
         op: &'static str,
         what: &'static str,
         counts: &[usize],
-    ) -> Result<()> {
-        self.check_len(op, what, self.world_size(), counts.len())
+    ) -> Result<usize> {
+        self.check_len(op, what, self.world_size(), counts.len())?;
+        checked_sum(counts)
+            .ok_or_else(|| self.invalid(op, format!("{what} sum past the largest possible length")))
     }
 }
+
+/// The sum of `counts`, `None` where it does not fit a `usize`.
+pub(crate) fn checked_sum(counts: &[usize]) -> Option<usize> {
+    counts.iter().try_fold(0usize, |acc, &c| acc.checked_add(c))
+}
+
+/// A reduce op the element type cannot take, as the backend reports it (the wire crate's
+/// typed error, wrapped rather than stringified).
+pub(crate) fn wire_error(rank: usize, op: &'static str, source: dist_wire::WireError) -> Error {
+    Error::Backend(dist_backend::Error::Wire { rank, op, source })
+}
+
+impl ProcessGroup {}

@@ -160,9 +160,9 @@ impl ProcessGroup {
         output: &mut [T],
         counts: &[usize],
     ) -> Result<()> {
-        self.check_counts("all_gather", "counts", counts)?;
+        let total = self.check_counts("all_gather", "counts", counts)?;
         self.check_len("all_gather", "input", counts[self.rank()], input.len())?;
-        self.check_len("all_gather", "output", counts.iter().sum(), output.len())?;
+        self.check_len("all_gather", "output", total, output.len())?;
         let fp = fingerprint("all_gather", Some(T::DTYPE), output.len(), None);
         self.coll(
             info::<T>("all_gather", counts.to_vec(), None),
@@ -207,8 +207,8 @@ impl ProcessGroup {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        self.check_counts("reduce_scatter", "counts", counts)?;
-        self.check_len("reduce_scatter", "input", counts.iter().sum(), input.len())?;
+        let total = self.check_counts("reduce_scatter", "counts", counts)?;
+        self.check_len("reduce_scatter", "input", total, input.len())?;
         self.check_len(
             "reduce_scatter",
             "output",
@@ -283,16 +283,16 @@ impl ProcessGroup {
         };
         let recv = match output_split_sizes {
             Some(s) => {
-                self.check_counts(op, "output_split_sizes", s)?;
-                self.check_len(op, "output", s.iter().sum(), output.len())?;
+                let total = self.check_counts(op, "output_split_sizes", s)?;
+                self.check_len(op, "output", total, output.len())?;
                 s.to_vec()
             }
             None => even(output.len(), "output")?,
         };
         let send = match input_split_sizes {
             Some(s) => {
-                self.check_counts(op, "input_split_sizes", s)?;
-                self.check_len(op, "input", s.iter().sum(), input.len())?;
+                let total = self.check_counts(op, "input_split_sizes", s)?;
+                self.check_len(op, "input", total, input.len())?;
                 s.to_vec()
             }
             None => even(input.len(), "input")?,

@@ -33,6 +33,7 @@ mod fingerprint;
 mod point_to_point;
 mod run;
 
+pub(crate) use check::{checked_sum, wire_error};
 pub(crate) use collectives::split_by;
 pub(crate) use fingerprint::fingerprint;
 pub use point_to_point::P2pOp;

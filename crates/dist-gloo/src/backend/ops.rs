@@ -156,9 +156,8 @@ impl Backend for GlooBackend {
     ) -> Result<()> {
         let name = CollectiveOp::AllGather;
         let (input, output) = (self.host_ref(name, input)?, self.host(name, output)?);
-        self.check_counts(name, "counts", counts)?;
+        let total = self.check_counts(name, "counts", counts)?;
         self.check_len(name, "the input", input.len(), dtype, counts[self.rank])?;
-        let total: usize = counts.iter().sum();
         self.check_len(name, "the output", output.len(), dtype, total)?;
         self.run(
             name,
@@ -206,8 +205,7 @@ impl Backend for GlooBackend {
     ) -> Result<()> {
         let name = CollectiveOp::ReduceScatter;
         let (input, output) = (self.host_ref(name, input)?, self.host(name, output)?);
-        self.check_counts(name, "counts", counts)?;
-        let total: usize = counts.iter().sum();
+        let total = self.check_counts(name, "counts", counts)?;
         self.check_len(name, "the input", input.len(), dtype, total)?;
         self.check_len(name, "the output", output.len(), dtype, counts[self.rank])?;
         self.check_reduce(name, op, dtype)?;
@@ -275,22 +273,10 @@ impl Backend for GlooBackend {
     ) -> Result<()> {
         let name = CollectiveOp::AllToAll;
         let (input, output) = (self.host_ref(name, input)?, self.host(name, output)?);
-        self.check_counts(name, "send_counts", send_counts)?;
-        self.check_counts(name, "recv_counts", recv_counts)?;
-        self.check_len(
-            name,
-            "the input",
-            input.len(),
-            dtype,
-            send_counts.iter().sum(),
-        )?;
-        self.check_len(
-            name,
-            "the output",
-            output.len(),
-            dtype,
-            recv_counts.iter().sum(),
-        )?;
+        let sent = self.check_counts(name, "send_counts", send_counts)?;
+        let received = self.check_counts(name, "recv_counts", recv_counts)?;
+        self.check_len(name, "the input", input.len(), dtype, sent)?;
+        self.check_len(name, "the output", output.len(), dtype, received)?;
         if send_counts[self.rank] != recv_counts[self.rank] {
             return Err(self.invalid(
                 name,

@@ -41,16 +41,17 @@ impl GlooBackend {
         dtype: DType,
         count: usize,
     ) -> Result<()> {
-        if len != count * dtype.size() {
-            return Err(self.invalid(
+        match count.checked_mul(dtype.size()) {
+            Some(needed) if needed == len => Ok(()),
+            Some(needed) => Err(self.invalid(
                 op,
-                format!(
-                    "{what} is {len} bytes but {count} × {dtype} needs {}",
-                    count * dtype.size()
-                ),
-            ));
+                format!("{what} is {len} bytes but {count} × {dtype} needs {needed}"),
+            )),
+            None => Err(self.invalid(
+                op,
+                format!("{what} is {len} bytes but {count} × {dtype} is past any buffer"),
+            )),
         }
-        Ok(())
     }
 
     pub(super) fn check_whole(
@@ -82,12 +83,14 @@ impl GlooBackend {
         Ok(())
     }
 
+    /// Checks that `counts` has an entry per rank and returns their sum, refusing one past
+    /// `usize::MAX` (wrapped, it passed the length checks and the block arithmetic panicked).
     pub(super) fn check_counts(
         &self,
         op: CollectiveOp,
         what: &str,
         counts: &[usize],
-    ) -> Result<()> {
+    ) -> Result<usize> {
         if counts.len() != self.world_size {
             return Err(self.invalid(
                 op,
@@ -98,7 +101,10 @@ impl GlooBackend {
                 ),
             ));
         }
-        Ok(())
+        counts
+            .iter()
+            .try_fold(0usize, |acc, &c| acc.checked_add(c))
+            .ok_or_else(|| self.invalid(op, format!("{what} sum past any buffer")))
     }
 
     pub(super) fn check_reduce(&self, op: CollectiveOp, rop: ReduceOp, dtype: DType) -> Result<()> {
