@@ -153,6 +153,62 @@ fn bf16_and_f16_compute_stay_within_tolerance() {
 }
 
 #[test]
+fn f16_gradients_whose_sum_leaves_f16_still_average_to_the_right_value() {
+    // Every rank's gradient is g: the average is g, well inside f16 (largest 65504), while
+    // the sum over the ranks (80000 at 2 ranks, 120000 at 4) is not. Summing first and
+    // dividing at the end (ReduceOp::Avg) gave inf; divided in two halves around the sum
+    // (torch FSDP's factors), each partial sum stays in range. Uneven shards (7 elements).
+    for (world, g) in [(2, 40000.0f32), (4, 30000.0)] {
+        let out = run_world(world, |pg| {
+            let units = vec![vec![ParamInfo::new("w", &[7])]];
+            let mut f =
+                Fsdp::<f16>::new(pg.clone(), units, FsdpOptions::default(), &[&[0.5; 7]]).unwrap();
+            f.pre_backward(0).unwrap();
+            f.post_backward(0, &[f16::from_f32(g); 7]).unwrap();
+            f.finish().unwrap();
+            Ok(f.shards_mut()
+                .into_iter()
+                .flat_map(|s| s.grad.to_vec())
+                .collect::<Vec<f32>>())
+        })
+        .unwrap();
+        let all: Vec<f32> = out.concat();
+        assert_eq!(
+            all.len(),
+            7,
+            "world {world}: the shards cover the parameter"
+        );
+        assert!(all.iter().all(|&v| v == g), "world {world}: {all:?}");
+    }
+    // Hybrid (2 replicas of 2 shards): averaged over the shards, then over the replicas.
+    let g = 40000.0f32;
+    let out = run_world(4, |pg| {
+        let mesh = DeviceMesh::new(&pg, &[("replicate", 2), ("shard", 2)])?;
+        let units = vec![vec![ParamInfo::new("w", &[7])]];
+        let mut f = Fsdp::<f16>::new_hybrid(
+            &mesh,
+            "replicate",
+            "shard",
+            units,
+            FsdpOptions::default(),
+            &[&[0.5; 7]],
+        )
+        .unwrap();
+        f.pre_backward(0).unwrap();
+        f.post_backward(0, &[f16::from_f32(g); 7]).unwrap();
+        f.finish().unwrap();
+        Ok(f.shards_mut()
+            .into_iter()
+            .flat_map(|s| s.grad.to_vec())
+            .collect::<Vec<f32>>())
+    })
+    .unwrap();
+    for (r, v) in out.iter().enumerate() {
+        assert!(v.iter().all(|&v| v == g), "hybrid, rank {r}: {v:?}");
+    }
+}
+
+#[test]
 fn keeping_parameters_after_forward_gathers_once_per_unit() {
     let reference = mlp::train_single(&DIMS, SEED, STEPS, opt());
     for (reshard, prefetch) in [(false, 1), (true, 0), (true, 3)] {

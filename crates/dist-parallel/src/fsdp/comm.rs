@@ -20,12 +20,27 @@ impl<C: ComputeElement> Grad<C> {
         }
     }
 
-    /// Averages this shard over `pg` (HSDP's replicate dimension), in the type it travels in.
+    /// Averages this shard over `pg` (HSDP's replicate dimension), in the type it travels in:
+    /// in the compute type as a sum of shards divided by the first of [`divide_factors`], to be
+    /// divided by the second once summed ([`Grad::averaged_over`]).
     pub(crate) fn all_reduce_avg(self, pg: &ProcessGroup) -> dist_collective::Result<GradWork<C>> {
         Ok(match self {
-            Grad::Compute(v) => GradWork::Compute(pg.all_reduce_async(v, ReduceOp::Avg)?),
+            Grad::Compute(mut v) => {
+                divide(&mut v, divide_factors(pg.world_size()).0);
+                GradWork::Compute(pg.all_reduce_async(v, ReduceOp::Sum)?)
+            }
             Grad::F32(v) => GradWork::F32(pg.all_reduce_async(v, ReduceOp::Avg)?),
         })
+    }
+
+    /// Ends an average over `n` ranks: a compute-type sum of shards each divided by the first
+    /// of [`divide_factors`] is divided by the second; the `f32` form was averaged by the
+    /// collective itself.
+    pub(crate) fn averaged_over(mut self, n: usize) -> Self {
+        if let Grad::Compute(v) = &mut self {
+            divide(v, divide_factors(n).1);
+        }
+        self
     }
 
     /// Adds this shard into the `f32` gradient shard.
@@ -35,6 +50,38 @@ impl<C: ComputeElement> Grad<C> {
             Grad::F32(v) => acc.iter_mut().zip(v).for_each(|(a, g)| *a += g),
         }
     }
+}
+
+/// How a gradient in the compute type is averaged over `n` ranks: divided by `before` ahead
+/// of a sum and by `after` once summed, `before · after = n`, `before` the power of two torch's
+/// FSDP picks (the largest dividing `n` with `before² < n`, doubling while it can).
+///
+/// Why not `ReduceOp::Avg`: it sums first and divides at the end, and in `f16` (largest
+/// finite value 65504) the partial sums overflowed where the average itself was fine: 64 ranks
+/// of gradients near 1100 gave `inf`. Dividing by all of `n` first would lose small gradients
+/// to underflow instead; splitting the division keeps both ends in range, as torch does for
+/// reduce types that NCCL cannot average. `before` is a power of two, so in `f32` and `bf16`
+/// the first division is exact.
+pub(crate) fn divide_factors(n: usize) -> (f32, f32) {
+    let mut before = 1usize;
+    while n.is_multiple_of(before) && n / before > before {
+        before *= 2;
+    }
+    (before as f32, n as f32 / before as f32)
+}
+
+/// Divides every element by `by`, rounding once from `f32`.
+fn divide<C: ComputeElement>(v: &mut [C], by: f32) {
+    if by != 1.0 {
+        v.iter_mut().for_each(|x| *x = C::from_f32(x.to_f32() / by));
+    }
+}
+
+/// Packs a unit's gradients for a reduce-scatter that averages over `n` ranks by a sum
+/// ([`divide_factors`]).
+pub(crate) fn divided_for_sum<C: ComputeElement>(mut packed: Vec<C>, n: usize) -> Vec<C> {
+    divide(&mut packed, divide_factors(n).0);
+    packed
 }
 
 /// An in-flight gradient collective.

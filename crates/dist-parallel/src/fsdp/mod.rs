@@ -40,7 +40,7 @@ use dist_collective::{Chunk, DeviceMesh, Placement, ProcessGroup, ReduceOp, Shar
 
 use crate::checkpoint::{LocalTensor, LocalTensorMut};
 use crate::{Error, ParamInfo, Result};
-use comm::{Dim, GradWork, busy_time};
+use comm::{Dim, GradWork, busy_time, divided_for_sum};
 use precision::{ComputeElement, ReduceDtype, convert};
 use unit::UnitLayout;
 
@@ -533,17 +533,19 @@ impl<C: ComputeElement> Fsdp<C> {
         let acc = self.no_sync_acc[u].take();
         self.mem.accumulated = self.no_sync_acc.iter().flatten().map(|a| a.len() * 4).sum();
         let l = &self.units[u];
+        let n = self.shard_pg.world_size();
+        // In the compute type, a sum of gradients divided ahead (see `divide_factors`).
         let work = match (self.opts.reduce_dtype, acc) {
             (ReduceDtype::Compute, None) => GradWork::Compute(
                 self.shard_pg
-                    .reduce_scatter_async(l.pack(grads), ReduceOp::Avg)?,
+                    .reduce_scatter_async(divided_for_sum(l.pack(grads), n), ReduceOp::Sum)?,
             ),
             (ReduceDtype::Compute, Some(mut a)) => {
                 a.iter_mut().zip(grads).for_each(|(a, g)| *a += g.to_f32());
                 let g: Vec<C> = convert(&a);
                 GradWork::Compute(
                     self.shard_pg
-                        .reduce_scatter_async(l.pack(&g), ReduceOp::Avg)?,
+                        .reduce_scatter_async(divided_for_sum(l.pack(&g), n), ReduceOp::Sum)?,
                 )
             }
             (ReduceDtype::F32, acc) => {
@@ -580,7 +582,7 @@ impl<C: ComputeElement> Fsdp<C> {
         };
         let (r, waited) = work.wait();
         self.stats.exposed += waited;
-        let shard = r?;
+        let shard = r?.averaged_over(self.shard_pg.world_size());
         let bytes = self.units[u].seg_len * self.shard_pg.world_size() * self.reduce_size();
         self.shrink(bytes);
         match self.replicate_pg.clone() {
@@ -601,7 +603,11 @@ impl<C: ComputeElement> Fsdp<C> {
         };
         let (r, waited) = work.wait();
         self.stats.exposed += waited;
-        let shard = r?;
+        let n = self
+            .replicate_pg
+            .as_ref()
+            .map_or(1, ProcessGroup::world_size);
+        let shard = r?.averaged_over(n);
         self.shrink(shard.bytes());
         shard.add_into(&mut self.grads[u]);
         Ok(())
