@@ -375,6 +375,95 @@ fn bad_input_names_the_tensor() {
     assert!(e.contains("index.json"), "{e}");
 }
 
+/// A checkpoint whose index or shard header was damaged loads as an error naming the tensor
+/// and what is wrong, never a panic: a piece outside the tensor (or with a dimension too
+/// few) made the overlap arithmetic index out of bounds, and data offsets that end before
+/// they start underflowed.
+#[test]
+fn a_corrupt_index_or_header_is_an_error_not_a_panic() {
+    let save = || {
+        let dir = tempfile::tempdir().unwrap();
+        let t = vec![LocalTensor::new(
+            "w",
+            ShardLayout::new(&[4, 2], &[1], &[Placement::Replicate]).unwrap(),
+            &[0],
+            &[1.0f32; 8],
+        )];
+        run_world(1, |pg| {
+            checkpoint::save(&pg, dir.path(), t.clone()).unwrap();
+            Ok(())
+        })
+        .unwrap();
+        dir
+    };
+    let load = |dir: &Path| {
+        let mut buf = vec![0.0f32; 8];
+        let one = ShardLayout::new(&[4, 2], &[1], &[Placement::Replicate]).unwrap();
+        checkpoint::load(dir, 0, &mut [LocalTensorMut::new("w", one, &[0], &mut buf)])
+            .unwrap_err()
+            .to_string()
+    };
+    let index_path = |dir: &Path| dir.join("index.json");
+    let edit_index = |dir: &Path, f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(index_path(dir)).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(index_path(dir), serde_json::to_vec(&v).unwrap()).unwrap();
+    };
+    for (what, chunk) in [
+        (
+            "a dimension too few",
+            serde_json::json!({"offsets": [0], "shape": [4]}),
+        ),
+        (
+            "past the end",
+            serde_json::json!({"offsets": [2, 0], "shape": [4, 2]}),
+        ),
+        (
+            "an overflowing offset",
+            serde_json::json!({"offsets": [usize::MAX, 0], "shape": [4, 2]}),
+        ),
+    ] {
+        let dir = save();
+        edit_index(dir.path(), &|v| {
+            let piece = &mut v["tensors"]["w"]["chunks"][0];
+            assert!(
+                piece["offsets"].is_array(),
+                "the index format changed: {piece}"
+            );
+            piece["offsets"] = chunk["offsets"].clone();
+            piece["shape"] = chunk["shape"].clone();
+        });
+        let e = load(dir.path());
+        assert!(e.contains("\"w\"") || e.contains(" w"), "{what}: {e}");
+        assert!(e.contains("outside the tensor"), "{what}: {e}");
+    }
+    // A shard header whose data offsets end before they start, or past the file.
+    for (what, offsets, says) in [
+        ("reversed", [32usize, 0], "do not fit its shape"),
+        ("past the end", [1 << 40, (1 << 40) + 32], "run past"),
+    ] {
+        let dir = save();
+        let shard = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+            .unwrap()
+            .path();
+        let bytes = std::fs::read(&shard).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        header["w"]["data_offsets"] = serde_json::json!(offsets);
+        let header = serde_json::to_vec(&header).unwrap();
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&header);
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(&shard, out).unwrap();
+        let e = load(dir.path());
+        assert!(e.contains(says), "{what}: {e}");
+    }
+}
+
 /// The child of `kill_9_during_save_never_leaves_a_partial_checkpoint`: saves forever, each
 /// save's values all equal to its number, so a mixed checkpoint would show.
 #[test]

@@ -97,6 +97,22 @@ fn load_one(
     }
     let mut covered = 0;
     for piece in &entry.chunks {
+        // The index comes from a file: a box that is not inside the tensor is corruption,
+        // to report rather than index with.
+        let c = &piece.chunk;
+        let inside = c.offsets.len() == entry.global_shape.len()
+            && c.shape.len() == entry.global_shape.len()
+            && c.offsets
+                .iter()
+                .zip(&c.shape)
+                .zip(&entry.global_shape)
+                .all(|((&o, &n), &g)| o.checked_add(n).is_some_and(|end| end <= g));
+        if !inside {
+            return Err(bad(format!(
+                "the index places a piece in {} at offsets {:?} shape {:?}, outside the tensor's {:?}",
+                piece.file, c.offsets, c.shape, entry.global_shape
+            )));
+        }
         let Some(overlap) = mine.intersect(&piece.chunk) else {
             continue;
         };
@@ -118,10 +134,16 @@ fn load_one(
             )));
         }
         let (start, end) = (stored.data_offsets[0], stored.data_offsets[1]);
-        if end - start != piece.chunk.numel() * elem {
+        if end.checked_sub(start) != Some(piece.chunk.numel() * elem) {
             return Err(bad(format!(
                 "{}: data offsets {start}..{end} do not fit its shape",
                 piece.file
+            )));
+        }
+        if end as u64 > file.data_len {
+            return Err(bad(format!(
+                "{}: data offsets {start}..{end} run past its {} bytes of data",
+                piece.file, file.data_len
             )));
         }
         // The byte span of the stored piece that the overlap touches: exact for dim-0 slices.
@@ -206,6 +228,8 @@ struct ShardFile {
     path: PathBuf,
     file: File,
     data_start: u64,
+    /// Bytes after the header: where every tensor's data offsets must end.
+    data_len: u64,
     tensors: HashMap<String, StoredTensor>,
 }
 
@@ -258,6 +282,7 @@ impl ShardFile {
             path,
             file,
             data_start: 8 + n,
+            data_len: len - 8 - n,
             tensors,
         })
     }
