@@ -181,10 +181,29 @@ impl Chunk {
 /// # Ok::<(), dist_collective::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "LayoutFields")]
 pub struct ShardLayout {
     global_shape: Vec<usize>,
     mesh_shape: Vec<usize>,
     placements: Vec<Placement>,
+}
+
+/// A [`ShardLayout`] as read, before [`ShardLayout::new`] checks it: a layout from a file
+/// (a checkpoint's) must pass the same checks as one built in code, or `local_chunk` and the
+/// like index out of bounds on it.
+#[derive(Deserialize)]
+struct LayoutFields {
+    global_shape: Vec<usize>,
+    mesh_shape: Vec<usize>,
+    placements: Vec<Placement>,
+}
+
+impl TryFrom<LayoutFields> for ShardLayout {
+    type Error = Error;
+
+    fn try_from(f: LayoutFields) -> Result<Self> {
+        ShardLayout::new(&f.global_shape, &f.mesh_shape, &f.placements)
+    }
 }
 
 impl ShardLayout {
@@ -424,6 +443,15 @@ mod tests {
             assert_eq!(serde_json::from_str::<ShardLayout>(&json).unwrap(), l);
         }
         assert!("Shard(x)".parse::<Placement>().is_err());
+        // A layout read from text passes ShardLayout::new's checks, as one built in code.
+        for bad in [
+            r#"{"global_shape":[4],"mesh_shape":[0],"placements":["Shard(3)"]}"#,
+            r#"{"global_shape":[4],"mesh_shape":[2],"placements":["Shard(1)"]}"#,
+            r#"{"global_shape":[4],"mesh_shape":[2,2],"placements":["Replicate"]}"#,
+        ] {
+            let e = serde_json::from_str::<ShardLayout>(bad).unwrap_err();
+            assert!(e.to_string().contains("invalid layout"), "{bad}: {e}");
+        }
     }
 
     #[test]
