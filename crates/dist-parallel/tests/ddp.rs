@@ -423,3 +423,51 @@ fn gradients_as_bucket_views_average_in_place_across_a_rebuild() {
     assert_eq!(out[0], out[1]);
     assert_eq!(out[0], out[2]);
 }
+
+/// A hook whose first reduction fails (on every rank, before any collective) and whose
+/// later ones average.
+struct FailsOnce(bool);
+
+impl dist_parallel::CommHook for FailsOnce {
+    fn name(&self) -> &'static str {
+        "fails_once"
+    }
+
+    fn reduce(
+        &mut self,
+        pg: &ProcessGroup,
+        bucket: &mut dist_parallel::Bucket<'_>,
+    ) -> dist_collective::Result<()> {
+        if !std::mem::replace(&mut self.0, true) {
+            // A size mismatch of the caller's own making: local, the group stays usable.
+            let mut wrong = [0.0f32; 1];
+            return pg.all_gather_into(&[1.0f32, 2.0], &mut wrong);
+        }
+        pg.all_reduce(bucket.data, dist_collective::ReduceOp::Avg)
+    }
+}
+
+#[test]
+fn a_step_whose_reduction_failed_ends_and_the_next_one_runs() {
+    let out = run_world(2, |pg| {
+        let ps = vec![ParamInfo::new("w", &[3])];
+        let mut w = vec![0.0f32; 3];
+        let mut ddp = Ddp::new(pg.clone(), ps, DdpOptions::default(), &mut [&mut w]).unwrap();
+        ddp.register_comm_hook(Box::new(FailsOnce(false))).unwrap();
+        let r = pg.rank() as f32;
+        let mut g = vec![r; 3];
+        ddp.mark_ready(0, &g).unwrap();
+        let first = ddp.finish(&mut [&mut g]).unwrap_err().to_string();
+        // The next step: marking the same parameter again is a new step, not a second mark.
+        let mut g = vec![r * 2.0; 3];
+        ddp.mark_ready(0, &g)
+            .expect("a failed step must not leave its marks behind");
+        ddp.finish(&mut [&mut g]).unwrap();
+        Ok((first, g))
+    })
+    .unwrap();
+    for (first, g) in out {
+        assert!(first.contains("all_gather"), "{first}");
+        assert_eq!(g, vec![1.0; 3], "the mean of 0 and 2");
+    }
+}

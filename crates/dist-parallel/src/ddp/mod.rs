@@ -423,13 +423,22 @@ impl Ddp {
             }
         }
         let numels: Vec<usize> = self.params.iter().map(ParamInfo::numel).collect();
-        let (comm, exposed) = self.drain(|spec, data| {
+        let drained = self.drain(|spec, data| {
             if let Some(grads) = grads.as_deref_mut() {
                 for (&p, &off) in spec.params.iter().zip(&spec.offsets) {
                     dist_wire::copy::bulk_of(grads[p], &data[off..off + numels[p]]);
                 }
             }
-        })?;
+        });
+        // A failed step still ends: the next one starts afresh (and fails on the group's
+        // own error if the group is aborted), not on "marked ready twice".
+        let (comm, exposed) = match drained {
+            Ok(times) => times,
+            Err(e) => {
+                self.reset_step();
+                return Err(e);
+            }
+        };
         self.stats = StepStats {
             buckets: self.layout.buckets.len(),
             comm,
@@ -478,6 +487,12 @@ impl Ddp {
                 .iter()
                 .map(|b| Some(vec![0.0; b.len]))
                 .collect();
+        }
+        // A bucket whose reduction never came back (its hook panicked and took the
+        // communication thread with it) gets a fresh buffer, so that the next step's
+        // `mark_ready` reports the thread's end instead of panicking on the missing one.
+        for (buf, spec) in self.bufs.iter_mut().zip(&self.layout.buckets) {
+            buf.get_or_insert_with(|| vec![0.0; spec.len]);
         }
         self.pending = self.layout.buckets.iter().map(|b| b.params.len()).collect();
         self.next_launch = 0;
