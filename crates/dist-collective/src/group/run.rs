@@ -37,7 +37,7 @@ pub(super) fn run_op<R>(
     let mut opts = OpOptions::with_timeout(ctx.timeout);
     opts.seq = Some(seq);
     let r = match fp {
-        Some(fp) if ctx.debug >= DebugLevel::Detail => {
+        Some(fp) if ctx.debug >= DebugLevel::Detail && checks_on_host(ctx, b) => {
             check_fingerprint(ctx, b, op, fp).and_then(|()| f(b, &opts))
         }
         _ => f(b, &opts),
@@ -49,6 +49,27 @@ pub(super) fn run_op<R>(
     }
     finish(ctx, id, Some(seq), op, t0, r.as_ref().err());
     r
+}
+
+/// Whether `b` can carry the `DIST_DEBUG=DETAIL` fingerprint check, which all-gathers it
+/// from host memory. A backend that takes only device buffers (`"nccl"` alone) cannot: the
+/// check failed every device collective and barrier with "unsupported" instead of checking
+/// them. Such groups skip it, saying so once per process; `"cpu:gloo,cuda:nccl"` checks on
+/// Gloo. (torch checks through a Gloo group of its own there.)
+fn checks_on_host(ctx: &OpCtx, b: &dyn Backend) -> bool {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let host = b.capabilities().host_buffers;
+    if !host {
+        SAID.call_once(|| {
+            tracing::warn!(
+                rank = ctx.rank,
+                group = %ctx.name,
+                backend = b.name(),
+                "DIST_DEBUG=DETAIL: the fingerprint check needs host buffers, which this backend does not take; skipped"
+            );
+        });
+    }
+    host
 }
 
 /// The longest a timed-out collective spends gathering its progress report, so that the error
