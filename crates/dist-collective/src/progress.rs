@@ -448,6 +448,14 @@ impl<T: PartialEq + Clone> Pacer<T> {
     }
 }
 
+/// The longest the watchdog waits for the store to take one publication. Why not the group's
+/// timeout: teardown joins the watchdog before it leaves the group through the store, so a
+/// publication stuck on a store whose host stopped held teardown for up to a whole timeout
+/// before the leave's own (3 s timeout: 5.5 s, where teardown promises the timeout + 1 s). A
+/// publication that gives up leaves the last one standing; the next state change publishes
+/// again.
+const WATCHDOG_PUBLISH_WAIT: Duration = Duration::from_millis(500);
+
 /// Starts the group's watchdog thread; dropping the returned sender stops it. Fails only when
 /// the thread cannot be started.
 pub(crate) fn start_watchdog(
@@ -464,7 +472,8 @@ pub(crate) fn start_watchdog(
                 Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
             }
             if let Some(words) = pacer.observe(Instant::now(), p.words()) {
-                let deadline = dist_backend::deadline_after(Instant::now(), p.timeout);
+                let wait = p.timeout.min(WATCHDOG_PUBLISH_WAIT);
+                let deadline = dist_backend::deadline_after(Instant::now(), wait);
                 p.publish(&Progress::state_of(words), deadline);
             }
         }

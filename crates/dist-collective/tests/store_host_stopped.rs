@@ -76,7 +76,7 @@ fn rank_main(scenario: &str, rank: usize, port: u16) {
     say("READY");
     let mut go = String::new();
     std::io::stdin().read_line(&mut go).expect("go");
-    let start = Instant::now();
+    let mut start = Instant::now();
     let outcome: Result<(), String> = match scenario {
         "init" => init_process_group(opts)
             .map(drop)
@@ -108,6 +108,22 @@ fn rank_main(scenario: &str, rank: usize, port: u16) {
             .monitored_barrier(TIMEOUT, true)
             .map_err(|e| e.to_string()),
         "destroy" => {
+            drop(pg);
+            destroy_process_group();
+            Ok(())
+        }
+        "destroy_while_publishing" => {
+            // A collective changes this rank's progress; its watchdog publishes the new state
+            // once it has held for an eighth of the timeout, to the stopped store, and is
+            // still waiting on it when the group is destroyed. The wait is what makes the
+            // publish be in flight, not an ordering the assertion relies on: too short a
+            // wait only leaves nothing in flight.
+            pg.as_ref()
+                .expect("group")
+                .barrier()
+                .expect("barrier over gloo");
+            std::thread::sleep(TIMEOUT / 8 + TIMEOUT / 4);
+            start = Instant::now();
             drop(pg);
             destroy_process_group();
             Ok(())
@@ -358,6 +374,22 @@ fn teardown_returns_in_time_when_the_store_host_is_stopped() {
         assert!(
             *took <= TIMEOUT + Duration::from_secs(1),
             "destroy: rank {rank} took {took:?}"
+        );
+    }
+}
+
+/// As [`teardown_returns_in_time_when_the_store_host_is_stopped`], with the watchdog's
+/// publish of a new state waiting on the stopped store as the group is destroyed: it waited
+/// up to the whole timeout, and teardown joined it before its own leave (about twice the
+/// timeout).
+#[test]
+fn teardown_returns_in_time_with_a_progress_publish_in_flight() {
+    let (results, _) = run("destroy_while_publishing");
+    for (rank, took, outcome) in &results {
+        eprintln!("destroy_while_publishing: rank {rank} returned after {took:?}: {outcome}");
+        assert!(
+            *took <= TIMEOUT + Duration::from_secs(1),
+            "destroy_while_publishing: rank {rank} took {took:?}"
         );
     }
 }
