@@ -260,6 +260,52 @@ fn distribute_from_one_rank_and_replicate_to_partial_zeros_the_others() {
     assert_eq!(sums, [total, 0.0, total, 0.0]);
 }
 
+/// The source's own mistakes (a full tensor of the wrong size, or none) fail every rank at
+/// once: the others hear it from the source before the data, instead of waiting out their
+/// timeout (60 s: a wait would end in timeouts, which the kinds asserted rule out); the
+/// group stays usable.
+#[test]
+fn a_source_without_the_right_tensor_fails_every_rank_naming_it() {
+    let out =
+        dist_collective::testing::run_world_with(3, std::time::Duration::from_secs(60), |pg| {
+            let mesh = DeviceMesh::new(&pg, &[("dp", 3)])?;
+            let short = [1.0f32; 5];
+            let e1 = DTensor::distribute_from(
+                (pg.rank() == 1).then_some(&short[..]),
+                1,
+                &[2, 3],
+                &mesh,
+                &[Placement::Shard(0)],
+            )
+            .unwrap_err();
+            let e2 =
+                DTensor::<f32>::distribute_from(None, 2, &[2, 3], &mesh, &[Placement::Shard(0)])
+                    .unwrap_err();
+            pg.barrier()?;
+            Ok([e1, e2])
+        })
+        .unwrap();
+    for (r, errs) in out.iter().enumerate() {
+        for (e, src) in errs.iter().zip([1, 2]) {
+            let msg = e.to_string();
+            if r == src {
+                assert!(
+                    matches!(
+                        e,
+                        Error::SizeMismatch { .. } | Error::InvalidArgument { .. }
+                    ),
+                    "rank {r}: {msg}"
+                );
+            } else {
+                assert!(
+                    msg.contains(&format!("the source, rank {src}, has no tensor to send")),
+                    "rank {r}: {msg}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_placements_are_errors_naming_rank_and_op() {
     run_world(2, |pg| {

@@ -281,3 +281,49 @@ fn flight_recorder_dumps_json() {
     assert_eq!(e[1]["op"], "barrier");
     assert!(e[1]["finished_ms"].as_f64().unwrap() >= e[1]["issued_ms"].as_f64().unwrap());
 }
+
+/// A rank that cannot provide its object (the root's wrong call, or one that does not
+/// encode) still takes part in the length exchange, with a word that says so: every other
+/// rank fails at once naming it, instead of waiting out its timeout (60 s here: a wait would
+/// end in timeouts, which the kinds asserted below rule out), and the group stays usable.
+#[test]
+fn an_object_a_rank_cannot_provide_fails_every_rank_naming_it() {
+    // JSON object keys must be strings: a map keyed by tuples does not encode.
+    let unencodable = || std::collections::BTreeMap::from([((1u8, 2u8), 3u8)]);
+    type Map = std::collections::BTreeMap<(u8, u8), u8>;
+    let out = run_world_with(3, Duration::from_secs(60), |pg| {
+        let r = pg.rank();
+        let e1 = pg
+            .broadcast_object::<Map>((r == 1).then(unencodable).as_ref(), 1)
+            .unwrap_err();
+        let objs = [7i32, 8];
+        let e2 = pg
+            .scatter_object::<i32>((r == 0).then_some(&objs[..]), 0)
+            .unwrap_err();
+        let mine = |bad: usize| {
+            if r == bad { unencodable() } else { Map::new() }
+        };
+        let e3 = pg.all_gather_object(&mine(2)).unwrap_err();
+        let e4 = pg.gather_object(&mine(1), 0).unwrap_err();
+        pg.barrier()?;
+        Ok([e1, e2, e3, e4])
+    })
+    .unwrap();
+    for (r, errs) in out.iter().enumerate() {
+        for (e, culprit) in errs.iter().zip([1, 0, 2, 1]) {
+            let msg = e.to_string();
+            if r == culprit {
+                assert!(
+                    matches!(e, Error::Object { .. } | Error::SizeMismatch { .. }),
+                    "rank {r}: {msg}"
+                );
+            } else {
+                assert!(
+                    matches!(e, Error::InvalidArgument { .. })
+                        && msg.contains(&format!("rank {culprit} failed to provide its object")),
+                    "rank {r}: {msg}"
+                );
+            }
+        }
+    }
+}

@@ -115,27 +115,45 @@ impl<T: Element> DTensor<T> {
         const OP: &str = "DTensor::distribute_from";
         let pg = mesh.group();
         let numel: usize = global_shape.iter().product();
-        let mut buf = match (full, pg.rank() == src) {
-            (Some(f), true) => f.to_vec(),
-            (None, false) => vec![T::zeroed(); numel],
-            (f, is_src) => {
+        let wrong_side = |f: Option<&[T]>, is_src: bool| {
+            Error::invalid(
+                pg.rank(),
+                OP,
+                format!(
+                    "rank {src} is the source: it passes Some(full) and the others None \
+                     (this rank {} and passed {})",
+                    if is_src { "is the source" } else { "is not" },
+                    if f.is_some() { "Some" } else { "None" }
+                ),
+            )
+        };
+        // Check the placements before the broadcast, so a bad call fails on every rank alike.
+        layout_for(mesh, OP, global_shape, placements)?;
+        if pg.rank() != src && full.is_some() {
+            return Err(wrong_side(full, false));
+        }
+        // The source's own mistakes only it can see: it says whether it has a tensor to
+        // send first, so that the others fail with it rather than wait out their timeout.
+        let mine = (pg.rank() == src).then(|| match full {
+            Some(f) if f.len() == numel => Ok(f.to_vec()),
+            Some(f) => Err(Error::size(pg.rank(), OP, "full tensor", numel, f.len())),
+            None => Err(wrong_side(None, true)),
+        });
+        let mut sends = [u8::from(matches!(mine, Some(Ok(_)) | None))];
+        pg.broadcast(&mut sends, src)?;
+        let mut buf = match mine {
+            Some(r) => r?,
+            None if sends[0] == 0 => {
                 return Err(Error::invalid(
                     pg.rank(),
                     OP,
                     format!(
-                        "rank {src} is the source: it passes Some(full) and the others None \
-                         (this rank {} and passed {})",
-                        if is_src { "is the source" } else { "is not" },
-                        if f.is_some() { "Some" } else { "None" }
+                        "the source, rank {src}, has no tensor to send (its own error says why)"
                     ),
                 ));
             }
+            None => vec![T::zeroed(); numel],
         };
-        if buf.len() != numel {
-            return Err(Error::size(pg.rank(), OP, "full tensor", numel, buf.len()));
-        }
-        // Check the placements before the broadcast, so a bad call fails on every rank alike.
-        layout_for(mesh, OP, global_shape, placements)?;
         pg.broadcast(&mut buf, src)?;
         Self::distribute_tensor(&buf, global_shape, mesh, placements)
     }
