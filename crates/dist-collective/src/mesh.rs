@@ -36,7 +36,12 @@ impl DeviceMesh {
     /// group's world size.
     pub fn new(group: &ProcessGroup, dims: &[(&str, usize)]) -> Result<Self> {
         let rank = group.rank();
-        let total: usize = dims.iter().map(|d| d.1).product();
+        // A product past usize::MAX counts as no size at all: wrapped, [2^63 + 1, 2] passed
+        // for 2 ranks.
+        let total = dims
+            .iter()
+            .try_fold(1usize, |p, d| p.checked_mul(d.1))
+            .unwrap_or(usize::MAX);
         if dims.is_empty() || total != group.world_size() {
             return Err(Error::size(
                 rank,

@@ -191,6 +191,16 @@ fn device_mesh_dims() {
         ),
         "{bad}"
     );
+    // Sizes whose product wraps to the world size are no mesh for it either.
+    let huge = (1usize << (usize::BITS - 1)) + 1;
+    let bad = run_world(2, |pg| {
+        DeviceMesh::new(&pg, &[("a", huge), ("b", 2)]).map(drop)
+    })
+    .unwrap_err();
+    assert!(
+        matches!(bad, Error::SizeMismatch { expected: 2, .. }),
+        "{bad}"
+    );
 }
 
 #[test]
