@@ -42,9 +42,15 @@ pub(crate) fn register(g: &Arc<GroupInner>) {
 
 /// Tears down every group still alive, newest first (sub-groups before their parents).
 fn teardown_all() {
+    // Held before the default slot lets go of its handle: were that the world's last handle,
+    // dropping it would tear the world down first, before its sub-groups.
+    let live: Vec<Arc<GroupInner>> =
+        std::mem::take(&mut *LIVE.lock().unwrap_or_else(|e| e.into_inner()))
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
     crate::init::forget_default();
-    let live = std::mem::take(&mut *LIVE.lock().unwrap_or_else(|e| e.into_inner()));
-    for g in live.iter().rev().filter_map(Weak::upgrade) {
+    for g in live.iter().rev() {
         g.teardown();
     }
 }
