@@ -106,6 +106,64 @@ fn remote_errors_panics_unknown_names_and_bad_arguments_name_the_worker_and_func
     });
 }
 
+/// A result whose encoding panics (on the pool, for a call; on the control thread, for a
+/// `to_here`) comes back as a remote panic naming the worker and the function, and the callee
+/// keeps its one pool thread and its control thread: later calls and fetches are served and
+/// graceful shutdown finds nothing left in flight. Before, the panic unwound the thread past
+/// its counters: the caller waited out its timeout and shutdown its `shutdown_timeout`.
+#[test]
+fn a_panic_while_encoding_a_result_is_a_remote_panic_and_the_worker_keeps_serving() {
+    const WAIT: Duration = Duration::from_secs(20);
+    let opts = RpcOptions::new()
+        .num_worker_threads(1)
+        .shutdown_timeout(WAIT);
+    thread_world(2, opts, |rpc| {
+        if rpc.worker_info().id == 0 {
+            for _ in 0..2 {
+                let e = rpc
+                    .rpc_async_timeout::<_, String>("w1", "encode_panics", &"bad serialize", WAIT)
+                    .unwrap()
+                    .wait()
+                    .unwrap_err();
+                assert!(
+                    matches!(&e, Error::Remote { panicked: true, func, message, .. }
+                        if func == "encode_panics" && message.contains("bad serialize")
+                            && message.contains("w1 (rank 1)")
+                            && message.contains("encoding the result of encode_panics")),
+                    "{e}"
+                );
+            }
+            // The one pool thread still serves.
+            let sum = rpc
+                .rpc_async_timeout::<_, i64>("w1", "add", &(2, 2), WAIT)
+                .unwrap()
+                .wait()
+                .unwrap();
+            assert_eq!(sum, 4);
+            // A value whose encoding panics, fetched: the control thread answers and lives.
+            let bad: RRef<common::EncodePanics> = rpc
+                .remote("w1", "encode_panics", &"bad value serialize")
+                .unwrap();
+            for _ in 0..2 {
+                let e = bad.to_here_timeout(WAIT).unwrap_err();
+                let s = e.to_string();
+                assert!(
+                    matches!(&e, Error::RRef { .. })
+                        && s.contains("bad value serialize")
+                        && s.contains("panicked")
+                        && s.contains("w1 (rank 1)"),
+                    "{e}"
+                );
+            }
+            let good: RRef<Tracked> = rpc
+                .remote("w1", "make_tracked", &("encode-panics-good", 3u64))
+                .unwrap();
+            assert_eq!(good.to_here_timeout(WAIT).unwrap().data, vec![0, 1, 2]);
+        }
+        rpc.shutdown().unwrap();
+    });
+}
+
 #[test]
 fn a_call_past_its_timeout_fails_with_timeout_and_the_worker_recovers() {
     thread_world(2, RpcOptions::new(), |rpc| {

@@ -30,7 +30,13 @@ impl Agent {
             };
             let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
             self.peak_running.fetch_max(now, Ordering::Relaxed);
-            self.run_job(job);
+            // Handlers and the encoding of their results are guarded where they run, so the
+            // caller gets an answer; this guard is for what is left (a value's `Drop`, say):
+            // no panic may unwind past the counters below and `thread_exited`, or the pool
+            // would shrink for good and shutdown would wait out its timeout.
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| self.run_job(job))) {
+                tracing::error!(worker = %self.label, panic = %panic_message(payload.as_ref()), "a job panicked outside its handler");
+            }
             self.running.fetch_sub(1, Ordering::SeqCst);
             self.served.fetch_add(1, Ordering::Relaxed);
             self.processed.fetch_add(1, Ordering::Relaxed);
@@ -59,14 +65,7 @@ impl Agent {
             Ok(Ok(out)) => Ok(out),
             Ok(Err(Failure::User(m))) => Err((FailKind::Handler, m)),
             Ok(Err(Failure::BadArguments(m))) => Err((FailKind::BadArguments, m)),
-            Err(payload) => {
-                let msg = payload
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a non-string panic payload".to_owned());
-                Err((FailKind::Panic, msg))
-            }
+            Err(payload) => Err((FailKind::Panic, panic_message(payload.as_ref()))),
         }
     }
 
@@ -130,9 +129,23 @@ impl Agent {
                 self.send(peer, Kind::Reply, call_id, &meta, &[], &b, func)
             }
             Ok(Output::Value(v)) => {
-                let (body, forks) = encoding(self, peer, || v.encode());
+                // The value's `Serialize` is user code: its panic is caught inside the encoding
+                // context (so the context is popped and the forks made so far are released)
+                // and answered like a handler's panic, instead of unwinding the thread that
+                // sends the reply (a pool thread, or the control thread for `to_here`).
+                let (body, forks) =
+                    encoding(self, peer, || catch_unwind(AssertUnwindSafe(|| v.encode())));
                 match body {
-                    Ok(body) => {
+                    Err(payload) => {
+                        self.release_tokens(&forks);
+                        let msg = format!(
+                            "{}: encoding the result of {func} panicked: {}",
+                            self.label,
+                            panic_message(payload.as_ref())
+                        );
+                        self.send_fail(peer, call_id, func, FailKind::Panic, msg)
+                    }
+                    Ok(Ok(body)) => {
                         let meta = encode_meta(&ReplyMeta {
                             forks: forks.clone(),
                         });
@@ -142,7 +155,7 @@ impl Agent {
                         }
                         r
                     }
-                    Err(e) => {
+                    Ok(Err(e)) => {
                         self.release_tokens(&forks);
                         self.send_fail(peer, call_id, func, FailKind::BadResult, e.to_string())
                     }
@@ -196,11 +209,27 @@ impl Agent {
                     value,
                 } => {
                     let out = value.map(Output::Value);
-                    self.reply(peer, call_id, "to_here", out);
+                    // `reply` answers a panicking encoding itself; this guard keeps the one
+                    // control thread (and the counters) alive through anything else.
+                    let sent = catch_unwind(AssertUnwindSafe(|| {
+                        self.reply(peer, call_id, "to_here", out);
+                    }));
+                    if let Err(payload) = sent {
+                        tracing::error!(worker = %self.label, panic = %panic_message(payload.as_ref()), "a fetch reply panicked");
+                    }
                     self.processed.fetch_add(1, Ordering::Relaxed);
                 }
             }
             self.busy_done();
         }
     }
+}
+
+/// A panic's message: its `&str` or `String` payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic payload".to_owned())
 }

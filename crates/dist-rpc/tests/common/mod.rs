@@ -20,6 +20,17 @@ pub(crate) struct Tracked {
     pub(crate) original: bool,
 }
 
+/// A result whose encoding panics (a `Serialize` impl with a bug), with this message: the
+/// callee must still answer, and keep its pool thread.
+#[derive(Debug, Deserialize)]
+pub(crate) struct EncodePanics(pub(crate) String);
+
+impl Serialize for EncodePanics {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        panic!("{}", self.0)
+    }
+}
+
 static DROPS: Mutex<Option<HashMap<String, usize>>> = Mutex::new(None);
 
 impl Drop for Tracked {
@@ -72,6 +83,8 @@ pub(crate) fn handlers() -> Handlers {
     h.register("panic", |msg: String| -> Result<(), String> {
         panic!("{msg}")
     });
+    // Returns (or, for `remote`, keeps) a value whose encoding panics.
+    h.register("encode_panics", |msg: String| Ok(EncodePanics(msg)));
     h.register("slow_add", |(a, b, ms): (i64, i64, u64)| {
         // Keeps a call in flight (tests of shutdown), not a synchronisation.
         std::thread::sleep(Duration::from_millis(ms));
