@@ -30,14 +30,13 @@ impl Agent {
         let call_id = self.next_call.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot::new());
         // Registered before the write, so a fast reply finds it.
-        lock(&self.pending).insert(
+        self.track_call(
             call_id,
             Pending {
                 peer: to,
                 slot: slot.clone(),
             },
         );
-        self.busy_add(1);
         self.sent.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.send(to, kind, call_id, meta, body, blob, func) {
             // Never delivered: it must not count as sent, or shutdown would wait for it.
@@ -47,6 +46,21 @@ impl Agent {
             return Err(e);
         }
         Ok((call_id, slot))
+    }
+
+    /// Puts a call in the table of calls in flight, counted as busy.
+    ///
+    /// Counted first: whoever takes a call out of the table (its reply, a timeout, the peer's
+    /// goodbye or loss, close) takes the count down, so the count must be there before the
+    /// call can be found. Put in first and counted after, a goodbye in between took busy down
+    /// from 0 (saturating) and the add then left it at 1 for good, and graceful shutdown waited
+    /// out its whole timeout. Every path that takes it out again (`forget_call` when the send
+    /// fails) goes through the table, so the count is undone exactly once.
+    fn track_call(&self, call_id: u64, p: Pending) {
+        self.busy_add(1);
+        #[cfg(test)]
+        tests::BETWEEN_COUNT_AND_INSERT.with(|h| h.take().map(|f| f()));
+        lock(&self.pending).insert(call_id, p);
     }
 
     /// Removes a call from the table (timeout); false when its outcome already arrived.
@@ -323,5 +337,76 @@ fn outcome_error(agent: &Agent, peer: usize, func: &str, o: Outcome) -> Error {
             func,
         },
         Outcome::ShutDown => Error::ShutDown { worker, op: func },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use dist_backend::store::HashStore;
+
+    use super::*;
+
+    thread_local! {
+        /// Run once by `track_call` between counting a call and putting it in the table: the
+        /// place where another thread's goodbye, lost peer or close may run.
+        pub(super) static BETWEEN_COUNT_AND_INSERT: Cell<Option<Box<dyn FnOnce()>>> =
+            const { Cell::new(None) };
+    }
+
+    /// A peer's goodbye (or loss, or a close) fails every call in the table and takes each
+    /// one's busy count down. Running it between the two steps of registering a call must
+    /// leave busy counting exactly the calls in the table: before, the call went in first
+    /// and was counted after, so the failure took busy down from 0 (saturating), the add then
+    /// left it at 1 for good, and graceful shutdown waited out its whole timeout.
+    #[test]
+    fn a_failure_of_every_pending_call_while_one_is_being_sent_leaves_busy_right() {
+        let store: Arc<dyn Store> = Arc::new(HashStore::new(Duration::from_secs(30)));
+        let opts = RpcOptions::new()
+            .listen_ip(std::net::Ipv4Addr::LOCALHOST.into())
+            .shutdown_timeout(Duration::from_secs(10));
+        let deadline = deadline_after(Instant::now(), Duration::from_secs(30));
+        let agent = Agent::init("w0", 0, 1, store, opts, deadline).expect("a one-worker agent");
+        let weak = Arc::downgrade(&agent);
+        BETWEEN_COUNT_AND_INSERT.with(|h| {
+            h.set(Some(Box::new(move || {
+                if let Some(a) = weak.upgrade() {
+                    a.fail_pending_to(None, || Outcome::PeerShutDown);
+                }
+            })))
+        });
+        // A call to itself, of a function it does not have.
+        let meta = encode_meta(&CallMeta {
+            func: "nothing".into(),
+            forks: Vec::new(),
+            create: None,
+            raw: false,
+        });
+        let (call_id, slot) = agent
+            .request(0, Kind::Call, "nothing", &meta, &[], &[], &[])
+            .expect("the call is sent");
+        let fut = agent.future(
+            0,
+            "nothing",
+            call_id,
+            slot,
+            Instant::now(),
+            Duration::from_secs(30),
+            decode_bytes,
+        );
+        // Failed by the goodbye (found in the table) or answered (put in after it): either
+        // way it ended, and the count with it.
+        let e = fut.wait().expect_err("no function of that name");
+        assert!(
+            matches!(
+                e,
+                Error::UnknownFunction { .. } | Error::PeerShutDown { .. }
+            ),
+            "{e}"
+        );
+        agent
+            .shutdown(true)
+            .expect("nothing left in flight: shutdown does not wait out its timeout");
     }
 }
