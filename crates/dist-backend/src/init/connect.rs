@@ -39,6 +39,7 @@ impl InitConfig {
         };
         // torch's `_create_c10d_store` with `TORCHELASTIC_USE_AGENT_STORE`: a client on every
         // rank, namespaced by attempt.
+        crate::net::note_rendezvous_host(&addr);
         let opts = TcpStoreOptions {
             host: addr,
             port,
@@ -72,6 +73,7 @@ impl InitConfig {
             )));
         }
         let host = self.master_addr.as_deref().unwrap_or("127.0.0.1");
+        crate::net::note_rendezvous_host(host);
         let opts = TcpStoreOptions {
             host: host.to_owned(),
             port: server.port(),
@@ -106,6 +108,7 @@ pub(super) fn tcp_store(
     timeout: Duration,
     deadline: Instant,
 ) -> Result<Arc<dyn Store>> {
+    crate::net::note_rendezvous_host(host);
     let opts = TcpStoreOptions {
         host: host.to_owned(),
         port,

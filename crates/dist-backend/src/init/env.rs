@@ -40,6 +40,10 @@ struct Vars {
     local_size: &'static [&'static str],
 }
 
+/// In order of precedence: the launcher closest to the process first. Slurm comes last
+/// because its variables outlive it: `mpirun` inside an `sbatch` script leaves the batch
+/// step's `SLURM_PROCID=0` in every process it starts, and reading Slurm's first made every
+/// rank rank 0. (Under `srun --mpi=pmi2` both say the same.)
 const LAUNCHERS: [Vars; 4] = [
     Vars {
         launcher: Launcher::Torchrun,
@@ -47,13 +51,6 @@ const LAUNCHERS: [Vars; 4] = [
         size: "WORLD_SIZE",
         local_rank: &["LOCAL_RANK"],
         local_size: &["LOCAL_WORLD_SIZE"],
-    },
-    Vars {
-        launcher: Launcher::Slurm,
-        rank: "SLURM_PROCID",
-        size: "SLURM_NTASKS",
-        local_rank: &["SLURM_LOCALID"],
-        local_size: &["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"],
     },
     Vars {
         launcher: Launcher::OpenMpi,
@@ -68,6 +65,13 @@ const LAUNCHERS: [Vars; 4] = [
         size: "PMI_SIZE",
         local_rank: &["MPI_LOCALRANKID", "PMI_LOCAL_RANK"],
         local_size: &["MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"],
+    },
+    Vars {
+        launcher: Launcher::Slurm,
+        rank: "SLURM_PROCID",
+        size: "SLURM_NTASKS",
+        local_rank: &["SLURM_LOCALID"],
+        local_size: &["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"],
     },
 ];
 

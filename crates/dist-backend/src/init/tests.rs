@@ -181,6 +181,18 @@ fn mpi_and_pmi_variables() {
     .unwrap();
     assert_eq!(c.launcher, Launcher::Torchrun);
     assert_eq!((c.rank, c.world_size), (0, 2));
+    // mpirun inside an sbatch script: every process inherits the batch step's Slurm
+    // variables (rank 0 of 8), and Open MPI's own say which rank it is.
+    let c = InitConfig::from_lookup(env(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "0"),
+        ("OMPI_COMM_WORLD_RANK", "5"),
+        ("OMPI_COMM_WORLD_SIZE", "8"),
+    ]))
+    .unwrap();
+    assert_eq!(c.launcher, Launcher::OpenMpi);
+    assert_eq!((c.rank, c.world_size), (5, 8));
 }
 
 #[test]
