@@ -98,7 +98,10 @@
 //!    released (torch leaves crashes out of scope too).
 //!
 //! `to_here` sends a `Fetch` to the owner, answered once the value exists (the owner parks
-//! fetches that arrive before the value is made). `local_value` on the owner returns the
+//! fetches that arrive before the value is made). A fetch of an id the owner's table lacks
+//! from the RRef's creator (whose `remote` went first on that connection), or of a value the
+//! owner made for itself, finds it deleted and fails at once; from any other worker it may
+//! have overtaken the creation, and parks on a placeholder. `local_value` on the owner returns the
 //! value itself (`Arc<T>`).
 //!
 //! # Shutdown

@@ -376,10 +376,19 @@ impl Owners {
         })
     }
 
-    /// The cell of `rref` for a fetch; a placeholder when the fetch overtook the creation.
-    pub(crate) fn cell(&self, rref: GlobalId) -> Arc<ValueCell> {
+    /// The cell of `rref` for a fetch. When the table lacks it: a placeholder if the fetch
+    /// may have overtaken the creation, `None` if the creation is known to have arrived
+    /// (`creation_arrived`), so the value was deleted and a placeholder would never be filled.
+    pub(crate) fn cell_for_fetch(
+        &self,
+        rref: GlobalId,
+        creation_arrived: bool,
+    ) -> Option<Arc<ValueCell>> {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        Self::entry(&mut map, rref).cell.clone()
+        if creation_arrived {
+            return map.get(&rref).map(|e| e.cell.clone());
+        }
+        Some(Self::entry(&mut map, rref).cell.clone())
     }
 
     /// The cell of `rref` if the owner has it.

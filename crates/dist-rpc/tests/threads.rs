@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Tracked, drops, thread_world, wait_entered};
+use common::{Gated, Tracked, drops, open_gate, thread_world, wait_drops, wait_entered};
 use dist_rpc::{Error, RRef, RpcOptions};
 
 /// Polls `cond` until it holds (bounded): waits for asynchronous RRef deletions.
@@ -238,6 +238,50 @@ fn rref_to_here_local_value_and_a_failed_creation() {
     assert_eq!(out[0].rrefs_deleted, 1);
     assert_eq!(drops(tag), 1);
     assert_eq!(drops("rref-self"), 1);
+}
+
+/// A fetch of an RRef its owner has already deleted is answered at once with an error naming
+/// the owner and the RRef, instead of parking on a placeholder that no creation will ever fill
+/// (the caller waited out its timeout, and the owner kept the entry for good).
+///
+/// w0 made `r` on w1 and still holds it in a second thread when its shutdown releases every
+/// fork; w1 deletes `r`. w1's own shutdown is held (between its two quiet rounds, so w0 cannot
+/// close either) by the drop of a value it owns itself, until w0 has fetched.
+#[test]
+fn a_fetch_of_an_rref_its_owner_deleted_fails_at_once_naming_owner_and_rref() {
+    let tag = "fetch-after-delete";
+    let gate = "fetch-after-delete-gate";
+    let opts = RpcOptions::new().shutdown_timeout(Duration::from_secs(30));
+    thread_world(2, opts, |rpc| {
+        if rpc.worker_info().id == 1 {
+            let hold: RRef<Gated> = rpc.remote("w1", "make_gated", &gate).unwrap();
+            drop(hold.local_value().unwrap());
+            rpc.shutdown().unwrap();
+            return;
+        }
+        let r: RRef<Tracked> = rpc.remote("w1", "make_tracked", &(tag, 5u64)).unwrap();
+        assert_eq!(r.to_here().unwrap().data.len(), 5);
+        let id = r.id();
+        std::thread::scope(|s| {
+            let fetcher = s.spawn(move || {
+                wait_drops(tag, 1);
+                let got = r.to_here_timeout(Duration::from_secs(20));
+                open_gate(gate);
+                got
+            });
+            rpc.shutdown().unwrap();
+            let e = fetcher.join().unwrap().unwrap_err();
+            let s = e.to_string();
+            assert!(
+                matches!(&e, Error::RRef { owner, what, .. }
+                    if owner == "w1 (rank 1)" && what.contains("gone")
+                        && what.contains(&id.to_string()) && what.contains("w1 (rank 1)")),
+                "{e}"
+            );
+            assert!(s.contains(&id.to_string()), "{s}");
+        });
+    });
+    assert_eq!(drops(tag), 1);
 }
 
 #[test]

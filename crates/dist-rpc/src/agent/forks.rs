@@ -78,9 +78,20 @@ impl Agent {
             self.enqueue_control(Control::FetchReply {
                 peer,
                 call_id,
-                value: Err((FailKind::RRefGone, format!("RRef {rref} was deleted"))),
+                value: Err(self.gone(rref)),
             });
         }
+    }
+
+    /// The answer to a fetch of a value this worker deleted, naming the RRef and the owner.
+    pub(super) fn gone(&self, rref: GlobalId) -> (FailKind, String) {
+        (
+            FailKind::RRefGone,
+            format!(
+                "RRef {rref} is gone: its owner {} deleted it once every reference was released",
+                self.label
+            ),
+        )
     }
 
     pub(super) fn enqueue_control(&self, c: Control) {

@@ -149,7 +149,21 @@ impl Agent {
             }
             Kind::Fetch => {
                 let m: RRefMeta = decode_meta(h.kind, &meta)?;
-                let cell = self.owners.cell(m.token.rref);
+                let rref = m.token.rref;
+                // An id the table lacks is either deleted or not made yet (a fetch by a
+                // worker that got a fork from someone else may overtake the creator's
+                // `remote`, on another connection). It cannot be still to come when the
+                // fetcher is the creator (its `remote` went first on this connection, read in
+                // order) or this worker made it itself (registered before its RRef existed).
+                let creation_arrived = rref.worker == peer || rref.worker == self.me;
+                let Some(cell) = self.owners.cell_for_fetch(rref, creation_arrived) else {
+                    self.enqueue_control(Control::FetchReply {
+                        peer,
+                        call_id: h.call_id,
+                        value: Err(self.gone(rref)),
+                    });
+                    return Ok(());
+                };
                 let mut st = lock(&cell.state);
                 match &mut *st {
                     CellState::Pending(waiters) => waiters.push((peer, h.call_id)),
@@ -167,10 +181,7 @@ impl Agent {
                         self.enqueue_control(Control::FetchReply {
                             peer,
                             call_id: h.call_id,
-                            value: Err((
-                                FailKind::RRefGone,
-                                format!("RRef {} was deleted", m.token.rref),
-                            )),
+                            value: Err(self.gone(rref)),
                         });
                     }
                 }

@@ -32,6 +32,7 @@ impl Serialize for EncodePanics {
 }
 
 static DROPS: Mutex<Option<HashMap<String, usize>>> = Mutex::new(None);
+static DROPS_CV: Condvar = Condvar::new();
 
 impl Drop for Tracked {
     fn drop(&mut self) {
@@ -40,6 +41,35 @@ impl Drop for Tracked {
             *d.get_or_insert_with(HashMap::new)
                 .entry(self.tag.clone())
                 .or_default() += 1;
+            DROPS_CV.notify_all();
+        }
+    }
+}
+
+/// Waits until the owner's original of `tag` has been dropped `n` times (bounded).
+pub(crate) fn wait_drops(tag: &str, n: usize) {
+    let mut d = DROPS.lock().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while d.as_ref().and_then(|m| m.get(tag).copied()).unwrap_or(0) < n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(!left.is_zero(), "{tag} was not dropped {n} time(s)");
+        d = DROPS_CV.wait_timeout(d, left).unwrap().0;
+    }
+}
+
+/// A value kept by an RRef owner whose drop (of the owner's original) waits until the gate
+/// of its key opens (bounded): holds the thread that deletes it at that point.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Gated {
+    pub(crate) key: String,
+    #[serde(skip)]
+    pub(crate) original: bool,
+}
+
+impl Drop for Gated {
+    fn drop(&mut self) {
+        if self.original {
+            wait_gate(&self.key);
         }
     }
 }
@@ -73,6 +103,31 @@ pub(crate) fn wait_entered(key: &str, n: usize) {
         assert!(!left.is_zero(), "block({key}) handlers did not start");
         e = ENTERED_CV.wait_timeout(e, left).unwrap().0;
     }
+}
+
+/// Waits until the gate of `key` is open (bounded).
+fn wait_gate(key: &str) {
+    let mut g = GATES.lock().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !g
+        .as_ref()
+        .and_then(|m| m.get(key).copied())
+        .unwrap_or(false)
+    {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(!left.is_zero(), "the gate {key} never opened");
+        g = GATE_CV.wait_timeout(g, left).unwrap().0;
+    }
+}
+
+/// Opens the gate of `key` (what the `release` handler does).
+pub(crate) fn open_gate(key: &str) {
+    GATES
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(key.to_owned(), true);
+    GATE_CV.notify_all();
 }
 
 /// The functions every test worker serves.
@@ -109,13 +164,14 @@ pub(crate) fn handlers() -> Handlers {
         Ok(key)
     });
     h.register("release", |key: String| {
-        GATES
-            .lock()
-            .unwrap()
-            .get_or_insert_with(HashMap::new)
-            .insert(key, true);
-        GATE_CV.notify_all();
+        open_gate(&key);
         Ok(())
+    });
+    h.register("make_gated", |key: String| {
+        Ok(Gated {
+            key,
+            original: true,
+        })
     });
     h.register_bytes("inc_bytes", |_rpc: &Rpc, mut b: Vec<u8>| {
         for x in &mut b {
