@@ -143,19 +143,48 @@ impl Agents {
     /// attempt's failure, the same on every node.
     pub(crate) fn finish(&self, attempt: u32) -> Result<Option<(i32, String)>, String> {
         let what = format!("finishing attempt {attempt}");
+        self.count_finished(attempt, &what)?;
+        // Ranks of other nodes may legitimately run for days: no deadline for the wait while
+        // the attempt goes well. Once a node has reported a failure, every other node stops
+        // its ranks within a poll, so the rest finish within the rendezvous timeout; a node
+        // that does not (its host died with it) would otherwise keep this one waiting forever.
+        let limit = self
+            .failure(attempt)?
+            .map(|_| deadline_after(Instant::now(), self.timeout));
+        self.wait_key(&key(attempt, "all_finished"), limit, &what)?;
+        self.failure(attempt)
+    }
+
+    /// Counts this node as done with `attempt`; the last node to count says so.
+    fn count_finished(&self, attempt: u32, what: &str) -> Result<(), String> {
         let deadline = deadline_after(Instant::now(), self.timeout);
         let n = self
             .store
             .add_by(&key(attempt, "finished"), 1, deadline)
-            .map_err(|e| self.err(&what, e))?;
+            .map_err(|e| self.err(what, e))?;
         if n == i64::from(self.nnodes) {
             self.store
                 .set_by(&key(attempt, "all_finished"), b"", deadline)
-                .map_err(|e| self.err(&what, e))?;
+                .map_err(|e| self.err(what, e))?;
         }
-        // Ranks of other nodes may legitimately run for days: no deadline for the wait.
-        self.wait_key(&key(attempt, "all_finished"), None, &what)?;
-        self.failure(attempt)
+        Ok(())
+    }
+
+    /// This node stops in the middle of `attempt` (it was interrupted, `code` its exit code):
+    /// it reports the failure and counts itself finished, without waiting for the others, so
+    /// that they end the attempt instead of waiting for this node forever.
+    /// It also counts as having left the job, so that node 0 does not keep its store up
+    /// waiting for it.
+    pub(crate) fn abandon(&self, attempt: u32, code: i32, what: &str) {
+        self.report_failure(attempt, code, what);
+        if let Err(e) = self.count_finished(attempt, &format!("abandoning attempt {attempt}")) {
+            eprintln!("distrun: could not tell the other nodes this one stopped: {e}");
+            return;
+        }
+        let deadline = deadline_after(Instant::now(), self.timeout.min(LEAVE));
+        if let Err(e) = self.store.add_by("distrun/left", 1, deadline) {
+            eprintln!("distrun: leaving: {e}");
+        }
     }
 
     /// The job is over for this node; node 0 keeps the store up until every node has left.

@@ -164,6 +164,17 @@ fn run_job(args: &Args) -> Result<i32, String> {
                     "distrun: received {}: stopped every rank",
                     signals::name(sig)
                 );
+                if let Some(a) = &agents {
+                    a.abandon(
+                        attempt,
+                        128 + sig,
+                        &format!(
+                            "node {} was interrupted by {}",
+                            job.node_rank,
+                            signals::name(sig)
+                        ),
+                    );
+                }
                 return Ok(128 + sig);
             }
             Outcome::Success => None,

@@ -413,3 +413,80 @@ fn sigterm_to_distrun_stops_every_rank() {
         );
     }
 }
+
+/// Node 1's `distrun` is interrupted while both nodes' ranks run: it reports the failure and
+/// counts itself finished on its way out, so node 0 stops its ranks and ends with node 1's
+/// code. Before, node 0 waited for node 1 to finish the attempt forever.
+#[test]
+fn a_node_interrupted_mid_job_ends_the_other_node_too() {
+    use std::io::{BufRead, BufReader};
+    let node = |rank: &str, port: &str| {
+        distrun(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            port,
+            "--rdzv-timeout",
+            "20",
+            "--",
+            "sh",
+            "-c",
+            "echo up; sleep 60",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+    };
+    let mut node0 = node("0", "0");
+    let mut stderr0 = BufReader::new(node0.stderr.take().unwrap());
+    let port = loop {
+        let mut line = String::new();
+        assert_ne!(
+            stderr0.read_line(&mut line).unwrap(),
+            0,
+            "node 0 ended early"
+        );
+        if let Some((_, at)) = line.split_once("store at ") {
+            break at.trim().rsplit_once(':').unwrap().1.to_owned();
+        }
+    };
+    // Node 0's stderr is drained so that it never blocks on a full pipe.
+    let drain = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr0, &mut rest);
+        rest
+    });
+    let mut node1 = node("1", &port);
+    // Once node 1's rank runs, both nodes are past the rendezvous.
+    let mut up = BufReader::new(node1.stdout.take().unwrap()).lines();
+    assert!(up.next().expect("node 1 rank starts").unwrap().ends_with("up"));
+    let killed = Command::new("kill")
+        .args(["-TERM", &node1.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    assert_eq!(node1.wait().unwrap().code(), Some(128 + 15));
+    // Node 0 must end by itself; a bound far past what it needs, then a kill, so that a
+    // regression fails the test instead of hanging it.
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = node0.try_wait().unwrap() {
+            break Some(s);
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = node0.kill();
+            let _ = node0.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let err0 = drain.join().unwrap();
+    let status = status.unwrap_or_else(|| panic!("node 0 never ended: {err0}"));
+    assert_eq!(status.code(), Some(128 + 15), "{err0}");
+    assert!(err0.contains("node 1 was interrupted by SIGTERM"), "{err0}");
+}
