@@ -464,7 +464,12 @@ fn a_node_interrupted_mid_job_ends_the_other_node_too() {
     let mut node1 = node("1", &port);
     // Once node 1's rank runs, both nodes are past the rendezvous.
     let mut up = BufReader::new(node1.stdout.take().unwrap()).lines();
-    assert!(up.next().expect("node 1 rank starts").unwrap().ends_with("up"));
+    assert!(
+        up.next()
+            .expect("node 1 rank starts")
+            .unwrap()
+            .ends_with("up")
+    );
     let killed = Command::new("kill")
         .args(["-TERM", &node1.id().to_string()])
         .status()
