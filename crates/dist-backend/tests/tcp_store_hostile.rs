@@ -257,3 +257,69 @@ fn random_bytes_from_many_connections_never_disturb_good_clients() {
     });
     good_client_works(port, "after-garbage");
 }
+
+/// A `str` on the wire: u64 length, then the bytes.
+fn wire_str(v: &mut Vec<u8>, s: &[u8]) {
+    v.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    v.extend_from_slice(s);
+}
+
+/// Reads what the server sends `s` until it closes it; `None` if it does not within
+/// `CLIENT_TIMEOUT`.
+fn bytes_until_closed(s: &mut TcpStream) -> Option<usize> {
+    s.set_read_timeout(Some(CLIENT_TIMEOUT)).expect("timeout");
+    let (mut got, mut buf) = (0, vec![0u8; 1 << 16]);
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(got),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return None;
+            }
+            Err(_) => return Some(got),
+        }
+    }
+}
+
+/// Requests whose replies would pass the output budget are refused before the replies are
+/// built: one MULTI_GET naming a large value many times (which cloned it that many times
+/// first: 131,072 names of a 64 MiB value asked for 8 TiB), or GETs pipelined in one write.
+/// The connection is closed with nothing sent, and good clients go on.
+#[test]
+fn replies_past_the_output_budget_are_refused_before_they_are_built() {
+    let limits = ServerLimits {
+        max_pending_output: 1 << 20,
+        ..ServerLimits::DEFAULT
+    };
+    let server = TcpStoreServer::start_on(loopback(), limits).expect("server");
+    let good = TcpStore::connect("127.0.0.1", server.port(), CLIENT_TIMEOUT).expect("connect");
+    good.set("big", &vec![7u8; 600 << 10]).expect("set");
+    let mut multi = validate();
+    multi.push(0x0a);
+    multi.extend_from_slice(&4u64.to_le_bytes());
+    for _ in 0..4 {
+        wire_str(&mut multi, b"/big");
+    }
+    let mut gets = validate();
+    for _ in 0..4 {
+        gets.push(0x03);
+        wire_str(&mut gets, b"/big");
+    }
+    for (what, req) in [("multi_get", multi), ("pipelined gets", gets)] {
+        let mut s = TcpStream::connect(server.local_addr()).expect("connect");
+        s.write_all(&req).expect("write");
+        assert_eq!(bytes_until_closed(&mut s), Some(0), "{what}");
+        good_client_works(server.port(), what);
+    }
+    // Within the budget, the same requests are answered.
+    assert_eq!(
+        good.multi_get(&["big"]).expect("multi_get")[0].len(),
+        600 << 10
+    );
+}

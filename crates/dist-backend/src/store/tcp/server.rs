@@ -480,7 +480,12 @@ impl EventLoop {
             };
             match next {
                 Ok(Some(req)) => {
-                    if let Err(reason) = self.handle(t, req) {
+                    // Pipelined requests answered before any flush: each reply is checked
+                    // against the output budget as it is added, not only once written.
+                    if let Err(reason) = self
+                        .handle(t, req)
+                        .and_then(|()| self.check_reply_room(t, 0))
+                    {
                         self.close(t, &reason, true);
                         return false;
                     }
@@ -562,6 +567,20 @@ impl EventLoop {
                 }
             }
         }
+    }
+
+    /// Refuses a reply of `size` bytes that would take `t`'s unsent output past
+    /// `max_pending_output`: the connection is closed instead (the error names why).
+    fn check_reply_room(&self, t: Token, size: usize) -> Result<(), String> {
+        let pending = self.conns.get(&t).map_or(0, |c| c.out.len() - c.out_pos);
+        if pending.saturating_add(size) > self.limits.max_pending_output {
+            return Err(format!(
+                "a reply of {size} bytes on top of {pending} unsent would pass the output \
+                 limit of {} bytes",
+                self.limits.max_pending_output
+            ));
+        }
+        Ok(())
     }
 
     fn reply(&mut self, t: Token, r: &Response) {
@@ -668,6 +687,12 @@ impl EventLoop {
                 self.wake(&key);
             }
             Request::MultiGet { keys } => {
+                // Sized before it is built: one request naming a large value many times
+                // would otherwise clone it past any memory before the output budget saw it.
+                let size = keys.iter().fold(0usize, |acc, k| {
+                    acc.saturating_add(8 + self.kv.get(k).map_or(0, <[u8]>::len))
+                });
+                self.check_reply_room(t, size)?;
                 let vs = keys
                     .iter()
                     .map(|k| self.kv.get(k).unwrap_or_default().to_vec())
