@@ -261,11 +261,14 @@ fn spawn(
         .process_group(0);
     #[cfg(target_os = "linux")]
     {
-        // SAFETY: an all-zero `cpu_set_t` is the empty set; `CPU_SET` ignores CPUs past the
-        // set's size.
+        // CPUs past what a `cpu_set_t` holds (1024) are left out: libc's `CPU_SET` indexes
+        // past the set's end for them and panics.
+        let fits = 8 * size_of::<libc::cpu_set_t>();
+        // SAFETY: an all-zero `cpu_set_t` is the empty set (a plain array of words), and every
+        // CPU given to `CPU_SET` is below the set's size in bits.
         let set = cpus.map(|cpus| unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
-            for &c in cpus {
+            for &c in cpus.iter().filter(|&&c| c < fits) {
                 libc::CPU_SET(c, &mut set);
             }
             set
@@ -440,8 +443,13 @@ fn stop(ranks: &mut [Rank], sig: i32, grace: Duration) -> Vec<u32> {
         std::thread::sleep(POLL);
     }
     for r in ranks.iter_mut() {
+        // Reaped ranks' groups too: what a rank started (an `sh -c` child, data loaders)
+        // outlives it there, and keeps the group id from being reused.
         signals::kill_group(r.child.id(), libc::SIGKILL);
         if r.status.is_none() {
+            // And the rank itself: one that left its group (setsid, a nested launcher) and
+            // ignored SIGTERM would otherwise keep `wait` from returning.
+            let _ = r.child.kill();
             r.status = r.child.wait().ok();
         }
     }
