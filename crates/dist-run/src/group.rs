@@ -215,9 +215,20 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
             && last_remote_check.elapsed() >= REMOTE_POLL
         {
             last_remote_check = Instant::now();
-            if let Some((code, what)) = ag.failure(a.restart)? {
-                stop(&mut ranks, libc::SIGTERM, a.grace);
-                break Outcome::RemoteFailed(code, what);
+            match ag.failure(a.restart) {
+                Ok(None) => {}
+                Ok(Some((code, what))) => {
+                    stop(&mut ranks, libc::SIGTERM, a.grace);
+                    break Outcome::RemoteFailed(code, what);
+                }
+                // The job's store is gone (node 0 died or was stopped): this node's ranks
+                // are stopped as on any failure, with the grace period and their groups,
+                // rather than left to the parent-death signal once distrun returns.
+                Err(e) => {
+                    stop(&mut ranks, libc::SIGTERM, a.grace);
+                    drain(&done_rx, &mut readers);
+                    return Err(e);
+                }
             }
         }
         std::thread::sleep(POLL);

@@ -495,3 +495,83 @@ fn a_node_interrupted_mid_job_ends_the_other_node_too() {
     assert_eq!(status.code(), Some(128 + 15), "{err0}");
     assert!(err0.contains("node 1 was interrupted by SIGTERM"), "{err0}");
 }
+
+/// Node 0's `distrun` (the job's store) dies mid-job: node 1 stops its ranks as on any
+/// failure, their process groups included, before it returns the store's error. Before, it
+/// returned at once and left its ranks to the parent-death signal, which reaches a rank but
+/// not what the rank started (here a `sleep`, which outlived the job).
+#[test]
+fn a_node_whose_store_died_stops_its_ranks_and_what_they_started() {
+    use std::io::{BufRead, BufReader};
+    let node = |rank: &str, port: &str| {
+        distrun(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            port,
+            "--rdzv-timeout",
+            "20",
+            "--",
+            "sh",
+            "-c",
+            "sleep 60 & echo child $!; wait",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+    };
+    let mut node0 = node("0", "0");
+    let mut stderr0 = BufReader::new(node0.stderr.take().unwrap());
+    let port = loop {
+        let mut line = String::new();
+        assert_ne!(
+            stderr0.read_line(&mut line).unwrap(),
+            0,
+            "node 0 ended early"
+        );
+        if let Some((_, at)) = line.split_once("store at ") {
+            break at.trim().rsplit_once(':').unwrap().1.to_owned();
+        }
+    };
+    let mut node1 = node("1", &port);
+    let mut lines = BufReader::new(node1.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("node 1's rank starts").unwrap();
+    let sleeper = line.rsplit_once(' ').unwrap().1.to_owned();
+    node0.kill().unwrap();
+    node0.wait().unwrap();
+    // Node 1 must end by itself (its poll of the store fails); a bound far past what it
+    // needs, then a kill, so that a regression fails instead of hanging.
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = node1.try_wait().unwrap() {
+            break Some(s);
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = node1.kill();
+            let _ = node1.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let status = status.expect("node 1 never ended");
+    assert!(!status.success(), "{status:?}");
+    // The sleep the rank started is gone (reaped by init once killed; allow it a moment).
+    let gone = |pid: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+            s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
+        })
+    };
+    let start = Instant::now();
+    while !gone(&sleeper) && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        gone(&sleeper),
+        "the rank's child {sleeper} outlived node 1's distrun"
+    );
+}
