@@ -24,6 +24,9 @@ const POLL: Duration = Duration::from_millis(20);
 /// only delays node 0's exit when a node is gone.
 const LEAVE: Duration = Duration::from_secs(30);
 
+/// How long one attempt to reach node 0's store lasts before the signals are looked at.
+const CONNECT_SLICE: Duration = Duration::from_millis(500);
+
 /// One node's client of the coordination keys.
 pub(crate) struct Agents {
     store: TcpStore,
@@ -39,7 +42,10 @@ fn key(attempt: u32, name: &str) -> String {
 }
 
 impl Agents {
-    /// Connects to the store on node 0, retrying until `timeout`.
+    /// Connects to the store on node 0, retrying until `timeout`, interruptibly: in short
+    /// attempts with a look at the signals between them, so that Ctrl-C while node 0 is not
+    /// up yet stops this node at once rather than after the whole rendezvous timeout (every
+    /// later call passes its own deadline, so the store's own timeout is never used).
     pub(crate) fn connect(
         host: &str,
         port: u16,
@@ -47,8 +53,27 @@ impl Agents {
         node_rank: u32,
         timeout: Duration,
     ) -> Result<Self, String> {
-        let store = TcpStore::connect(host, port, timeout)
-            .map_err(|e| format!("could not reach the store of node 0 at {host}:{port}: {e}"))?;
+        let deadline = deadline_after(Instant::now(), timeout);
+        let store = loop {
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(CONNECT_SLICE);
+            match TcpStore::connect(host, port, slice) {
+                Ok(store) => break store,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(format!(
+                        "could not reach the store of node 0 at {host}:{port}: {e}"
+                    ));
+                }
+                Err(_) => {}
+            }
+            if let Some(sig) = signals::pending() {
+                return Err(format!(
+                    "interrupted by {} while reaching the store of node 0 at {host}:{port}",
+                    signals::name(sig)
+                ));
+            }
+        };
         Ok(Agents {
             store,
             nnodes,

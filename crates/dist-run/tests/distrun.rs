@@ -575,3 +575,65 @@ fn a_node_whose_store_died_stops_its_ranks_and_what_they_started() {
         "the rank's child {sleeper} outlived node 1's distrun"
     );
 }
+
+/// Ctrl-C while a node is still trying to reach node 0's store stops it at once, not after
+/// the rendezvous timeout. Node 0's "store" here is a listener that never answers (bound and
+/// kept, so no other process can take its port).
+#[test]
+fn a_node_waiting_for_node_0_stops_on_sigint() {
+    use std::io::Read;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port().to_string();
+    let mut node1 = distrun(&[
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+        "--rdzv-timeout",
+        "120",
+        "--",
+        "true",
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // Once it has connected, its attempts are under way (the listener's backlog takes them).
+    let _first = silent.accept().unwrap();
+    let start = Instant::now();
+    let sent = Command::new("kill")
+        .args(["-INT", &node1.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = loop {
+        if let Some(s) = node1.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = node1.kill();
+            panic!("node 1 ignored SIGINT for a minute");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    node1
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(!status.success(), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}: {err}",
+        start.elapsed()
+    );
+    assert!(err.contains("interrupted by SIGINT"), "{err}");
+}
