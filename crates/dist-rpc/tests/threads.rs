@@ -528,6 +528,42 @@ fn a_dropped_future_and_a_shutdown_inside_a_handler_do_not_hang_shutdown() {
     assert_eq!(out, vec![0, 3]);
 }
 
+/// Graceful shutdown ends by its one deadline: a handler that never returns makes both
+/// workers' quiet rounds time out, and the close that follows gets what is left of the same
+/// deadline to join the threads (nothing, here: the blocked pool thread is left running)
+/// instead of a fresh `shutdown_timeout`, which took the blocked worker to twice the timeout.
+#[test]
+fn a_shutdown_that_times_out_ends_by_its_one_deadline() {
+    const TIMEOUT: Duration = Duration::from_secs(5);
+    let key = "shutdown-one-deadline";
+    let opts = RpcOptions::new().shutdown_timeout(TIMEOUT);
+    let took = thread_world(2, opts, |rpc| {
+        if rpc.worker_info().id == 0 {
+            drop(rpc.rpc_async::<_, String>("w1", "block", &key).unwrap());
+        }
+        wait_entered(key, 1);
+        let start = Instant::now();
+        let e = rpc.shutdown().unwrap_err();
+        let took = start.elapsed();
+        // w1 waits on its own handler until the deadline; w0 either too, or, when w1 closed
+        // first (its goodbye ends w0's call), sees w1 leave without publishing.
+        assert!(
+            matches!(e, Error::ShutdownTimeout { .. })
+                || (rpc.worker_info().id == 0 && matches!(e, Error::PeerShutDown { .. })),
+            "{e}"
+        );
+        took
+    });
+    // The handler's thread was left running: let it finish.
+    open_gate(key);
+    for (w, took) in took.iter().enumerate() {
+        assert!(
+            *took < TIMEOUT + Duration::from_millis(2500),
+            "w{w}'s shutdown took {took:?} with a {TIMEOUT:?} timeout"
+        );
+    }
+}
+
 /// Init's deadline is taken when `init_rpc` starts, so the time the store's host takes to
 /// answer (2 s here: its server starts late on a listener bound already, as a loaded host's
 /// might) comes out of the same budget as the workers' rendezvous instead of coming before a

@@ -39,7 +39,9 @@ impl Agent {
         } else {
             Ok(())
         };
-        self.close();
+        // The same deadline: quiet rounds that used it up leave close nothing to wait with,
+        // rather than a fresh `shutdown_timeout` on top.
+        self.close_by(deadline);
         let left = self.leave_store(deadline);
         res.and(left)
     }
@@ -215,8 +217,14 @@ impl Agent {
         })
     }
 
-    /// Says goodbye to every peer, stops every thread and closes every socket.
+    /// [`close_by`](Self::close_by) a `shutdown_timeout` from now (a failed init).
     pub(super) fn close(&self) {
+        self.close_by(deadline_after(Instant::now(), self.opts.shutdown_timeout));
+    }
+
+    /// Says goodbye to every peer, stops every thread and closes every socket, waiting for
+    /// readers and threads to end until `deadline` at most (the shutdown's).
+    pub(super) fn close_by(&self, deadline: Instant) {
         *lock(&self.life) = Life::Closed;
         let goodbye = Header {
             kind: Kind::Goodbye,
@@ -237,15 +245,15 @@ impl Agent {
         self.fail_pending_to(None, || Outcome::ShutDown);
         // Each reader ends when its peer closes its half (at once for a peer that is gone);
         // a peer that does neither is cut off after a bounded wait.
-        let deadline = deadline_after(
+        let readers_by = deadline.min(deadline_after(
             Instant::now(),
             self.opts.rpc_timeout.min(Duration::from_secs(30)),
-        );
+        ));
         {
             let mut left = lock(&self.readers_left);
             while *left > 0 {
                 let now = Instant::now();
-                if now >= deadline {
+                if now >= readers_by {
                     for p in self.peers.iter().flatten() {
                         let _ = lock(&p.writer).stream.shutdown(Shutdown::Both);
                     }
@@ -253,7 +261,7 @@ impl Agent {
                 }
                 left = self
                     .readers_cv
-                    .wait_timeout(left, deadline - now)
+                    .wait_timeout(left, readers_by - now)
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
             }
@@ -283,8 +291,7 @@ impl Agent {
         }
         // A handler that never returns must not hold shutdown forever: past the deadline its
         // thread is detached (and logged) instead of joined.
-        let deadline = deadline_after(Instant::now(), self.opts.shutdown_timeout);
-        let all_exited = {
+        let still_running = {
             let mut n = lock(&self.threads_alive);
             while *n > 0 && Instant::now() < deadline {
                 n = self
@@ -293,17 +300,19 @@ impl Agent {
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
             }
-            *n == 0
+            *n
         };
         let handles = std::mem::take(&mut *lock(&self.threads));
-        if all_exited {
+        if still_running == 0 {
             for h in handles {
                 if h.thread().id() != me {
                     let _ = h.join();
                 }
             }
         } else {
-            tracing::warn!(worker = %self.label, "a handler did not return before the shutdown timeout; its thread is left running");
+            // Idle ones among them were told to stop and end on their own; a busy one ends
+            // when its handler returns.
+            tracing::warn!(worker = %self.label, still_running, "pool or control threads had not returned by the shutdown's deadline; left running");
         }
         // Drop the sockets now rather than with the last `Arc` (an RRef may keep it).
         for p in self.peers.iter().flatten() {
