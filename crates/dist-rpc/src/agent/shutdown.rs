@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// The longest pause between two rounds of [`Agent::quiesce`] that were not quiet.
+const QUIESCE_PAUSE_MAX: Duration = Duration::from_millis(50);
+
 impl Agent {
     pub(crate) fn shutdown(self: &Arc<Self>, graceful: bool) -> Result<()> {
         if IN_POOL.with(std::cell::Cell::get) {
@@ -65,6 +68,10 @@ impl Agent {
     /// between its two snapshots: Mattern's four-counter termination detection).
     fn quiesce(self: &Arc<Self>, deadline: Instant, next_round: &mut u64) -> Result<()> {
         let mut prev: Option<(u64, u64)> = None;
+        // Between rounds that were not quiet, a pause growing from 1 ms to 50 ms: rounds whose
+        // sums never settle (a message that will never be processed) ran back to back until
+        // the deadline, 14 million of them in 300 s, each a pair of store keys.
+        let mut pause = Duration::from_millis(1);
         loop {
             let round = *next_round;
             *next_round += 1;
@@ -100,6 +107,10 @@ impl Agent {
             if s == p && prev == Some((s, p)) {
                 tracing::debug!(worker = %self.label, rounds = round + 1, "every worker is done");
                 return Ok(());
+            }
+            if prev.is_some() {
+                std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+                pause = (pause * 2).min(QUIESCE_PAUSE_MAX);
             }
             prev = Some((s, p));
         }
