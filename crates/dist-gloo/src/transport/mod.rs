@@ -67,7 +67,7 @@ pub struct StepCtx {
     pub area_then_messages: bool,
     /// The earlier operations whose agreement frames this rank, a lazy root, has left unread
     /// (`algo::agree::Deferred`): a header-only frame of one of them that names this rank as
-    /// the root is one it will read later, not a disagreement ([`stashed_conflict`]).
+    /// the root is one it will read later, not a disagreement (`transport::stashed_conflict`).
     pub deferred: DeferredSeqs,
     /// When the whole operation started (for `Timeout::waited`).
     pub started: Instant,
