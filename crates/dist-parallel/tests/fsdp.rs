@@ -152,6 +152,19 @@ fn bf16_and_f16_compute_stay_within_tolerance() {
     }
 }
 
+/// One backward pass of `f`'s single unit with every gradient `g`; this rank's gradient
+/// shard after it.
+fn backward_with_every_gradient(mut f: Fsdp<f16>, g: f32) -> Vec<f32> {
+    f.pre_backward(0).unwrap();
+    let len = f.unit_len(0);
+    f.post_backward(0, &vec![f16::from_f32(g); len]).unwrap();
+    f.finish().unwrap();
+    f.shards_mut()
+        .into_iter()
+        .flat_map(|s| s.grad.to_vec())
+        .collect()
+}
+
 #[test]
 fn f16_gradients_whose_sum_leaves_f16_still_average_to_the_right_value() {
     // Every rank's gradient is g: the average is g, well inside f16 (largest 65504), while
@@ -161,15 +174,9 @@ fn f16_gradients_whose_sum_leaves_f16_still_average_to_the_right_value() {
     for (world, g) in [(2, 40000.0f32), (4, 30000.0)] {
         let out = run_world(world, |pg| {
             let units = vec![vec![ParamInfo::new("w", &[7])]];
-            let mut f =
+            let f =
                 Fsdp::<f16>::new(pg.clone(), units, FsdpOptions::default(), &[&[0.5; 7]]).unwrap();
-            f.pre_backward(0).unwrap();
-            f.post_backward(0, &[f16::from_f32(g); 7]).unwrap();
-            f.finish().unwrap();
-            Ok(f.shards_mut()
-                .into_iter()
-                .flat_map(|s| s.grad.to_vec())
-                .collect::<Vec<f32>>())
+            Ok(backward_with_every_gradient(f, g))
         })
         .unwrap();
         let all: Vec<f32> = out.concat();
@@ -185,7 +192,7 @@ fn f16_gradients_whose_sum_leaves_f16_still_average_to_the_right_value() {
     let out = run_world(4, |pg| {
         let mesh = DeviceMesh::new(&pg, &[("replicate", 2), ("shard", 2)])?;
         let units = vec![vec![ParamInfo::new("w", &[7])]];
-        let mut f = Fsdp::<f16>::new_hybrid(
+        let f = Fsdp::<f16>::new_hybrid(
             &mesh,
             "replicate",
             "shard",
@@ -194,13 +201,7 @@ fn f16_gradients_whose_sum_leaves_f16_still_average_to_the_right_value() {
             &[&[0.5; 7]],
         )
         .unwrap();
-        f.pre_backward(0).unwrap();
-        f.post_backward(0, &[f16::from_f32(g); 7]).unwrap();
-        f.finish().unwrap();
-        Ok(f.shards_mut()
-            .into_iter()
-            .flat_map(|s| s.grad.to_vec())
-            .collect::<Vec<f32>>())
+        Ok(backward_with_every_gradient(f, g))
     })
     .unwrap();
     for (r, v) in out.iter().enumerate() {

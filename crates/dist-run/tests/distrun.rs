@@ -414,82 +414,94 @@ fn sigterm_to_distrun_stops_every_rank() {
     }
 }
 
+/// Node `rank` of a two-node job of one rank each, running `script` under `sh -c`, its
+/// output piped; `port` is node 0's store port (`"0"` for node 0 itself: a port of its own).
+fn one_rank_node(rank: &str, port: &str, script: &str) -> std::process::Child {
+    distrun(&[
+        "--nnodes",
+        "2",
+        "--node-rank",
+        rank,
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        port,
+        "--rdzv-timeout",
+        "20",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap()
+}
+
+/// The port node 0 prints for its store, and a thread draining the rest of its stderr (so
+/// that it never blocks on a full pipe), which returns what it read.
+fn store_port(node0: &mut std::process::Child) -> (String, std::thread::JoinHandle<String>) {
+    use std::io::{BufRead, BufReader, Read};
+    let mut stderr0 = BufReader::new(node0.stderr.take().unwrap());
+    let port = loop {
+        let mut line = String::new();
+        let n = stderr0.read_line(&mut line).unwrap();
+        assert_ne!(n, 0, "node 0 ended early");
+        if let Some((_, at)) = line.split_once("store at ") {
+            break at.trim().rsplit_once(':').unwrap().1.to_owned();
+        }
+    };
+    let drain = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = stderr0.read_to_string(&mut rest);
+        rest
+    });
+    (port, drain)
+}
+
+/// `child`'s exit status once it ends by itself, or `None` after a minute, far past what
+/// the tests need, when it is killed: a regression fails the test instead of hanging it.
+fn ends_by_itself(child: &mut std::process::Child) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The first line node `node`'s rank prints.
+fn first_rank_line(node: &mut std::process::Child) -> String {
+    use std::io::{BufRead, BufReader};
+    let mut lines = BufReader::new(node.stdout.take().unwrap()).lines();
+    lines.next().expect("the rank starts").unwrap()
+}
+
 /// Node 1's `distrun` is interrupted while both nodes' ranks run: it reports the failure and
 /// counts itself finished on its way out, so node 0 stops its ranks and ends with node 1's
 /// code. Before, node 0 waited for node 1 to finish the attempt forever.
 #[test]
 fn a_node_interrupted_mid_job_ends_the_other_node_too() {
-    use std::io::{BufRead, BufReader};
-    let node = |rank: &str, port: &str| {
-        distrun(&[
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--nproc-per-node",
-            "1",
-            "--master-port",
-            port,
-            "--rdzv-timeout",
-            "20",
-            "--",
-            "sh",
-            "-c",
-            "echo up; sleep 60",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-    };
-    let mut node0 = node("0", "0");
-    let mut stderr0 = BufReader::new(node0.stderr.take().unwrap());
-    let port = loop {
-        let mut line = String::new();
-        assert_ne!(
-            stderr0.read_line(&mut line).unwrap(),
-            0,
-            "node 0 ended early"
-        );
-        if let Some((_, at)) = line.split_once("store at ") {
-            break at.trim().rsplit_once(':').unwrap().1.to_owned();
-        }
-    };
-    // Node 0's stderr is drained so that it never blocks on a full pipe.
-    let drain = std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr0, &mut rest);
-        rest
-    });
-    let mut node1 = node("1", &port);
+    let script = "echo up; sleep 60";
+    let mut node0 = one_rank_node("0", "0", script);
+    let (port, drain) = store_port(&mut node0);
+    let mut node1 = one_rank_node("1", &port, script);
     // Once node 1's rank runs, both nodes are past the rendezvous.
-    let mut up = BufReader::new(node1.stdout.take().unwrap()).lines();
-    assert!(
-        up.next()
-            .expect("node 1 rank starts")
-            .unwrap()
-            .ends_with("up")
-    );
+    assert!(first_rank_line(&mut node1).ends_with("up"));
     let killed = Command::new("kill")
         .args(["-TERM", &node1.id().to_string()])
         .status()
         .unwrap();
     assert!(killed.success());
     assert_eq!(node1.wait().unwrap().code(), Some(128 + 15));
-    // Node 0 must end by itself; a bound far past what it needs, then a kill, so that a
-    // regression fails the test instead of hanging it.
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = node0.try_wait().unwrap() {
-            break Some(s);
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = node0.kill();
-            let _ = node0.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = ends_by_itself(&mut node0);
     let err0 = drain.join().unwrap();
     let status = status.unwrap_or_else(|| panic!("node 0 never ended: {err0}"));
     assert_eq!(status.code(), Some(128 + 15), "{err0}");
@@ -502,63 +514,16 @@ fn a_node_interrupted_mid_job_ends_the_other_node_too() {
 /// not what the rank started (here a `sleep`, which outlived the job).
 #[test]
 fn a_node_whose_store_died_stops_its_ranks_and_what_they_started() {
-    use std::io::{BufRead, BufReader};
-    let node = |rank: &str, port: &str| {
-        distrun(&[
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--nproc-per-node",
-            "1",
-            "--master-port",
-            port,
-            "--rdzv-timeout",
-            "20",
-            "--",
-            "sh",
-            "-c",
-            "sleep 60 & echo child $!; wait",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-    };
-    let mut node0 = node("0", "0");
-    let mut stderr0 = BufReader::new(node0.stderr.take().unwrap());
-    let port = loop {
-        let mut line = String::new();
-        assert_ne!(
-            stderr0.read_line(&mut line).unwrap(),
-            0,
-            "node 0 ended early"
-        );
-        if let Some((_, at)) = line.split_once("store at ") {
-            break at.trim().rsplit_once(':').unwrap().1.to_owned();
-        }
-    };
-    let mut node1 = node("1", &port);
-    let mut lines = BufReader::new(node1.stdout.take().unwrap()).lines();
-    let line = lines.next().expect("node 1's rank starts").unwrap();
+    let script = "sleep 60 & echo child $!; wait";
+    let mut node0 = one_rank_node("0", "0", script);
+    let (port, _drain) = store_port(&mut node0);
+    let mut node1 = one_rank_node("1", &port, script);
+    let line = first_rank_line(&mut node1);
     let sleeper = line.rsplit_once(' ').unwrap().1.to_owned();
     node0.kill().unwrap();
     node0.wait().unwrap();
-    // Node 1 must end by itself (its poll of the store fails); a bound far past what it
-    // needs, then a kill, so that a regression fails instead of hanging.
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = node1.try_wait().unwrap() {
-            break Some(s);
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = node1.kill();
-            let _ = node1.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let status = status.expect("node 1 never ended");
+    // Node 1 ends by itself: its poll of the store fails.
+    let status = ends_by_itself(&mut node1).expect("node 1 never ended");
     assert!(!status.success(), "{status:?}");
     // The sleep the rank started is gone (reaped by init once killed; allow it a moment).
     let gone = |pid: &str| {
@@ -612,16 +577,7 @@ fn a_node_waiting_for_node_0_stops_on_sigint() {
         .status()
         .unwrap();
     assert!(sent.success());
-    let status = loop {
-        if let Some(s) = node1.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = node1.kill();
-            panic!("node 1 ignored SIGINT for a minute");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = ends_by_itself(&mut node1).expect("node 1 ignored SIGINT for a minute");
     let mut err = String::new();
     node1
         .stderr
