@@ -54,7 +54,8 @@ impl<C: ComputeElement> Grad<C> {
 
 /// How a gradient in the compute type is averaged over `n` ranks: divided by `before` ahead
 /// of a sum and by `after` once summed, `before · after = n`, `before` the power of two torch's
-/// FSDP picks (the largest dividing `n` with `before² < n`, doubling while it can).
+/// FSDP picks: doubled from 1 while it divides `n` and `n / before > before`, so about √n
+/// (it need not divide `n`: 6 ranks give 4 and 1.5).
 ///
 /// Why not `ReduceOp::Avg`: it sums first and divides at the end, and in `f16` (largest
 /// finite value 65504) the partial sums overflowed where the average itself was fine: 64 ranks
@@ -129,4 +130,27 @@ pub(crate) fn busy_time(pg: &ProcessGroup, seqs: &[u64]) -> Duration {
         .filter_map(|e| Some(e.finished_ms? - e.started_ms?))
         .sum();
     Duration::from_secs_f64(ms.max(0.0) / 1e3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::divide_factors;
+
+    #[test]
+    fn divide_factors_follow_torch_fsdp_and_multiply_to_n() {
+        // torch's `_get_gradient_divide_factors`, by hand.
+        for (n, before) in [
+            (1, 1.0),
+            (2, 2.0),
+            (3, 2.0),
+            (4, 2.0),
+            (6, 4.0),
+            (8, 4.0),
+            (64, 8.0),
+        ] {
+            let (b, a) = divide_factors(n);
+            assert_eq!(b, before, "{n} ranks");
+            assert!((b * a - n as f32).abs() < 1e-6, "{n} ranks: {b} x {a}");
+        }
+    }
 }
