@@ -104,5 +104,3 @@ pub(crate) fn checked_sum(counts: &[usize]) -> Option<usize> {
 pub(crate) fn wire_error(rank: usize, op: &'static str, source: dist_wire::WireError) -> Error {
     Error::Backend(dist_backend::Error::Wire { rank, op, source })
 }
-
-impl ProcessGroup {}
