@@ -88,15 +88,31 @@ impl Agents {
 
     /// Waits (interruptibly) until `key` exists, or fails at `deadline` (`None`: never).
     fn wait_key(&self, key: &str, deadline: Option<Instant>, what: &str) -> Result<(), String> {
+        if self.poll_key(key, what, || Ok(deadline))? {
+            return Ok(());
+        }
+        let why = format!(
+            "not every node arrived within {:?} (--rdzv-timeout)",
+            self.timeout
+        );
+        Err(self.err(what, why))
+    }
+
+    /// Polls (interruptibly) until `key` exists: `true`. Before each look, `bound` gives the
+    /// deadline (`None`: none yet), so that a wait can become bounded while it runs; `false`
+    /// once it has passed.
+    fn poll_key(
+        &self,
+        key: &str,
+        what: &str,
+        mut bound: impl FnMut() -> Result<Option<Instant>, String>,
+    ) -> Result<bool, String> {
         loop {
+            let deadline = bound()?;
             // Checked before the store call: a call made with a deadline already past would
             // fail as a store error, not as the missing nodes it is.
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                let why = format!(
-                    "not every node arrived within {:?} (--rdzv-timeout)",
-                    self.timeout
-                );
-                return Err(self.err(what, why));
+                return Ok(false);
             }
             // Each check ends by the operation's deadline; with none, by a store timeout of
             // its own, which bounds only that check.
@@ -106,7 +122,7 @@ impl Agents {
                 .check_by(&[key], by)
                 .map_err(|e| self.err(what, e))?
             {
-                return Ok(());
+                return Ok(true);
             }
             if let Some(sig) = signals::pending() {
                 return Err(self.err(what, format!("interrupted by {}", signals::name(sig))));
@@ -173,11 +189,31 @@ impl Agents {
         // the attempt goes well. Once a node has reported a failure, every other node stops
         // its ranks within a poll, so the rest finish within the rendezvous timeout; a node
         // that does not (its host died with it) would otherwise keep this one waiting forever.
-        let limit = self
-            .failure(attempt)?
-            .map(|_| deadline_after(Instant::now(), self.timeout));
-        self.wait_key(&key(attempt, "all_finished"), limit, &what)?;
-        self.failure(attempt)
+        // The failure is looked for on every poll, not only as the wait begins: it may come
+        // from a node whose ranks ran on after this node's had ended well.
+        let mut failed: Option<((i32, String), Instant)> = None;
+        let all_ended = self.poll_key(&key(attempt, "all_finished"), &what, || {
+            if failed.is_none() {
+                failed = self
+                    .failure(attempt)?
+                    .map(|f| (f, deadline_after(Instant::now(), self.timeout)));
+            }
+            Ok(failed.as_ref().map(|(_, by)| *by))
+        })?;
+        match failed {
+            Some((failure, _)) => {
+                if !all_ended {
+                    eprintln!(
+                        "distrun: node {}: not every node ended attempt {attempt} within {:?} \
+                         (--rdzv-timeout) of its failure; ending without them",
+                        self.node_rank, self.timeout
+                    );
+                }
+                Ok(Some(failure))
+            }
+            // A failure reported between the last look and the last node's count.
+            None => self.failure(attempt),
+        }
     }
 
     /// Counts this node as done with `attempt`; the last node to count says so.

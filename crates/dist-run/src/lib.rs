@@ -188,6 +188,14 @@ fn run_job(args: &Args) -> Result<i32, String> {
             }
         };
         if let Some(a) = &agents {
+            if failure.is_none() {
+                // As torchrun's agent says it: a node that ended well may wait long for the
+                // others, and should say why it has not exited.
+                eprintln!(
+                    "distrun: node {}'s ranks ended well; waiting for the other nodes",
+                    job.node_rank
+                );
+            }
             // Every node decides the same: restart or end, with the first failure's code.
             if let Some((code, what)) = a.finish(attempt)?
                 && failure.is_none()

@@ -417,9 +417,21 @@ fn sigterm_to_distrun_stops_every_rank() {
 /// Node `rank` of a two-node job of one rank each, running `script` under `sh -c`, its
 /// output piped; `port` is node 0's store port (`"0"` for node 0 itself: a port of its own).
 fn one_rank_node(rank: &str, port: &str, script: &str) -> std::process::Child {
+    one_rank_node_of("2", "20", rank, port, script)
+}
+
+/// [`one_rank_node`] of a job of `nnodes` nodes whose rendezvous timeout is `timeout`
+/// seconds.
+fn one_rank_node_of(
+    nnodes: &str,
+    timeout: &str,
+    rank: &str,
+    port: &str,
+    script: &str,
+) -> std::process::Child {
     distrun(&[
         "--nnodes",
-        "2",
+        nnodes,
         "--node-rank",
         rank,
         "--nproc-per-node",
@@ -427,7 +439,7 @@ fn one_rank_node(rank: &str, port: &str, script: &str) -> std::process::Child {
         "--master-port",
         port,
         "--rdzv-timeout",
-        "20",
+        timeout,
         "--",
         "sh",
         "-c",
@@ -592,4 +604,86 @@ fn a_node_waiting_for_node_0_stops_on_sigint() {
         start.elapsed()
     );
     assert!(err.contains("interrupted by SIGINT"), "{err}");
+}
+
+/// Three nodes. Node 0's rank ends well, so node 0 waits for the others. Then node 2's host
+/// "dies" (its `distrun` is killed with SIGKILL, so it never counts itself finished, and its
+/// rank goes with it), and only then does node 1's rank fail. Node 0 hears of the failure
+/// while it waits and ends with that code within the rendezvous timeout. Before, it looked
+/// for a failure only as its wait began, and waited for node 2 forever.
+#[test]
+fn a_failure_reported_while_a_node_waits_bounds_its_wait_for_a_dead_node() {
+    use std::io::{BufRead, BufReader};
+    let go = std::env::temp_dir().join(format!("distrun-test-{}-late-failure", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let fail_on_go = format!(
+        "echo up; while [ ! -e '{}' ]; do sleep 0.05; done; exit 3",
+        go.display()
+    );
+    let mut node0 = one_rank_node_of("3", "5", "0", "0", "exit 0");
+    let (port, drain) = store_port_until(&mut node0, "ranks ended well; waiting");
+    let mut node1 = one_rank_node_of("3", "5", "1", &port, &fail_on_go);
+    let mut node2 = one_rank_node_of("3", "5", "2", &port, "echo up; sleep 60");
+    assert!(first_rank_line(&mut node1).ends_with("up"));
+    let mut lines2 = BufReader::new(node2.stdout.take().unwrap()).lines();
+    assert!(
+        lines2
+            .next()
+            .expect("node 2's rank starts")
+            .unwrap()
+            .ends_with("up")
+    );
+    // Node 0 is in its wait for the other nodes.
+    let waiting = drain.waited.recv_timeout(Duration::from_secs(60));
+    assert!(waiting.is_ok(), "node 0 never said it waits");
+    node2.kill().unwrap();
+    node2.wait().unwrap();
+    std::fs::write(&go, b"").unwrap();
+    let status0 = ends_by_itself(&mut node0);
+    let status1 = ends_by_itself(&mut node1);
+    let _ = std::fs::remove_file(&go);
+    let err0 = drain.rest.join().unwrap();
+    let status0 = status0.unwrap_or_else(|| panic!("node 0 never ended: {err0}"));
+    assert_eq!(status0.code(), Some(3), "{err0}");
+    assert!(err0.contains("not every node ended attempt 0"), "{err0}");
+    assert!(
+        err0.contains("rank 1 (node 1, local rank 0) failed"),
+        "{err0}"
+    );
+    assert_eq!(status1.expect("node 1 never ended").code(), Some(3));
+}
+
+/// What [`store_port_until`] leaves reading node 0's stderr.
+struct Drain {
+    /// Sent once when the line marked went by.
+    waited: std::sync::mpsc::Receiver<()>,
+    /// Everything read after the port, once stderr closes.
+    rest: std::thread::JoinHandle<String>,
+}
+
+/// [`store_port`], whose drain also says when a line containing `mark` went by.
+fn store_port_until(node0: &mut std::process::Child, mark: &'static str) -> (String, Drain) {
+    use std::io::{BufRead, BufReader};
+    let mut stderr0 = BufReader::new(node0.stderr.take().unwrap());
+    let port = loop {
+        let mut line = String::new();
+        let n = stderr0.read_line(&mut line).unwrap();
+        assert_ne!(n, 0, "node 0 ended early");
+        if let Some((_, at)) = line.split_once("store at ") {
+            break at.trim().rsplit_once(':').unwrap().1.to_owned();
+        }
+    };
+    let (tx, waited) = std::sync::mpsc::channel();
+    let rest = std::thread::spawn(move || {
+        let mut rest = String::new();
+        for line in stderr0.lines().map_while(Result::ok) {
+            if line.contains(mark) {
+                let _ = tx.send(());
+            }
+            rest.push_str(&line);
+            rest.push('\n');
+        }
+        rest
+    });
+    (port, Drain { waited, rest })
 }
