@@ -359,6 +359,47 @@ fn file_store_ops_across_handles() {
     assert_eq!(a.get("sum").unwrap(), b"200");
 }
 
+/// The last of a job's handles deletes the file, as torch's `FileStore(path, world_size)`
+/// does, so that a later job given the same path starts empty; the count of closed handles
+/// is no key of the job's. Before, the file stayed and the next job replayed this one's keys.
+#[test]
+fn file_store_of_a_job_is_deleted_by_its_last_handle() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job");
+    let handles: Vec<_> = (0..3)
+        .map(|_| FileStore::for_workers(&path, TIMEOUT, 3).unwrap())
+        .collect();
+    handles[0].set("rank0", b"up").unwrap();
+    handles[1].add("arrived", 1).unwrap();
+    let mut handles = handles.into_iter();
+    drop(handles.next());
+    drop(handles.next());
+    let last = handles.next().unwrap();
+    assert!(path.exists(), "deleted before the last handle closed");
+    // The two closed count themselves in a key of their own, which is not the job's.
+    assert_eq!(last.num_keys().unwrap(), 2);
+    assert_eq!(last.get("rank0").unwrap(), b"up");
+    drop(last);
+    assert!(!path.exists(), "the last handle left the file");
+    let next_job = FileStore::for_workers(&path, SHORT, 1).unwrap();
+    assert_eq!(next_job.num_keys().unwrap(), 0);
+    assert!(!next_job.check(&["rank0"]).unwrap());
+    drop(next_job);
+    assert!(!path.exists());
+
+    // Plain handles never delete it, and a job's handle dropped after the file was removed
+    // does not bring it back.
+    FileStore::new(&path, SHORT)
+        .unwrap()
+        .set("k", b"v")
+        .unwrap();
+    assert!(path.exists());
+    let late = FileStore::for_workers(&path, SHORT, 1).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    drop(late);
+    assert!(!path.exists());
+}
+
 #[test]
 fn file_store_cuts_a_torn_record() {
     use std::io::Write;

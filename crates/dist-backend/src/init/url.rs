@@ -109,7 +109,8 @@ fn init_url(
                 return Err(init_err(format!("{url:?} names no file")));
             }
             let cfg = explicit(env, rank, world_size, url)?;
-            let store = FileStore::new(body, timeout)?;
+            // One handle per rank: the last to close deletes the file, as torch's does.
+            let store = FileStore::for_workers(body, timeout, cfg.world_size)?;
             Ok(cfg.info(Arc::new(store)))
         }
         other => Err(init_err(format!(

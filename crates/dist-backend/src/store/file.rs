@@ -18,6 +18,13 @@
 //!   waiting for ever. The handle's own mutex (threads of one process) is taken the same way.
 //!
 //! The log is never compacted: rendezvous writes few, small keys.
+//!
+//! A store opened with [`FileStore::for_workers`] (as `file://` init opens it, with the world
+//! size) deletes its file when the last of the job's handles closes, as torch's `FileStore`
+//! does: each handle counts itself closed in a key of its own, and the one that brings the
+//! count to the number of workers removes the file. A later job given the same path then
+//! starts from an empty store instead of replaying this job's keys (its counters, its
+//! barriers' arrivals), which would let its ranks through rendezvous before their peers.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -48,7 +55,19 @@ pub struct FileStore {
     addr: String,
     timeout: Duration,
     state: Mutex<State>,
+    /// With [`FileStore::for_workers`]: how many handles the job opens; the last to close
+    /// deletes the file.
+    workers: Option<u64>,
 }
+
+/// The key in which [`FileStore::for_workers`] handles count themselves closed. Its NUL keeps
+/// it apart from the keys of torch and of this workspace, which are text; `num_keys` leaves it
+/// out.
+const CLOSED_KEY: &str = "\0dist/file-store/closed";
+
+/// The longest a closing handle waits to count itself closed (less when the store's timeout
+/// is shorter): a drop must not hang on a lock held by a stopped process.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 struct State {
@@ -108,6 +127,7 @@ impl Drop for Flock<'_> {
 
 impl FileStore {
     /// Opens (creating if missing) the store file at `path`; `get`/`wait` wait up to `timeout`.
+    /// The file outlives the store; [`FileStore::for_workers`] deletes it once a job is done.
     pub fn new(path: impl AsRef<Path>, timeout: Duration) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let addr = format!("file://{}", path.display());
@@ -131,7 +151,22 @@ impl FileStore {
                 kv: Kv::default(),
                 offset: 0,
             }),
+            workers: None,
         })
+    }
+
+    /// [`FileStore::new`] for one of the `num_workers` handles a job opens on `path` (one per
+    /// rank, as torch's `FileStore(path, world_size)`): the last of them to be dropped deletes
+    /// the file, so that the path can serve a later job. A handle dropped without the others
+    /// (its process crashed, or they never opened theirs) leaves the file, as torch's does.
+    pub fn for_workers(
+        path: impl AsRef<Path>,
+        timeout: Duration,
+        num_workers: usize,
+    ) -> Result<Self, StoreError> {
+        let mut store = FileStore::new(path, timeout)?;
+        store.workers = Some(num_workers as u64);
+        Ok(store)
     }
 
     /// The path of the store file.
@@ -453,6 +488,40 @@ fn apply(kv: &mut Kv, rec: &Request) -> Result<(), WireError> {
     Ok(())
 }
 
+impl Drop for FileStore {
+    fn drop(&mut self) {
+        let Some(workers) = self.workers else {
+            return;
+        };
+        // Removed already (a test's directory cleaned up): counting would only write to the
+        // unlinked file.
+        if !self.path.exists() {
+            return;
+        }
+        let deadline = crate::deadline_after(Instant::now(), self.timeout.min(CLOSE_WAIT));
+        match self.add_by(CLOSED_KEY, 1, deadline) {
+            Ok(closed) if u64::try_from(closed).is_ok_and(|c| c >= workers) => {
+                if let Err(e) = std::fs::remove_file(&self.path)
+                    && e.kind() != io::ErrorKind::NotFound
+                {
+                    tracing::warn!(
+                        path = %self.path.display(),
+                        error = %e,
+                        "file store: the last handle could not delete the file"
+                    );
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(
+                path = %self.path.display(),
+                error = %e,
+                "file store: a closing handle could not count itself closed, so the file \
+                 will not be deleted"
+            ),
+        }
+    }
+}
+
 impl Store for FileStore {
     plain_calls_by_deadline!();
 
@@ -545,7 +614,9 @@ impl Store for FileStore {
     }
 
     fn num_keys_by(&self, deadline: Instant) -> Result<u64, StoreError> {
-        self.read("num_keys", &[], deadline, |kv| kv.num_keys() as u64)
+        self.read("num_keys", &[], deadline, |kv| {
+            (kv.num_keys() - usize::from(kv.contains(CLOSED_KEY.as_bytes()))) as u64
+        })
     }
 
     fn append_by(&self, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
