@@ -160,6 +160,38 @@ impl Header {
         b
     }
 
+    /// The header of a frame whose sections have these lengths, checked against the limits
+    /// its receiver applies ([`Header::decode`]), so that a frame too large is refused by its
+    /// sender, naming the section, instead of being sent whole and then refused by a receiver
+    /// that can only drop the connection.
+    pub(crate) fn for_sections(
+        kind: Kind,
+        call_id: u64,
+        [meta, body, blob]: [usize; 3],
+        limits: &Limits,
+    ) -> Result<Header, FrameError> {
+        let checked = |section, len: usize, limit: u64| {
+            let len = len as u64;
+            if len > limit {
+                Err(FrameError::TooLarge {
+                    section,
+                    len,
+                    limit,
+                })
+            } else {
+                Ok(len)
+            }
+        };
+        // The limits are at most u32::MAX for meta and body, so the checked lengths fit.
+        Ok(Header {
+            kind,
+            call_id,
+            meta_len: checked("meta", meta, limits.max_meta.into())? as u32,
+            body_len: checked("body", body, limits.max_body.into())? as u32,
+            blob_len: checked("blob", blob, limits.max_blob)?,
+        })
+    }
+
     /// Decodes and checks 32 header bytes.
     pub(crate) fn decode(b: &[u8; HEADER_LEN], limits: &Limits) -> Result<Header, FrameError> {
         let magic = [b[0], b[1], b[2], b[3]];
@@ -324,6 +356,35 @@ mod tests {
         let b = h.encode();
         assert_eq!(&b[..4], b"DRPC");
         assert_eq!(Header::decode(&b, &Limits::default()), Ok(h));
+    }
+
+    /// A sender refuses what its receiver's [`Header::decode`] would: a blob over the 16 GiB
+    /// limit, a body over 4 GiB. Before, a blob over the limit was sent and the receiver
+    /// dropped the connection, and a body over 4 GiB was refused only as it was cast.
+    #[test]
+    fn a_sender_refuses_sections_its_receiver_would() {
+        let limits = Limits::default();
+        let h = Header::for_sections(Kind::Reply, 7, [3, 1 << 20, 16 << 30], &limits).unwrap();
+        assert_eq!(Header::decode(&h.encode(), &limits), Ok(h));
+        assert_eq!(
+            Header::for_sections(Kind::Reply, 7, [3, 0, (16 << 30) + 1], &limits),
+            Err(FrameError::TooLarge {
+                section: "blob",
+                len: (16 << 30) + 1,
+                limit: 16 << 30,
+            })
+        );
+        assert!(matches!(
+            Header::for_sections(Kind::Call, 7, [3, 1 << 32, 0], &limits),
+            Err(FrameError::TooLarge { section: "body", len, .. }) if len == 1 << 32
+        ));
+        assert!(matches!(
+            Header::for_sections(Kind::Call, 7, [(16 << 20) + 1, 0, 0], &limits),
+            Err(FrameError::TooLarge {
+                section: "meta",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -240,6 +240,30 @@ fn rref_to_here_local_value_and_a_failed_creation() {
     assert_eq!(drops("rref-self"), 1);
 }
 
+/// The owner's own `to_here` of a value that holds an RRef returns a working copy of it, as
+/// any other worker's does. Before, the owner encoded the value outside a reply, where an
+/// RRef cannot be serialised, and failed with a codec error.
+#[test]
+fn the_owners_to_here_of_a_value_holding_an_rref_works() {
+    let tag = "owner-fetches-rref-of-rref";
+    thread_world(2, RpcOptions::new(), |rpc| {
+        if rpc.worker_info().id == 0 {
+            let inner: RRef<Tracked> = rpc.remote("w1", "make_tracked", &(tag, 6u64)).unwrap();
+            // Owned here, holding an RRef owned by w1.
+            let outer: RRef<RRef<Tracked>> = rpc.remote("w0", "bounce_rref", &inner).unwrap();
+            assert!(outer.is_owner());
+            let copy = outer.to_here().unwrap();
+            assert_eq!(copy.id(), inner.id());
+            assert_eq!(copy.to_here().unwrap().data, (0..6).collect::<Vec<u64>>());
+            // The same from the other side of the value: w1 owns the inner one.
+            let here: u64 = rpc.rpc_sync("w1", "sum_rref", &copy).unwrap();
+            assert_eq!(here, (0..6u64).sum::<u64>());
+        }
+        rpc.shutdown().unwrap();
+    });
+    assert_eq!(drops(tag), 1, "deleted exactly once");
+}
+
 /// A fetch of an RRef its owner has already deleted is answered at once with an error naming
 /// the owner and the RRef, instead of parking on a placeholder that no creation will ever fill
 /// (the caller waited out its timeout, and the owner kept the entry for good).

@@ -163,8 +163,18 @@ impl Agent {
             }
             Err((kind, msg)) => self.send_fail(peer, call_id, func, kind, msg),
         };
-        if let Err(e) = sent {
-            tracing::debug!(worker = %self.label, error = %e, "could not send a reply");
+        match sent {
+            Ok(()) => {}
+            // Refused before a byte was sent (a result too large for one frame): the caller
+            // would otherwise wait for a reply that never comes.
+            Err(e @ Error::InvalidArgument { .. }) => {
+                if let Err(e) =
+                    self.send_fail(peer, call_id, func, FailKind::BadResult, e.to_string())
+                {
+                    tracing::debug!(worker = %self.label, error = %e, "could not send a failure");
+                }
+            }
+            Err(e) => tracing::debug!(worker = %self.label, error = %e, "could not send a reply"),
         }
     }
 

@@ -40,18 +40,17 @@ impl Agent {
         blob: &[u8],
         func: &str,
     ) -> Result<()> {
-        let too_big = |section, len: usize| Error::InvalidArgument {
-            worker: self.label.clone(),
-            op: "send",
-            what: format!("{func}: {section} of {len} bytes is too large for one frame"),
-        };
-        let h = Header {
+        let h = Header::for_sections(
             kind,
             call_id,
-            meta_len: u32::try_from(meta.len()).map_err(|_| too_big("meta", meta.len()))?,
-            body_len: u32::try_from(body.len()).map_err(|_| too_big("body", body.len()))?,
-            blob_len: blob.len() as u64,
-        };
+            [meta.len(), body.len(), blob.len()],
+            &Limits::default(),
+        )
+        .map_err(|e| Error::InvalidArgument {
+            worker: self.label.clone(),
+            op: "send",
+            what: format!("{func}: too large for one frame: {e}"),
+        })?;
         if to == self.me {
             // Calls to oneself take the same path as a peer's, minus the socket.
             self.on_frame(to, h, meta.to_vec(), body.to_vec(), blob.to_vec());
