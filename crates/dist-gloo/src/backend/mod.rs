@@ -407,18 +407,19 @@ impl GlooBackend {
         ctx.root = root.map_or(NO_ROOT, |r| r as u32);
         ctx.splits = splits.map_or(0, dist_wire::splits_fingerprint);
         ctx.reduce_arg = reduce.map_or(0, |r| r.param_fingerprint());
+        let this = ctx.desc(count as u64);
+        // Whether this call repeats this rank's last rooted one (see `agree::same_call`);
+        // point-to-point calls have none.
+        let mut repeat = false;
         if name != CollectiveOp::SendRecv {
             let mut last = self.last_rooted.lock().unwrap_or_else(|e| e.into_inner());
             (ctx.last_rooted, ctx.last_rooted_from) = *last;
+            repeat = agree::same_call(ctx.last_rooted.as_ref(), &this);
             if name.rooted() {
-                let this = ctx.desc(count as u64);
-                let run_goes_on = ctx.last_rooted.is_some_and(|l| l.seq + 1 == seq)
-                    && agree::same_call(ctx.last_rooted.as_ref(), &this);
+                let run_goes_on = repeat && ctx.last_rooted.is_some_and(|l| l.seq + 1 == seq);
                 *last = (Some(this), if run_goes_on { last.1 } else { seq });
             }
         }
-        // Whether this call repeats this rank's last rooted one (see `agree::same_call`).
-        let repeat = agree::same_call(ctx.last_rooted.as_ref(), &ctx.desc(count as u64));
         // What a root sends of each rooted call: the buffer, or for a scatter every block.
         let root_bytes = count
             * dtype.size()
