@@ -398,6 +398,46 @@ fn file_store_of_a_job_is_deleted_by_its_last_handle() {
     std::fs::remove_file(&path).unwrap();
     drop(late);
     assert!(!path.exists());
+
+    // Nor does one whose path names another file by then (a new job's).
+    let old = FileStore::for_workers(&path, SHORT, 1).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    FileStore::new(&path, SHORT)
+        .unwrap()
+        .set("new", b"job")
+        .unwrap();
+    drop(old);
+    assert_eq!(
+        FileStore::new(&path, SHORT).unwrap().get("new").unwrap(),
+        b"job"
+    );
+    std::fs::remove_file(&path).unwrap();
+}
+
+/// A rank that closes and opens its handle again (a group destroyed and re-created on the
+/// same path) keeps the file for the others: it is deleted only once no handle is open, not
+/// after as many closes as workers. Before, the second close of a two-rank job deleted it
+/// under the re-opened handle, and the next rank to open the path made a file of its own.
+#[test]
+fn file_store_of_a_job_outlives_a_rank_that_reopens_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job");
+    let rank0 = FileStore::for_workers(&path, TIMEOUT, 2).unwrap();
+    let rank1 = FileStore::for_workers(&path, TIMEOUT, 2).unwrap();
+    drop(rank0);
+    let rank0 = FileStore::for_workers(&path, TIMEOUT, 2).unwrap();
+    rank0.set("second", b"world").unwrap();
+    drop(rank1);
+    assert!(
+        path.exists(),
+        "deleted while rank 0's second handle is open"
+    );
+    let rank1 = FileStore::for_workers(&path, TIMEOUT, 2).unwrap();
+    assert_eq!(rank1.get("second").unwrap(), b"world");
+    drop(rank0);
+    assert!(path.exists());
+    drop(rank1);
+    assert!(!path.exists(), "the last handle left the file");
 }
 
 #[test]

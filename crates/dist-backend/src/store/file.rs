@@ -21,10 +21,13 @@
 //!
 //! A store opened with [`FileStore::for_workers`] (as `file://` init opens it, with the world
 //! size) deletes its file when the last of the job's handles closes, as torch's `FileStore`
-//! does: each handle counts itself closed in a key of its own, and the one that brings the
-//! count to the number of workers removes the file. A later job given the same path then
-//! starts from an empty store instead of replaying this job's keys (its counters, its
+//! does: handles count themselves open and closed in two keys of their own, and the one that
+//! closes when none is open any more and at least the number of workers have closed removes
+//! the file (if the path still names the file it has open). A later job given the same path
+//! then starts from an empty store instead of replaying this job's keys (its counters, its
 //! barriers' arrivals), which would let its ranks through rendezvous before their peers.
+//! Counting the open ones too keeps the file while a rank re-initialises on the same path,
+//! or holds a second handle (an RPC agent beside its process group).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -60,10 +63,11 @@ pub struct FileStore {
     workers: Option<u64>,
 }
 
-/// The key in which [`FileStore::for_workers`] handles count themselves closed. Its NUL keeps
-/// it apart from the keys of torch and of this workspace, which are text; `num_keys` leaves it
-/// out.
+/// The keys in which [`FileStore::for_workers`] handles count themselves closed, and open.
+/// Their NUL keeps them apart from the keys of torch and of this workspace, which are text;
+/// `num_keys` leaves them out.
 const CLOSED_KEY: &str = "\0dist/file-store/closed";
+const OPEN_KEY: &str = "\0dist/file-store/open";
 
 /// The longest a closing handle waits to count itself closed (less when the store's timeout
 /// is shorter): a drop must not hang on a lock held by a stopped process.
@@ -165,8 +169,47 @@ impl FileStore {
         num_workers: usize,
     ) -> Result<Self, StoreError> {
         let mut store = FileStore::new(path, timeout)?;
+        let deadline = crate::deadline_after(Instant::now(), timeout);
+        store.add_by(OPEN_KEY, 1, deadline)?;
         store.workers = Some(num_workers as u64);
         Ok(store)
+    }
+
+    /// Counts this handle closed (and no longer open) in one record; returns whether it was
+    /// the last: none open any more, and at least `workers` closed.
+    fn count_closed(&self, workers: u64, deadline: Instant) -> Result<bool, StoreError> {
+        let keys = [CLOSED_KEY, OPEN_KEY];
+        self.write("close", &keys, deadline, |kv| {
+            let mut counted = [0i64; 2];
+            for (n, (key, delta)) in counted.iter_mut().zip(keys.iter().zip([1, -1])) {
+                *n = kv
+                    .add(key.as_bytes(), delta)
+                    .map_err(|e| StoreError::NotACounter {
+                        addr: self.addr.clone(),
+                        key: (*key).to_owned(),
+                        value: show_value(&e.0),
+                    })?;
+            }
+            let [closed, open] = counted;
+            let last = open <= 0 && u64::try_from(closed).is_ok_and(|c| c >= workers);
+            let records = keys
+                .iter()
+                .zip(counted)
+                .map(|(key, n)| (key.as_bytes().to_vec(), n.to_string().into_bytes()))
+                .collect();
+            Ok((last, vec![Request::MultiSet { pairs: records }]))
+        })
+    }
+
+    /// Whether `path` still names the file this handle has open: another job may have
+    /// removed it and made a new one there, which is not this handle's to delete.
+    fn path_names_our_file(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match (st.file.metadata(), std::fs::metadata(&self.path)) {
+            (Ok(ours), Ok(there)) => (ours.dev(), ours.ino()) == (there.dev(), there.ino()),
+            _ => false,
+        }
     }
 
     /// The path of the store file.
@@ -493,14 +536,16 @@ impl Drop for FileStore {
         let Some(workers) = self.workers else {
             return;
         };
-        // Removed already (a test's directory cleaned up): counting would only write to the
-        // unlinked file.
-        if !self.path.exists() {
+        // Removed already, or replaced (a test's directory cleaned up, a new job's file):
+        // counting would only write to the unlinked file.
+        if !self.path_names_our_file() {
             return;
         }
         let deadline = crate::deadline_after(Instant::now(), self.timeout.min(CLOSE_WAIT));
-        match self.add_by(CLOSED_KEY, 1, deadline) {
-            Ok(closed) if u64::try_from(closed).is_ok_and(|c| c >= workers) => {
+        match self.count_closed(workers, deadline) {
+            Ok(false) => {}
+            Ok(true) if !self.path_names_our_file() => {}
+            Ok(true) => {
                 if let Err(e) = std::fs::remove_file(&self.path)
                     && e.kind() != io::ErrorKind::NotFound
                 {
@@ -511,7 +556,6 @@ impl Drop for FileStore {
                     );
                 }
             }
-            Ok(_) => {}
             Err(e) => tracing::warn!(
                 path = %self.path.display(),
                 error = %e,
@@ -615,7 +659,11 @@ impl Store for FileStore {
 
     fn num_keys_by(&self, deadline: Instant) -> Result<u64, StoreError> {
         self.read("num_keys", &[], deadline, |kv| {
-            (kv.num_keys() - usize::from(kv.contains(CLOSED_KEY.as_bytes()))) as u64
+            let ours = [CLOSED_KEY, OPEN_KEY]
+                .iter()
+                .filter(|k| kv.contains(k.as_bytes()))
+                .count();
+            (kv.num_keys() - ours) as u64
         })
     }
 
