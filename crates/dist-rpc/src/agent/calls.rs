@@ -37,6 +37,15 @@ impl Agent {
                 slot: slot.clone(),
             },
         );
+        // Closed since the look above: `close_by` marks the agent closed before it fails the
+        // calls in flight, so one registered after that was missed, and a call to this worker
+        // itself (an owner's `to_here`) would go to a pool and control thread that have
+        // stopped, and wait out its timeout.
+        if *lock(&self.life) == Life::Closed {
+            self.forget_call(call_id);
+            self.release_tokens(forks);
+            return Err(self.closed_err(func));
+        }
         self.sent.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.send(to, kind, call_id, meta, body, blob, func) {
             // Never delivered: it must not count as sent, or shutdown would wait for it.
@@ -394,5 +403,49 @@ mod tests {
         agent
             .shutdown(true)
             .expect("nothing left in flight: shutdown does not wait out its timeout");
+    }
+
+    /// A close that runs between the look at the agent's life and the call's registration
+    /// (after `close_by` failed the calls in flight, before this one was among them) fails
+    /// the call at once. Before, the call went on: to itself (an owner's `to_here`) it went to
+    /// a control thread that had stopped, and its caller waited out its whole timeout.
+    #[test]
+    fn a_close_while_a_call_is_being_registered_fails_the_call() {
+        let store: Arc<dyn Store> = Arc::new(HashStore::new(Duration::from_secs(30)));
+        let opts = RpcOptions::new()
+            .listen_ip(std::net::Ipv4Addr::LOCALHOST.into())
+            .shutdown_timeout(Duration::from_secs(10));
+        let deadline = deadline_after(Instant::now(), Duration::from_secs(30));
+        let agent = Agent::init("w0", 0, 1, store, opts, deadline).expect("a one-worker agent");
+        let weak = Arc::downgrade(&agent);
+        BETWEEN_COUNT_AND_INSERT.with(|h| {
+            h.set(Some(Box::new(move || {
+                if let Some(a) = weak.upgrade() {
+                    a.close();
+                }
+            })))
+        });
+        let meta = encode_meta(&RRefMeta {
+            token: ForkToken {
+                rref: GlobalId {
+                    worker: 0,
+                    local: 1,
+                },
+                fork: GlobalId {
+                    worker: 0,
+                    local: 2,
+                },
+                owner: 0,
+            },
+        });
+        let Err(e) = agent.request(0, Kind::Fetch, "to_here", &meta, &[], &[], &[]) else {
+            panic!("the call went on, though the agent closed before it was registered");
+        };
+        assert!(matches!(e, Error::ShutDown { .. }), "{e}");
+        assert_eq!(
+            lock(&agent.pending).len(),
+            0,
+            "the call left in the table of calls in flight"
+        );
     }
 }
