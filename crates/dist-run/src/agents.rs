@@ -14,7 +14,7 @@
 use std::time::{Duration, Instant};
 
 use dist_backend::deadline_after;
-use dist_backend::store::{Store, TcpStore};
+use dist_backend::store::{Store, StoreError, TcpStore};
 
 use crate::signals;
 
@@ -26,6 +26,34 @@ const LEAVE: Duration = Duration::from_secs(30);
 
 /// How long one attempt to reach node 0's store lasts before the signals are looked at.
 const CONNECT_SLICE: Duration = Duration::from_millis(500);
+
+/// How long one look at node 0's store (is there a failure, has every node arrived or
+/// finished) waits for its answer. Between looks the signals, and during an attempt this
+/// node's ranks, are looked at: a store that does not answer (node 0 stopped by SIGSTOP or a
+/// debugger) must not keep them unseen for the whole rendezvous timeout.
+const LOOK: Duration = Duration::from_secs(1);
+
+/// The longest an interrupted node spends telling the others (less when `--rdzv-timeout` is
+/// shorter): it is on its way out, and a store that does not answer must not hold it there.
+const ABANDON: Duration = Duration::from_secs(5);
+
+/// Since when node 0's store has not answered a look ([`Agents::look`]), and how the last
+/// look failed: a wait that runs out of time while the store is silent says so.
+#[derive(Debug, Default)]
+pub(crate) struct Silence {
+    since: Option<Instant>,
+    last: Option<StoreError>,
+}
+
+/// Whether `e` says that the store did not answer in time (slow, or its host stopped), not
+/// that it is gone (refused, reset: its process died).
+fn unanswered(e: &StoreError) -> bool {
+    match e {
+        StoreError::Unresponsive { .. } | StoreError::Timeout { .. } => true,
+        StoreError::Connect { source, .. } => source.kind() == std::io::ErrorKind::TimedOut,
+        _ => false,
+    }
+}
 
 /// One node's client of the coordination keys.
 pub(crate) struct Agents {
@@ -107,27 +135,62 @@ impl Agents {
         what: &str,
         mut bound: impl FnMut() -> Result<Option<Instant>, String>,
     ) -> Result<bool, String> {
+        let mut silence = Silence::default();
         loop {
             let deadline = bound()?;
             // Checked before the store call: a call made with a deadline already past would
-            // fail as a store error, not as the missing nodes it is.
+            // fail as a store error, not as the missing nodes it is, unless the store is
+            // what has been silent.
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Ok(false);
+                return match silence.last {
+                    Some(e) => Err(self.err(what, e)),
+                    None => Ok(false),
+                };
             }
-            // Each check ends by the operation's deadline; with none, by a store timeout of
-            // its own, which bounds only that check.
-            let by = deadline.unwrap_or_else(|| deadline_after(Instant::now(), self.timeout));
-            if self
-                .store
-                .check_by(&[key], by)
-                .map_err(|e| self.err(what, e))?
-            {
+            let there = self.look(what, deadline, &mut silence, |by| {
+                self.store.check_by(&[key], by)
+            })?;
+            if there == Some(true) {
                 return Ok(true);
             }
             if let Some(sig) = signals::pending() {
                 return Err(self.err(what, format!("interrupted by {}", signals::name(sig))));
             }
             std::thread::sleep(POLL);
+        }
+    }
+
+    /// One look at the store (`f`, given the look's deadline: [`LOOK`] from now, never past
+    /// `deadline`). `Ok(None)` when the store did not answer in time but has answered a look
+    /// within the rendezvous timeout (`silence` keeps since when it has not): a slow store is
+    /// not yet a gone one. Silence past `deadline` or for the whole rendezvous timeout, and
+    /// any other failure (node 0 is gone), are errors.
+    fn look<T>(
+        &self,
+        what: &str,
+        deadline: Option<Instant>,
+        silence: &mut Silence,
+        f: impl FnOnce(Instant) -> Result<T, StoreError>,
+    ) -> Result<Option<T>, String> {
+        let now = Instant::now();
+        let by = deadline_after(now, LOOK);
+        match f(deadline.map_or(by, |d| d.min(by))) {
+            Ok(v) => {
+                *silence = Silence::default();
+                Ok(Some(v))
+            }
+            Err(e) if unanswered(&e) => {
+                let since = *silence.since.get_or_insert(now);
+                let out_of_time = deadline.is_some_and(|d| Instant::now() >= d)
+                    || since.elapsed() >= self.timeout;
+                if out_of_time {
+                    Err(self.err(what, e))
+                } else {
+                    silence.last = Some(e);
+                    Ok(None)
+                }
+            }
+            Err(e) => Err(self.err(what, e)),
         }
     }
 
@@ -150,8 +213,16 @@ impl Agents {
 
     /// Tells every node that a rank of this one failed (the first report wins).
     pub(crate) fn report_failure(&self, attempt: u32, code: i32, what: &str) {
+        self.report_failure_by(
+            attempt,
+            code,
+            what,
+            deadline_after(Instant::now(), self.timeout),
+        );
+    }
+
+    fn report_failure_by(&self, attempt: u32, code: i32, what: &str, deadline: Instant) {
         let value = format!("{code}\t{what}");
-        let deadline = deadline_after(Instant::now(), self.timeout);
         if let Err(e) =
             self.store
                 .compare_set_by(&key(attempt, "failed"), b"", value.as_bytes(), deadline)
@@ -161,42 +232,66 @@ impl Agents {
     }
 
     /// The failure some node reported in `attempt`, if any: (exit code, description).
-    pub(crate) fn failure(&self, attempt: u32) -> Result<Option<(i32, String)>, String> {
+    fn failure(&self, attempt: u32) -> Result<Option<(i32, String)>, String> {
         let deadline = deadline_after(Instant::now(), self.timeout);
+        self.failure_by(attempt, deadline)
+            .map_err(|e| self.err("checking for failures", e))
+    }
+
+    /// [`Agents::failure`] as one look ([`Agents::look`]): `Ok(None)` also while node 0's
+    /// store does not answer, until it has not for the rendezvous timeout. For a node whose
+    /// ranks run, which looks often and must keep an eye on them and on the signals.
+    pub(crate) fn look_for_failure(
+        &self,
+        attempt: u32,
+        silence: &mut Silence,
+    ) -> Result<Option<(i32, String)>, String> {
+        let found = self.look("checking for failures", None, silence, |by| {
+            self.failure_by(attempt, by)
+        })?;
+        Ok(found.flatten())
+    }
+
+    fn failure_by(
+        &self,
+        attempt: u32,
+        deadline: Instant,
+    ) -> Result<Option<(i32, String)>, StoreError> {
         let k = key(attempt, "failed");
-        if !self
-            .store
-            .check_by(&[k.as_str()], deadline)
-            .map_err(|e| self.err("checking for failures", e))?
-        {
+        if !self.store.check_by(&[k.as_str()], deadline)? {
             return Ok(None);
         }
-        let v = self
-            .store
-            .get_by(&k, deadline)
-            .map_err(|e| self.err("reading a failure", e))?;
+        let v = self.store.get_by(&k, deadline)?;
         let v = String::from_utf8_lossy(&v);
         let (code, what) = v.split_once('\t').unwrap_or(("1", &v));
         Ok(Some((code.parse().unwrap_or(1), what.to_owned())))
     }
 
     /// After this node's ranks of `attempt` ended: waits for every node's, then returns the
-    /// attempt's failure, the same on every node.
-    pub(crate) fn finish(&self, attempt: u32) -> Result<Option<(i32, String)>, String> {
+    /// attempt's failure, the same on every node. `grace` is `--grace-period`, which the
+    /// other nodes may take to stop their ranks once one has failed.
+    pub(crate) fn finish(
+        &self,
+        attempt: u32,
+        grace: Duration,
+    ) -> Result<Option<(i32, String)>, String> {
         let what = format!("finishing attempt {attempt}");
         self.count_finished(attempt, &what)?;
         // Ranks of other nodes may legitimately run for days: no deadline for the wait while
-        // the attempt goes well. Once a node has reported a failure, every other node stops
-        // its ranks within a poll, so the rest finish within the rendezvous timeout; a node
-        // that does not (its host died with it) would otherwise keep this one waiting forever.
+        // the attempt goes well. Once a node has reported a failure, every other node starts
+        // stopping its ranks within a poll and is done within the grace period, so the rest
+        // finish within the rendezvous timeout and that; a node that does not (its host died
+        // with it) would otherwise keep this one waiting forever.
         // The failure is looked for on every poll, not only as the wait begins: it may come
         // from a node whose ranks ran on after this node's had ended well.
         let mut failed: Option<((i32, String), Instant)> = None;
+        let mut silence = Silence::default();
         let all_ended = self.poll_key(&key(attempt, "all_finished"), &what, || {
             if failed.is_none() {
-                failed = self
-                    .failure(attempt)?
-                    .map(|f| (f, deadline_after(Instant::now(), self.timeout)));
+                failed = self.look_for_failure(attempt, &mut silence)?.map(|f| {
+                    let bound = self.timeout.saturating_add(grace);
+                    (f, deadline_after(Instant::now(), bound))
+                });
             }
             Ok(failed.as_ref().map(|(_, by)| *by))
         })?;
@@ -205,8 +300,9 @@ impl Agents {
                 if !all_ended {
                     eprintln!(
                         "distrun: node {}: not every node ended attempt {attempt} within {:?} \
-                         (--rdzv-timeout) of its failure; ending without them",
-                        self.node_rank, self.timeout
+                         (--rdzv-timeout) and {:?} (--grace-period) of its failure; ending \
+                         without them",
+                        self.node_rank, self.timeout, grace
                     );
                 }
                 Ok(Some(failure))
@@ -218,7 +314,10 @@ impl Agents {
 
     /// Counts this node as done with `attempt`; the last node to count says so.
     fn count_finished(&self, attempt: u32, what: &str) -> Result<(), String> {
-        let deadline = deadline_after(Instant::now(), self.timeout);
+        self.count_finished_by(attempt, what, deadline_after(Instant::now(), self.timeout))
+    }
+
+    fn count_finished_by(&self, attempt: u32, what: &str, deadline: Instant) -> Result<(), String> {
         let n = self
             .store
             .add_by(&key(attempt, "finished"), 1, deadline)
@@ -236,13 +335,15 @@ impl Agents {
     /// that they end the attempt instead of waiting for this node forever.
     /// It also counts as having left the job, so that node 0 does not keep its store up
     /// waiting for it.
+    /// All of it ends by one deadline: the rendezvous timeout, at most [`ABANDON`].
     pub(crate) fn abandon(&self, attempt: u32, code: i32, what: &str) {
-        self.report_failure(attempt, code, what);
-        if let Err(e) = self.count_finished(attempt, &format!("abandoning attempt {attempt}")) {
+        let deadline = deadline_after(Instant::now(), self.timeout.min(ABANDON));
+        self.report_failure_by(attempt, code, what, deadline);
+        let what = format!("abandoning attempt {attempt}");
+        if let Err(e) = self.count_finished_by(attempt, &what, deadline) {
             eprintln!("distrun: could not tell the other nodes this one stopped: {e}");
             return;
         }
-        let deadline = deadline_after(Instant::now(), self.timeout.min(LEAVE));
         if let Err(e) = self.store.add_by("distrun/left", 1, deadline) {
             eprintln!("distrun: leaving: {e}");
         }

@@ -11,7 +11,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::agents::Agents;
+use crate::agents::{Agents, Silence};
 use crate::env::Job;
 use crate::signals;
 
@@ -150,6 +150,8 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
 
     let mut first_failure: Option<usize> = None;
     let mut last_remote_check = Instant::now();
+    // Since when node 0's store has not answered a look for failures.
+    let mut store_silence = Silence::default();
     let outcome = loop {
         if let Some(sig) = signals::pending() {
             stop(&mut ranks, sig, a.grace);
@@ -215,15 +217,16 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
             && last_remote_check.elapsed() >= REMOTE_POLL
         {
             last_remote_check = Instant::now();
-            match ag.failure(a.restart) {
+            match ag.look_for_failure(a.restart, &mut store_silence) {
                 Ok(None) => {}
                 Ok(Some((code, what))) => {
                     stop(&mut ranks, libc::SIGTERM, a.grace);
                     break Outcome::RemoteFailed(code, what);
                 }
-                // The job's store is gone (node 0 died or was stopped): this node's ranks
-                // are stopped as on any failure, with the grace period and their groups,
-                // rather than left to the parent-death signal once distrun returns.
+                // The job's store is gone (node 0 died), or has not answered for the
+                // rendezvous timeout (stopped): this node's ranks are stopped as on any
+                // failure, with the grace period and their groups, rather than left to the
+                // parent-death signal once distrun returns.
                 Err(e) => {
                     stop(&mut ranks, libc::SIGTERM, a.grace);
                     drain(&done_rx, &mut readers);

@@ -197,7 +197,7 @@ fn run_job(args: &Args) -> Result<i32, String> {
                 );
             }
             // Every node decides the same: restart or end, with the first failure's code.
-            if let Some((code, what)) = a.finish(attempt)?
+            if let Some((code, what)) = a.finish(attempt, args.grace_period)?
                 && failure.is_none()
             {
                 eprintln!("distrun: the job failed on another node: {what}");

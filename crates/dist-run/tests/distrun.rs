@@ -609,23 +609,34 @@ fn a_node_waiting_for_node_0_stops_on_sigint() {
 /// Three nodes. Node 0's rank ends well, so node 0 waits for the others. Then node 2's host
 /// "dies" (its `distrun` is killed with SIGKILL, so it never counts itself finished, and its
 /// rank goes with it), and only then does node 1's rank fail. Node 0 hears of the failure
-/// while it waits and ends with that code within the rendezvous timeout. Before, it looked
-/// for a failure only as its wait began, and waited for node 2 forever.
+/// while it waits and ends with that code within the rendezvous timeout and grace period.
+/// Before, it looked for a failure only as its wait began, and waited for node 2 forever.
 #[test]
 fn a_failure_reported_while_a_node_waits_bounds_its_wait_for_a_dead_node() {
     use std::io::{BufRead, BufReader};
     let go = std::env::temp_dir().join(format!("distrun-test-{}-late-failure", std::process::id()));
     let _ = std::fs::remove_file(&go);
+    // Bounded, so that a test that fails before creating `go` leaves no rank behind.
     let fail_on_go = format!(
-        "echo up; while [ ! -e '{}' ]; do sleep 0.05; done; exit 3",
+        "echo up; i=0; while [ ! -e '{}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); \
+         done; exit 3",
         go.display()
     );
-    let mut node0 = one_rank_node_of("3", "5", "0", "0", "exit 0");
-    let (port, drain) = store_port_until(&mut node0, "ranks ended well; waiting");
-    let mut node1 = one_rank_node_of("3", "5", "1", &port, &fail_on_go);
-    let mut node2 = one_rank_node_of("3", "5", "2", &port, "echo up; sleep 60");
-    assert!(first_rank_line(&mut node1).ends_with("up"));
-    let mut lines2 = BufReader::new(node2.stdout.take().unwrap()).lines();
+    let mut nodes = Killed(vec![one_rank_node_of("3", "10", "0", "0", "exit 0")]);
+    let (port, drain) = store_port_until(&mut nodes.0[0], "ranks ended well; waiting");
+    nodes
+        .0
+        .push(one_rank_node_of("3", "10", "1", &port, &fail_on_go));
+    // `exec`: the rank is the sleep itself, which the parent-death signal then reaches.
+    nodes.0.push(one_rank_node_of(
+        "3",
+        "10",
+        "2",
+        &port,
+        "echo up; exec sleep 60",
+    ));
+    assert!(first_rank_line(&mut nodes.0[1]).ends_with("up"));
+    let mut lines2 = BufReader::new(nodes.0[2].stdout.take().unwrap()).lines();
     assert!(
         lines2
             .next()
@@ -636,11 +647,11 @@ fn a_failure_reported_while_a_node_waits_bounds_its_wait_for_a_dead_node() {
     // Node 0 is in its wait for the other nodes.
     let waiting = drain.waited.recv_timeout(Duration::from_secs(60));
     assert!(waiting.is_ok(), "node 0 never said it waits");
-    node2.kill().unwrap();
-    node2.wait().unwrap();
+    nodes.0[2].kill().unwrap();
+    nodes.0[2].wait().unwrap();
     std::fs::write(&go, b"").unwrap();
-    let status0 = ends_by_itself(&mut node0);
-    let status1 = ends_by_itself(&mut node1);
+    let status0 = ends_by_itself(&mut nodes.0[0]);
+    let status1 = ends_by_itself(&mut nodes.0[1]);
     let _ = std::fs::remove_file(&go);
     let err0 = drain.rest.join().unwrap();
     let status0 = status0.unwrap_or_else(|| panic!("node 0 never ended: {err0}"));
@@ -651,6 +662,18 @@ fn a_failure_reported_while_a_node_waits_bounds_its_wait_for_a_dead_node() {
         "{err0}"
     );
     assert_eq!(status1.expect("node 1 never ended").code(), Some(3));
+}
+
+/// Child processes killed (if still running) and reaped when the test ends, however it ends.
+struct Killed(Vec<std::process::Child>);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 /// What [`store_port_until`] leaves reading node 0's stderr.

@@ -130,3 +130,85 @@ fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
     assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
     assert!(took <= RDZV + SLACK, "node 1's join took {took:?}: {err}");
 }
+
+/// Node `rank` of a two-node job of one rank each whose rank says `up` and sleeps, with a
+/// rendezvous timeout far longer than the test may take.
+fn running_node(rank: &str, port: &str) -> Node {
+    Command::new(DISTRUN)
+        .args([
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            port,
+            "--rdzv-timeout",
+            "100",
+            "--",
+            "sh",
+            "-c",
+            "echo up; sleep 60",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(Node)
+        .expect("start distrun")
+}
+
+/// Node 0 (the job's store) is stopped while both nodes' ranks run, then node 1's `distrun`
+/// is sent SIGTERM: it stops its rank and ends within seconds. Before, its look for failures
+/// was one store call bounded by the rendezvous timeout (100 s here), which a stopped store
+/// never answers, so neither the signal nor its ranks were looked at until then; and on its
+/// way out it told the others through the same store with the same bound. Now each look
+/// waits at most a second, and a node that was interrupted tells the others within 5 s.
+#[test]
+fn a_node_whose_store_is_stopped_still_stops_on_sigterm() {
+    let mut node0 = running_node("0", "0");
+    let mut stderr0 = BufReader::new(node0.0.stderr.take().expect("node 0's stderr"));
+    let port = loop {
+        let mut line = String::new();
+        let n = stderr0.read_line(&mut line).expect("node 0's stderr");
+        assert_ne!(n, 0, "node 0 ended before naming its store's port");
+        if let Some((_, at)) = line.split_once("store at ") {
+            break at.trim().rsplit_once(':').expect("ADDR:PORT").1.to_owned();
+        }
+    };
+    let mut node1 = running_node("1", &port);
+    let mut up = String::new();
+    BufReader::new(node1.0.stdout.take().expect("node 1's stdout"))
+        .read_line(&mut up)
+        .expect("node 1's rank output");
+    assert!(up.trim_end().ends_with("up"), "{up:?}");
+    stop(&node0.0);
+    let signalled = Instant::now();
+    send(&node1.0, libc::SIGTERM);
+    let status = loop {
+        if let Some(s) = node1.0.try_wait().expect("node 1's status") {
+            break s;
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(60),
+            "node 1 still runs 60 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = signalled.elapsed();
+    let mut err = String::new();
+    node1
+        .0
+        .stderr
+        .take()
+        .expect("node 1's stderr")
+        .read_to_string(&mut err)
+        .expect("node 1's stderr");
+    eprintln!("node 1 ended {took:?} after SIGTERM: {err}");
+    assert_eq!(status.code(), Some(128 + 15), "{err}");
+    assert!(
+        took < Duration::from_secs(30),
+        "node 1 took {took:?}: {err}"
+    );
+}
