@@ -170,25 +170,13 @@ impl Header {
         [meta, body, blob]: [usize; 3],
         limits: &Limits,
     ) -> Result<Header, FrameError> {
-        let checked = |section, len: usize, limit: u64| {
-            let len = len as u64;
-            if len > limit {
-                Err(FrameError::TooLarge {
-                    section,
-                    len,
-                    limit,
-                })
-            } else {
-                Ok(len)
-            }
-        };
         // The limits are at most u32::MAX for meta and body, so the checked lengths fit.
         Ok(Header {
             kind,
             call_id,
-            meta_len: checked("meta", meta, limits.max_meta.into())? as u32,
-            body_len: checked("body", body, limits.max_body.into())? as u32,
-            blob_len: checked("blob", blob, limits.max_blob)?,
+            meta_len: within("meta", meta as u64, limits.max_meta.into())? as u32,
+            body_len: within("body", body as u64, limits.max_body.into())? as u32,
+            blob_len: within("blob", blob as u64, limits.max_blob)?,
         })
     }
 
@@ -215,22 +203,23 @@ impl Header {
             body_len: u32_at(20),
             blob_len: u64_at(24),
         };
-        let check = |section, len: u64, limit: u64| {
-            if len > limit {
-                Err(FrameError::TooLarge {
-                    section,
-                    len,
-                    limit,
-                })
-            } else {
-                Ok(())
-            }
-        };
-        check("meta", h.meta_len.into(), limits.max_meta.into())?;
-        check("body", h.body_len.into(), limits.max_body.into())?;
-        check("blob", h.blob_len, limits.max_blob)?;
+        within("meta", h.meta_len.into(), limits.max_meta.into())?;
+        within("body", h.body_len.into(), limits.max_body.into())?;
+        within("blob", h.blob_len, limits.max_blob)?;
         Ok(h)
     }
+}
+
+/// `len` when a section of that length is within `limit`.
+fn within(section: &'static str, len: u64, limit: u64) -> Result<u64, FrameError> {
+    if len > limit {
+        return Err(FrameError::TooLarge {
+            section,
+            len,
+            limit,
+        });
+    }
+    Ok(len)
 }
 
 /// Globally unique id of a worker-generated object: the generating worker's rank and a

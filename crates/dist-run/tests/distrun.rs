@@ -454,22 +454,9 @@ fn one_rank_node_of(
 /// The port node 0 prints for its store, and a thread draining the rest of its stderr (so
 /// that it never blocks on a full pipe), which returns what it read.
 fn store_port(node0: &mut std::process::Child) -> (String, std::thread::JoinHandle<String>) {
-    use std::io::{BufRead, BufReader, Read};
-    let mut stderr0 = BufReader::new(node0.stderr.take().unwrap());
-    let port = loop {
-        let mut line = String::new();
-        let n = stderr0.read_line(&mut line).unwrap();
-        assert_ne!(n, 0, "node 0 ended early");
-        if let Some((_, at)) = line.split_once("store at ") {
-            break at.trim().rsplit_once(':').unwrap().1.to_owned();
-        }
-    };
-    let drain = std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = stderr0.read_to_string(&mut rest);
-        rest
-    });
-    (port, drain)
+    // A mark no line holds.
+    let (port, drain) = store_port_until(node0, "\0");
+    (port, drain.rest)
 }
 
 /// `child`'s exit status once it ends by itself, or `None` after a minute, far past what

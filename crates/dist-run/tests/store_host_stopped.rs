@@ -56,10 +56,16 @@ fn stop(c: &Child) {
 /// One node of a three-node job (only two are started, so nobody ever gets `go`).
 fn node(rank: &str, port: &str) -> Node {
     let rdzv = RDZV.as_secs().to_string();
+    node_of("3", &rdzv, rank, port, &["true"])
+}
+
+/// Node `rank` of a job of `nnodes` nodes of one rank each running `command`, with a
+/// rendezvous timeout of `rdzv` seconds; stdout and stderr piped.
+fn node_of(nnodes: &str, rdzv: &str, rank: &str, port: &str, command: &[&str]) -> Node {
     Command::new(DISTRUN)
         .args([
             "--nnodes",
-            "3",
+            nnodes,
             "--node-rank",
             rank,
             "--nproc-per-node",
@@ -67,21 +73,20 @@ fn node(rank: &str, port: &str) -> Node {
             "--master-port",
             port,
             "--rdzv-timeout",
-            &rdzv,
+            rdzv,
             "--",
-            "true",
         ])
+        .args(command)
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map(Node)
         .expect("start distrun")
 }
 
-#[test]
-fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
-    let mut node0 = node("0", "0");
+/// The port node 0's `distrun` prints for its store (it keeps the rest of its stderr).
+fn store_port(node0: &mut Node) -> String {
     // `distrun: 1 rank(s) on node 0 of 3 (world size 3), store at 127.0.0.1:PORT`
     let mut stderr0 = BufReader::new(node0.0.stderr.take().expect("node 0's stderr"));
     let port = loop {
@@ -92,6 +97,15 @@ fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
             break at.trim().rsplit_once(':').expect("ADDR:PORT").1.to_owned();
         }
     };
+    // Node 0's later lines stay in the pipe, which holds far more than it writes.
+    node0.0.stderr = Some(stderr0.into_inner());
+    port
+}
+
+#[test]
+fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
+    let mut node0 = node("0", "0");
+    let port = store_port(&mut node0);
     let mut node1 = node("1", &port);
     let observer = TcpStore::connect("127.0.0.1", port.parse().expect("port"), RDZV)
         .expect("the test's client of node 0's store");
@@ -134,29 +148,7 @@ fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
 /// Node `rank` of a two-node job of one rank each whose rank says `up` and sleeps, with a
 /// rendezvous timeout far longer than the test may take.
 fn running_node(rank: &str, port: &str) -> Node {
-    Command::new(DISTRUN)
-        .args([
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--nproc-per-node",
-            "1",
-            "--master-port",
-            port,
-            "--rdzv-timeout",
-            "100",
-            "--",
-            "sh",
-            "-c",
-            "echo up; sleep 60",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map(Node)
-        .expect("start distrun")
+    node_of("2", "100", rank, port, &["sh", "-c", "echo up; sleep 60"])
 }
 
 /// Node 0 (the job's store) is stopped while both nodes' ranks run, then node 1's `distrun`
@@ -168,15 +160,7 @@ fn running_node(rank: &str, port: &str) -> Node {
 #[test]
 fn a_node_whose_store_is_stopped_still_stops_on_sigterm() {
     let mut node0 = running_node("0", "0");
-    let mut stderr0 = BufReader::new(node0.0.stderr.take().expect("node 0's stderr"));
-    let port = loop {
-        let mut line = String::new();
-        let n = stderr0.read_line(&mut line).expect("node 0's stderr");
-        assert_ne!(n, 0, "node 0 ended before naming its store's port");
-        if let Some((_, at)) = line.split_once("store at ") {
-            break at.trim().rsplit_once(':').expect("ADDR:PORT").1.to_owned();
-        }
-    };
+    let port = store_port(&mut node0);
     let mut node1 = running_node("1", &port);
     let mut up = String::new();
     BufReader::new(node1.0.stdout.take().expect("node 1's stdout"))

@@ -350,6 +350,16 @@ mod tests {
             const { Cell::new(None) };
     }
 
+    /// An agent of a job of one worker, over loopback and a store of its own.
+    fn one_worker_agent() -> Arc<Agent> {
+        let store: Arc<dyn Store> = Arc::new(HashStore::new(Duration::from_secs(30)));
+        let opts = RpcOptions::new()
+            .listen_ip(std::net::Ipv4Addr::LOCALHOST.into())
+            .shutdown_timeout(Duration::from_secs(10));
+        let deadline = deadline_after(Instant::now(), Duration::from_secs(30));
+        Agent::init("w0", 0, 1, store, opts, deadline).expect("a one-worker agent")
+    }
+
     /// A peer's goodbye (or loss, or a close) fails every call in the table and takes each
     /// one's busy count down. Running it between the two steps of registering a call must
     /// leave busy counting exactly the calls in the table: before, the call went in first
@@ -357,12 +367,7 @@ mod tests {
     /// left it at 1 for good, and graceful shutdown waited out its whole timeout.
     #[test]
     fn a_failure_of_every_pending_call_while_one_is_being_sent_leaves_busy_right() {
-        let store: Arc<dyn Store> = Arc::new(HashStore::new(Duration::from_secs(30)));
-        let opts = RpcOptions::new()
-            .listen_ip(std::net::Ipv4Addr::LOCALHOST.into())
-            .shutdown_timeout(Duration::from_secs(10));
-        let deadline = deadline_after(Instant::now(), Duration::from_secs(30));
-        let agent = Agent::init("w0", 0, 1, store, opts, deadline).expect("a one-worker agent");
+        let agent = one_worker_agent();
         let weak = Arc::downgrade(&agent);
         BETWEEN_COUNT_AND_INSERT.with(|h| {
             h.set(Some(Box::new(move || {
@@ -411,12 +416,7 @@ mod tests {
     /// a control thread that had stopped, and its caller waited out its whole timeout.
     #[test]
     fn a_close_while_a_call_is_being_registered_fails_the_call() {
-        let store: Arc<dyn Store> = Arc::new(HashStore::new(Duration::from_secs(30)));
-        let opts = RpcOptions::new()
-            .listen_ip(std::net::Ipv4Addr::LOCALHOST.into())
-            .shutdown_timeout(Duration::from_secs(10));
-        let deadline = deadline_after(Instant::now(), Duration::from_secs(30));
-        let agent = Agent::init("w0", 0, 1, store, opts, deadline).expect("a one-worker agent");
+        let agent = one_worker_agent();
         let weak = Arc::downgrade(&agent);
         BETWEEN_COUNT_AND_INSERT.with(|h| {
             h.set(Some(Box::new(move || {
