@@ -6,10 +6,14 @@
 //! `finished` (counter) and `all_finished` (every node's ranks have ended). `distrun/left`
 //! counts the nodes that have read the outcome: node 0 keeps the store up until all have.
 //!
-//! Each operation (joining an attempt and waiting for `go`, reading a failure, leaving) takes
-//! one deadline when it starts and makes every store call through the `_by` forms with it, so
-//! a stopped store host fails the operation by that deadline: with the store's own timeout per
-//! call, a call made late in a wait would start a fresh timeout of its own.
+//! Each operation (joining an attempt and waiting for `go`, reporting a failure, leaving)
+//! takes one deadline when it starts and makes every store call through the `_by` forms with
+//! it, so a stopped store host fails the operation by that deadline: with the store's own
+//! timeout per call, a call made late in a wait would start a fresh timeout of its own. The
+//! polls within them (has every node arrived, finished; has any failed) are looks of at most
+//! [`LOOK`] each, never past that deadline: between looks the signals and this node's ranks
+//! are looked at, and a look the store does not answer is no news until it has answered none
+//! for the rendezvous timeout ([`Agents::look`]).
 
 use std::time::{Duration, Instant};
 
@@ -221,14 +225,38 @@ impl Agents {
         );
     }
 
+    /// [`Agents::report_failure`] within one [`LOOK`]: `false` when the store did not answer
+    /// in time, and the report is still to be made; `true` when it was made, or failed for
+    /// good (said on stderr).
+    pub(crate) fn report_failure_soon(&self, attempt: u32, code: i32, what: &str) -> bool {
+        let deadline = deadline_after(Instant::now(), LOOK.min(self.timeout));
+        match self.try_report_failure(attempt, code, what, deadline) {
+            Err(e) if unanswered(&e) => false,
+            Err(e) => {
+                eprintln!("distrun: could not tell the other nodes of the failure: {e}");
+                true
+            }
+            Ok(()) => true,
+        }
+    }
+
     fn report_failure_by(&self, attempt: u32, code: i32, what: &str, deadline: Instant) {
-        let value = format!("{code}\t{what}");
-        if let Err(e) =
-            self.store
-                .compare_set_by(&key(attempt, "failed"), b"", value.as_bytes(), deadline)
-        {
+        if let Err(e) = self.try_report_failure(attempt, code, what, deadline) {
             eprintln!("distrun: could not tell the other nodes of the failure: {e}");
         }
+    }
+
+    fn try_report_failure(
+        &self,
+        attempt: u32,
+        code: i32,
+        what: &str,
+        deadline: Instant,
+    ) -> Result<(), StoreError> {
+        let value = format!("{code}\t{what}");
+        self.store
+            .compare_set_by(&key(attempt, "failed"), b"", value.as_bytes(), deadline)?;
+        Ok(())
     }
 
     /// The failure some node reported in `attempt`, if any: (exit code, description).

@@ -179,7 +179,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
         if let Some(i) = first_failure {
             let r = &ranks[i];
             let status = r.status.unwrap_or_else(|| ExitStatus::from_raw(1 << 8));
-            if let Some(ag) = a.agents {
+            let report = a.agents.map(|ag| {
                 let f = Failure {
                     rank: r.rank,
                     local_rank: r.local_rank,
@@ -189,9 +189,16 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                     tail: Vec::new(),
                     stopped: Vec::new(),
                 };
-                ag.report_failure(a.restart, f.exit_code(), &f.one_line());
-            }
+                let (code, line) = (f.exit_code(), f.one_line());
+                // First as one look: a store that does not answer (node 0 stopped) must not
+                // keep this node's other ranks running for the rendezvous timeout.
+                let told = ag.report_failure_soon(a.restart, code, &line);
+                (ag, code, line, told)
+            });
             let stopped = stop(&mut ranks, libc::SIGTERM, a.grace);
+            if let Some((ag, code, line, false)) = report {
+                ag.report_failure(a.restart, code, &line);
+            }
             let r = &ranks[i];
             // The failed rank's last words may still be in its pipes.
             drain(&done_rx, &mut readers);

@@ -56,12 +56,19 @@ fn stop(c: &Child) {
 /// One node of a three-node job (only two are started, so nobody ever gets `go`).
 fn node(rank: &str, port: &str) -> Node {
     let rdzv = RDZV.as_secs().to_string();
-    node_of("3", &rdzv, rank, port, &["true"])
+    node_of("3", &rdzv, "1", rank, port, &["true"])
 }
 
-/// Node `rank` of a job of `nnodes` nodes of one rank each running `command`, with a
+/// Node `rank` of a job of `nnodes` nodes of `nproc` ranks each running `command`, with a
 /// rendezvous timeout of `rdzv` seconds; stdout and stderr piped.
-fn node_of(nnodes: &str, rdzv: &str, rank: &str, port: &str, command: &[&str]) -> Node {
+fn node_of(
+    nnodes: &str,
+    rdzv: &str,
+    nproc: &str,
+    rank: &str,
+    port: &str,
+    command: &[&str],
+) -> Node {
     Command::new(DISTRUN)
         .args([
             "--nnodes",
@@ -69,7 +76,7 @@ fn node_of(nnodes: &str, rdzv: &str, rank: &str, port: &str, command: &[&str]) -
             "--node-rank",
             rank,
             "--nproc-per-node",
-            "1",
+            nproc,
             "--master-port",
             port,
             "--rdzv-timeout",
@@ -148,7 +155,14 @@ fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
 /// Node `rank` of a two-node job of one rank each whose rank says `up` and sleeps, with a
 /// rendezvous timeout far longer than the test may take.
 fn running_node(rank: &str, port: &str) -> Node {
-    node_of("2", "100", rank, port, &["sh", "-c", "echo up; sleep 60"])
+    node_of(
+        "2",
+        "100",
+        "1",
+        rank,
+        port,
+        &["sh", "-c", "echo up; sleep 60"],
+    )
 }
 
 /// Node 0 (the job's store) is stopped while both nodes' ranks run, then node 1's `distrun`
@@ -194,5 +208,60 @@ fn a_node_whose_store_is_stopped_still_stops_on_sigterm() {
     assert!(
         took < Duration::from_secs(30),
         "node 1 took {took:?}: {err}"
+    );
+}
+
+/// Node 0 (the job's store) is stopped, then a rank of node 1 fails: node 1 stops its other
+/// rank within seconds. Before, it first reported the failure through the store, in one call
+/// bounded by the rendezvous timeout (100 s here), which a stopped store never answers, and
+/// its other rank ran on until then. Now the report is tried for a second first, the ranks
+/// are stopped, and the report is made after.
+#[test]
+fn a_rank_failing_while_the_store_is_stopped_stops_its_nodes_other_ranks() {
+    let go = std::env::temp_dir().join(format!("distrun-test-{}-fail-stopped", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    // Rank 2 (node 1) fails once `go` exists (bounded, so that nothing outlives a failed
+    // test); rank 3 (node 1) names its pid and sleeps; node 0's ranks sleep.
+    let script = format!(
+        "case $RANK in \
+           2) i=0; while [ ! -e '{}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; \
+              exit 3;; \
+           3) echo pid $$; exec sleep 60;; \
+           *) exec sleep 60;; \
+         esac",
+        go.display()
+    );
+    let command = ["sh", "-c", script.as_str()];
+    let mut node0 = node_of("2", "100", "2", "0", "0", &command);
+    let port = store_port(&mut node0);
+    let mut node1 = node_of("2", "100", "2", "1", &port, &command);
+    let mut line = String::new();
+    BufReader::new(node1.0.stdout.take().expect("node 1's stdout"))
+        .read_line(&mut line)
+        .expect("rank 3's output");
+    let (_, pid) = line
+        .trim_end()
+        .rsplit_once("pid ")
+        .expect("rank 3 names its pid");
+    let pid = pid.to_owned();
+    stop(&node0.0);
+    std::fs::write(&go, b"").unwrap();
+    let failed = Instant::now();
+    // Gone, or a zombie not reaped yet.
+    let gone = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+            s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
+        })
+    };
+    while !gone() && failed.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = failed.elapsed();
+    let _ = std::fs::remove_file(&go);
+    eprintln!("rank 3 ended {took:?} after rank 2 failed");
+    assert!(gone(), "rank 3 still runs 60 s after rank 2 failed");
+    assert!(
+        took < Duration::from_secs(30),
+        "rank 3 ended {took:?} after rank 2 failed"
     );
 }
