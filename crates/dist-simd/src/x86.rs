@@ -1,5 +1,5 @@
-//! x86 kernels, compiled for AVX2 (`bf16`) and F16C (`f16`) and entered only after the CPU
-//! has been checked for them.
+//! x86 kernels, compiled for AVX2 (`bf16`) and AVX with F16C (`f16`) and entered only after
+//! the CPU has been checked for them.
 //!
 //! The `unsafe` here is of two kinds. Calling a `#[target_feature]` function, whose only
 //! precondition is that the CPU supports the features it enables: inside those functions the
@@ -21,10 +21,13 @@ use crate::portable;
 /// Lanes per F16C conversion.
 const LANES: usize = 8;
 
-/// Whether the `f16` kernels below may run (cached by std after the first call).
+/// Whether the `f16` kernels below may run (cached by std after the first call). F16C's
+/// 256-bit conversions use the YMM registers, whose state only AVX detection checks the OS
+/// saves (std reports `f16c` from the CPU's bit alone): a kernel booted with `noxsave`, or a
+/// VM that masks AVX but passes the F16C bit through, would fault on them.
 #[inline]
 fn has_f16c() -> bool {
-    std::arch::is_x86_feature_detected!("f16c")
+    std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("f16c")
 }
 
 /// Whether the `bf16` kernels below may run.
@@ -34,21 +37,21 @@ fn has_avx2() -> bool {
 }
 
 /// Widens 8 `f16` with `vcvtph2ps`: exact, NaN quieted with its payload kept.
-#[target_feature(enable = "f16c")]
+#[target_feature(enable = "avx,f16c")]
 #[inline]
 fn widen8(h: [u16; LANES]) -> [f32; LANES] {
     bytemuck::cast::<__m256, _>(_mm256_cvtph_ps(bytemuck::cast::<_, __m128i>(h)))
 }
 
 /// Narrows 8 `f32` with `vcvtps2ph`, rounding to nearest even whatever MXCSR says.
-#[target_feature(enable = "f16c")]
+#[target_feature(enable = "avx,f16c")]
 #[inline]
 fn narrow8(x: [f32; LANES]) -> [u16; LANES] {
     let v = bytemuck::cast::<_, __m256>(x);
     bytemuck::cast::<__m128i, _>(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v))
 }
 
-#[target_feature(enable = "f16c")]
+#[target_feature(enable = "avx,f16c")]
 fn f16_zip_map_f16c(dst: &mut [u16], src: &[u16], f: impl Fn(f32, f32) -> f32) {
     let (d8, d_tail) = dst.as_chunks_mut::<LANES>();
     let (s8, s_tail) = src.as_chunks::<LANES>();
@@ -68,7 +71,7 @@ fn f16_zip_map_f16c(dst: &mut [u16], src: &[u16], f: impl Fn(f32, f32) -> f32) {
     }
 }
 
-#[target_feature(enable = "f16c")]
+#[target_feature(enable = "avx,f16c")]
 fn f16_map_f16c(buf: &mut [u16], f: impl Fn(f32) -> f32) {
     let (b8, tail) = buf.as_chunks_mut::<LANES>();
     let lanes = |b: [u16; LANES]| {
@@ -105,7 +108,8 @@ pub(crate) fn f16_zip_map(dst: &mut [u16], src: &[u16], f: impl Fn(f32, f32) -> 
     if !has_f16c() {
         return false;
     }
-    // SAFETY: the CPU supports F16C (checked just above), the one feature the callee enables.
+    // SAFETY: the CPU and OS support AVX and F16C (checked just above), the features the
+    // callee enables.
     unsafe { f16_zip_map_f16c(dst, src, f) };
     true
 }
@@ -115,7 +119,8 @@ pub(crate) fn f16_map(buf: &mut [u16], f: impl Fn(f32) -> f32) -> bool {
     if !has_f16c() {
         return false;
     }
-    // SAFETY: the CPU supports F16C (checked just above), the one feature the callee enables.
+    // SAFETY: the CPU and OS support AVX and F16C (checked just above), the features the
+    // callee enables.
     unsafe { f16_map_f16c(buf, f) };
     true
 }
