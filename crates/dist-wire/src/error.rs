@@ -14,6 +14,13 @@ pub enum WireError {
         /// The dtype.
         dtype: DType,
     },
+    /// A result was to be finalized as the reduction of no inputs (a rank count of 0), which
+    /// has no average.
+    #[error("reduce op {op} over 0 ranks: an average needs at least one input")]
+    NoInputs {
+        /// The op.
+        op: ReduceOp,
+    },
     /// Two buffers that must have the same length do not.
     #[error("buffer lengths differ: destination has {dst} bytes, source has {src}")]
     LengthMismatch {

@@ -58,12 +58,16 @@ macro_rules! int_kernel {
                 // Unreachable by validation: PremulSum is float-only.
             }
             fn divide(buf: &mut [Self], n: usize) {
-                // `n` is a rank count; one that does not fit the type leaves every value
-                // smaller in magnitude than n, whose truncated quotient is 0.
+                // `n` is a rank count, not 0 ([`finalize`] refuses it). One that does not fit
+                // the type divides in i128, where every value and `n` do: the quotient, no
+                // larger in magnitude than the value, fits back (the type's MIN over a count
+                // of -MIN is -1, not 0).
                 match <$t>::try_from(n) {
                     Ok(d) if d != 0 => buf.iter_mut().for_each(|x| *x /= d),
                     Ok(_) => {}
-                    Err(_) => buf.iter_mut().for_each(|x| *x = 0),
+                    Err(_) => buf
+                        .iter_mut()
+                        .for_each(|x| *x = (i128::from(*x) / n as i128) as $t),
                 }
             }
         }
@@ -310,6 +314,9 @@ pub fn finalize(
     op.check(dtype)?;
     check_whole(dtype, buf.len())?;
     if op == ReduceOp::Avg {
+        if nranks == 0 {
+            return Err(WireError::NoInputs { op });
+        }
         dispatch!(dtype, T => with_typed_mut::<T>(buf, |b, _| T::divide(b, nranks)));
     }
     Ok(())
@@ -563,6 +570,30 @@ mod tests {
         assert_eq!(f, [0.5, 1.5]);
         finalize_slice(ReduceOp::Avg, &mut f, 4).unwrap();
         assert_eq!(f, [0.125, 0.375]);
+    }
+
+    /// A rank count past the integer type divides exactly (truncating toward zero, as NCCL
+    /// does): the type's MIN over -MIN ranks is -1. Before, every value became 0. And an
+    /// average over 0 ranks is an error, where floats became inf or NaN and integers stayed.
+    #[test]
+    fn avg_over_more_ranks_than_the_type_holds_and_over_none() {
+        let mut v = [i8::MIN, i8::MAX, -1, 0];
+        finalize_slice(ReduceOp::Avg, &mut v, 128).unwrap();
+        assert_eq!(v, [-1, 0, 0, 0]);
+        let mut w = [i16::MIN, i16::MIN + 1];
+        finalize_slice(ReduceOp::Avg, &mut w, 32768).unwrap();
+        assert_eq!(w, [-1, 0]);
+        let mut u = [u8::MAX];
+        finalize_slice(ReduceOp::Avg, &mut u, 256).unwrap();
+        assert_eq!(u, [0]);
+        let mut f = [1.0f32];
+        assert_eq!(
+            finalize_slice(ReduceOp::Avg, &mut f, 0),
+            Err(WireError::NoInputs { op: ReduceOp::Avg })
+        );
+        assert_eq!(f, [1.0]);
+        // Every other op has nothing to finalize, whatever the count.
+        finalize_slice(ReduceOp::Sum, &mut f, 0).unwrap();
     }
 
     #[test]

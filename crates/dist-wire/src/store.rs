@@ -428,8 +428,8 @@ impl Request {
         out
     }
 
-    /// Checks every key, value and list of this request against `limits` (what a decoder with
-    /// those limits would refuse), without encoding it.
+    /// Checks every key, value and list of this request, and its encoded length, against
+    /// `limits` (what a decoder with those limits would refuse), without encoding it.
     pub fn check_limits(&self, limits: &Limits) -> Result<(), WireError> {
         let check = |what: &'static str, len: usize, limit: u64| {
             if len as u64 > limit {
@@ -466,13 +466,17 @@ impl Request {
             Request::Get { key: k }
             | Request::DeleteKey { key: k }
             | Request::QueuePop { key: k }
-            | Request::QueueLen { key: k }
-            | Request::Add { key: k, .. } => {
+            | Request::QueueLen { key: k } => {
+                key(k)?;
+                total += 8 + k.len();
+            }
+            Request::Add { key: k, .. } => {
                 key(k)?;
                 total += 16 + k.len();
             }
             Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
                 check("store key list", keys.len(), limits.max_list_len)?;
+                total += 8;
                 for k in keys {
                     key(k)?;
                     total += 8 + k.len();
@@ -480,17 +484,15 @@ impl Request {
             }
             Request::MultiSet { pairs } => {
                 check("store pair list", pairs.len(), limits.max_list_len)?;
+                total += 8;
                 for (k, v) in pairs {
                     key(k)?;
                     value(v)?;
                     total += 16 + k.len() + v.len();
                 }
             }
-            Request::Validate { .. }
-            | Request::Ping { .. }
-            | Request::GetNumKeys
-            | Request::CancelWait
-            | Request::ListKeys => {}
+            Request::Validate { .. } | Request::Ping { .. } => total += 4,
+            Request::GetNumKeys | Request::CancelWait | Request::ListKeys => {}
         }
         check("store message", total, limits.max_message_len)
     }

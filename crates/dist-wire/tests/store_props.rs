@@ -195,8 +195,10 @@ proptest! {
     }
 
     #[test]
-    fn check_limits_agrees_with_the_decoder(req in request(), key in 0u64..20, value in 0u64..70, list in 0u64..7) {
-        let limits = Limits { max_key_len: key, max_value_len: value, max_list_len: list, max_message_len: 4096 };
+    fn check_limits_agrees_with_the_decoder(req in request(), key in 0u64..20, value in 0u64..70, list in 0u64..7, message in 0u64..300) {
+        // A message limit around the sizes `request()` makes, so that an estimate of the
+        // encoded length off by a few bytes either way is caught.
+        let limits = Limits { max_key_len: key, max_value_len: value, max_list_len: list, max_message_len: message };
         let b = req.to_bytes();
         let decoded = Request::decode(&b, &limits);
         match req.check_limits(&limits) {
