@@ -92,6 +92,18 @@ fn node_of(
         .expect("start distrun")
 }
 
+/// What a node's `distrun` wrote to stderr, read to its end.
+fn rest_of_stderr(node: &mut Node) -> String {
+    let mut err = String::new();
+    node.0
+        .stderr
+        .take()
+        .expect("the node's stderr")
+        .read_to_string(&mut err)
+        .expect("the node's stderr");
+    err
+}
+
 /// The port node 0's `distrun` prints for its store (it keeps the rest of its stderr).
 fn store_port(node0: &mut Node) -> String {
     // `distrun: 1 rank(s) on node 0 of 3 (world size 3), store at 127.0.0.1:PORT`
@@ -137,14 +149,7 @@ fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
 
     let status = node1.0.wait().expect("node 1's exit");
     let took = joined.elapsed();
-    let mut err = String::new();
-    node1
-        .0
-        .stderr
-        .take()
-        .expect("node 1's stderr")
-        .read_to_string(&mut err)
-        .expect("node 1's stderr");
+    let err = rest_of_stderr(&mut node1);
     eprintln!("node 1 ended {took:?} after both had joined: {err}");
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(err.contains("node 1: joining attempt 0"), "{err}");
@@ -195,14 +200,7 @@ fn a_node_whose_store_is_stopped_still_stops_on_sigterm() {
         std::thread::sleep(Duration::from_millis(50));
     };
     let took = signalled.elapsed();
-    let mut err = String::new();
-    node1
-        .0
-        .stderr
-        .take()
-        .expect("node 1's stderr")
-        .read_to_string(&mut err)
-        .expect("node 1's stderr");
+    let err = rest_of_stderr(&mut node1);
     eprintln!("node 1 ended {took:?} after SIGTERM: {err}");
     assert_eq!(status.code(), Some(128 + 15), "{err}");
     assert!(
