@@ -464,6 +464,77 @@ fn world_size_5() {
     over_every_driver(5);
 }
 
+/// f16 averages whose sums pass f16's range (largest finite 65504): 4 ranks of about 30000,
+/// on every driver, over messages and through the group area, at a count that takes the small
+/// algorithms and one that takes the ring or the area's pieces. all_reduce, reduce and
+/// reduce_scatter each come back within f16's rounding of the f64 average, where summing first
+/// made `inf`; reduce_scatter leaves its input as it was (its first division is on a copy).
+#[test]
+fn f16_averages_whose_sums_pass_its_range_come_back_finite() {
+    let n = 4;
+    let d = DType::F16;
+    let v = |r: usize, i: usize| 30000.0 + ((i * 7 + r * 3) % 11) as f64 * 64.0;
+    let average = |i: usize| (0..n).map(|r| v(r, i)).sum::<f64>() / n as f64;
+    let check = |what: &str, out: &[u8], from: usize| {
+        for (j, got) in decode(d, out).into_iter().enumerate() {
+            assert_close(d, what, from + j, got, average(from + j));
+        }
+    };
+    for &(driver, make) in DRIVERS {
+        for (way, o) in [("messages", gloo_opts()), ("area", through_the_area())] {
+            let ranks = world(make, n, &o);
+            for count in [7, 300_003] {
+                let what = |op: &str| format!("{driver} {way} {op} of {count}");
+                let input = |r: usize| encode(d, (0..count).map(|i| v(r, i)));
+                let outs = on_all(&ranks, |b| {
+                    let mut buf = input(b.rank());
+                    b.all_reduce(BufMut::Host(&mut buf), d, ReduceOp::Avg, &opts())
+                        .unwrap();
+                    buf
+                });
+                for out in &outs {
+                    check(&what("all_reduce"), out, 0);
+                }
+                let outs = on_all(&ranks, |b| {
+                    let mut buf = input(b.rank());
+                    b.reduce(BufMut::Host(&mut buf), d, ReduceOp::Avg, 1, &opts())
+                        .unwrap();
+                    buf
+                });
+                check(&what("reduce"), &outs[1], 0);
+                let counts: Vec<usize> = (0..n)
+                    .map(|r| count / n + usize::from(r < count % n))
+                    .collect();
+                let outs = on_all(&ranks, |b| {
+                    let mine = input(b.rank());
+                    let mut out = vec![0u8; counts[b.rank()] * d.size()];
+                    b.reduce_scatter(
+                        BufRef::Host(&mine),
+                        BufMut::Host(&mut out),
+                        d,
+                        ReduceOp::Avg,
+                        &counts,
+                        &opts(),
+                    )
+                    .unwrap();
+                    assert_eq!(
+                        mine,
+                        input(b.rank()),
+                        "{}: input changed",
+                        what("reduce_scatter")
+                    );
+                    out
+                });
+                let mut at = 0;
+                for (r, out) in outs.iter().enumerate() {
+                    check(&what("reduce_scatter"), out, at);
+                    at += counts[r];
+                }
+            }
+        }
+    }
+}
+
 /// all_reduce in two shots through the group area, and all_gather, broadcast and all_to_all
 /// through it, on 2 to 5 ranks: the suite's data checks (every type and op; the big count in
 /// up to five pieces of the area, the last one short), then counts the area's exchanges: two

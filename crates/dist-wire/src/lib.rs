@@ -35,7 +35,10 @@ pub use header::{
     PAYLOAD_REF_LEN, PayloadRef, VERSION, splits_fingerprint,
 };
 pub use op::ReduceOp;
-pub use reduce::{finalize, finalize_slice, prepare, prepare_slice, reduce_into, reduce_slice};
+pub use reduce::{
+    average_divisors, finalize, finalize_slice, prepare, prepare_changes_input, prepare_slice,
+    reduce_into, reduce_slice, splits_average,
+};
 
 pub use half::{bf16, f16};
 

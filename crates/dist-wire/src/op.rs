@@ -11,7 +11,9 @@ use crate::{DType, WireError};
 /// * `BitAnd`, `BitOr`, `BitXor` accept integer dtypes only.
 /// * `Avg` is a sum divided by the number of contributing ranks. On integer dtypes the division
 ///   truncates toward zero, which is what NCCL's `ncclAvg` (the op behind torch's `ReduceOp.AVG`)
-///   does for integers.
+///   does for integers. On `f16` the division is split around the sum (a power of two about
+///   √n before it, the rest after: [`crate::splits_average`]), so that a sum past 65504 does not
+///   turn an average in range into `inf`.
 /// * `PremulSum(s)` multiplies every rank's input by `s` before summing (torch's
 ///   `ReduceOp.PREMUL_SUM`); it accepts floating-point dtypes only, since a fractional scale
 ///   cannot be applied to an integer without inventing a rounding rule.

@@ -3,9 +3,11 @@
 //! A reducing collective runs in three steps on each rank, so that every algorithm (ring,
 //! halving-doubling, tree) shares one definition of every op:
 //!
-//! 1. [`prepare`] the local input once (`PremulSum` multiplies by its scale here);
+//! 1. [`prepare`] the local input once (`PremulSum` multiplies by its scale here, and `Avg`
+//!    of `f16` divides by a first part of the rank count: [`splits_average`]);
 //! 2. [`reduce_into`] pairs of partial results with the op's [`ReduceOp::combiner`];
-//! 3. [`finalize`] the fully reduced result once (`Avg` divides by the rank count here).
+//! 3. [`finalize`] the fully reduced result once (`Avg` divides by the rank count, or what
+//!    [`prepare`] left of it, here).
 //!
 //! The kernels are plain zip loops over typed slices that the compiler vectorises. `f16` and
 //! `bf16` go through `dist-simd`, which widens each element to `f32`, applies the op and rounds
@@ -287,24 +289,84 @@ pub fn reduce_slice<T: Element>(op: ReduceOp, dst: &mut [T], src: &[T]) -> Resul
     )
 }
 
-/// Step 1: applies the op's per-input transform to a rank's own input (the `PremulSum` scale;
-/// a no-op for every other op).
-pub fn prepare(op: ReduceOp, dtype: DType, buf: &mut [u8]) -> Result<(), WireError> {
+/// Whether `Avg` over `dtype` divides in two parts, by the first of [`average_divisors`] in
+/// [`prepare`] and by the second in [`finalize`], rather than once at the end: `f16` only.
+///
+/// Why: `f16`'s largest finite value is 65504, so a sum of the ranks' inputs overflows to
+/// `inf` where their average is in range (4 ranks of 30000); split, the partial sums reach
+/// about √n times the average, not n times. Dividing by the whole rank count
+/// first, as NCCL's `ncclAvg` does, would lose small values to underflow instead; the split
+/// keeps both ends in range, as torch's FSDP does for its gradients. Its first divisor is a
+/// power of two, exact in any float type, so in `bf16`, `f32` and `f64` (the range of `f32` or
+/// more) the split would give the same bits as one division at the end, for one more pass
+/// over the buffer: those divide once.
+pub fn splits_average(dtype: DType) -> bool {
+    dtype == DType::F16
+}
+
+/// How an average over `nranks` inputs is divided where it is split
+/// ([`splits_average`]): by `before` ahead of the sum and by `after` once summed,
+/// `before · after = nranks`. `before` is the power of two torch's FSDP picks
+/// (`_get_gradient_divide_factors`): doubled from 1 while it divides `nranks` and
+/// `nranks / before > before`, so about √nranks (6 ranks give 4 and 1.5; 1 rank 1 and 1).
+pub fn average_divisors(nranks: usize) -> (f32, f32) {
+    let mut before = 1usize;
+    while nranks.is_multiple_of(before) && nranks / before > before {
+        before *= 2;
+    }
+    (before as f32, nranks as f32 / before as f32)
+}
+
+/// Whether [`prepare`] changes a rank's input for `op` on `dtype`: a caller whose input must
+/// stay as it was (a reduce-scatter's) prepares a copy exactly when this is true.
+pub fn prepare_changes_input(op: ReduceOp, dtype: DType) -> bool {
+    match op {
+        ReduceOp::PremulSum(_) => true,
+        ReduceOp::Avg => splits_average(dtype),
+        _ => false,
+    }
+}
+
+/// Step 1: applies the op's per-input transform to a rank's own input, one of `nranks`
+/// (`PremulSum`'s scale, and `Avg`'s first division where [`splits_average`]; nothing for
+/// every other op).
+pub fn prepare(op: ReduceOp, dtype: DType, buf: &mut [u8], nranks: usize) -> Result<(), WireError> {
     op.check(dtype)?;
     check_whole(dtype, buf.len())?;
-    if let ReduceOp::PremulSum(s) = op {
-        dispatch!(dtype, T => with_typed_mut::<T>(buf, |b, _| T::scale(b, s)));
+    match op {
+        ReduceOp::PremulSum(s) => {
+            dispatch!(dtype, T => with_typed_mut::<T>(buf, |b, _| T::scale(b, s)));
+        }
+        ReduceOp::Avg if splits_average(dtype) => {
+            if nranks == 0 {
+                return Err(WireError::NoInputs { op });
+            }
+            divide_half::<f16>(buf, average_divisors(nranks).0);
+        }
+        _ => {}
     }
     Ok(())
 }
 
 /// Typed form of [`prepare`].
-pub fn prepare_slice<T: Element>(op: ReduceOp, buf: &mut [T]) -> Result<(), WireError> {
-    prepare(op, T::DTYPE, bytemuck::cast_slice_mut(buf))
+pub fn prepare_slice<T: Element>(
+    op: ReduceOp,
+    buf: &mut [T],
+    nranks: usize,
+) -> Result<(), WireError> {
+    prepare(op, T::DTYPE, bytemuck::cast_slice_mut(buf), nranks)
 }
 
-/// Step 3: applies the op's final transform to a fully reduced result of `nranks` inputs (the
-/// `Avg` division; a no-op for every other op).
+/// Divides every `H` of `buf` by `by`, rounding once from `f32` (nothing where `by` is 1).
+fn divide_half<H: HalfKernel + Kernel>(buf: &mut [u8], by: f32) {
+    if by != 1.0 {
+        with_typed_mut::<H>(buf, |b, _| map_half(b, move |x| x / by));
+    }
+}
+
+/// Step 3: applies the op's final transform to a fully reduced result of `nranks` prepared
+/// inputs (`Avg`'s division, or its second part where [`splits_average`]; nothing for every
+/// other op).
 pub fn finalize(
     op: ReduceOp,
     dtype: DType,
@@ -317,7 +379,11 @@ pub fn finalize(
         if nranks == 0 {
             return Err(WireError::NoInputs { op });
         }
-        dispatch!(dtype, T => with_typed_mut::<T>(buf, |b, _| T::divide(b, nranks)));
+        if splits_average(dtype) {
+            divide_half::<f16>(buf, average_divisors(nranks).1);
+        } else {
+            dispatch!(dtype, T => with_typed_mut::<T>(buf, |b, _| T::divide(b, nranks)));
+        }
     }
     Ok(())
 }
@@ -519,14 +585,16 @@ mod tests {
         }
         // PremulSum's scale and Avg's division: one rounding after the f32 op.
         let mut scaled = a.clone();
-        prepare_slice(ReduceOp::PremulSum(0.3), &mut scaled).unwrap();
+        prepare_slice(ReduceOp::PremulSum(0.3), &mut scaled, 3).unwrap();
+        // An average over 3 inputs of which this is the sum; f16 divides by 2 ahead of it.
         let mut averaged = a.clone();
         finalize_slice(ReduceOp::Avg, &mut averaged, 3).unwrap();
         let (to, from) = half_conv::<H>();
+        let after = if H::DTYPE == DType::F16 { 1.5 } else { 3.0 };
         for i in 0..a.len() {
             let x = to(bytemuck::cast(a[i]));
             let want_scaled: H = bytemuck::cast(from(x * 0.3f64 as f32));
-            let want_avg: H = bytemuck::cast(from(x / 3.0));
+            let want_avg: H = bytemuck::cast(from(x / after));
             assert!(same_half(scaled[i], want_scaled), "PremulSum at {i}");
             assert!(same_half(averaged[i], want_avg), "Avg at {i}");
         }
@@ -566,7 +634,7 @@ mod tests {
         finalize_slice(ReduceOp::Avg, &mut v, 2).unwrap();
         assert_eq!(v, [3, -3, 4]);
         let mut f = [1.0f32, 3.0];
-        prepare_slice(ReduceOp::PremulSum(0.5), &mut f).unwrap();
+        prepare_slice(ReduceOp::PremulSum(0.5), &mut f, 4).unwrap();
         assert_eq!(f, [0.5, 1.5]);
         finalize_slice(ReduceOp::Avg, &mut f, 4).unwrap();
         assert_eq!(f, [0.125, 0.375]);
@@ -594,6 +662,76 @@ mod tests {
         assert_eq!(f, [1.0]);
         // Every other op has nothing to finalize, whatever the count.
         finalize_slice(ReduceOp::Sum, &mut f, 0).unwrap();
+    }
+
+    /// Four ranks' f16 inputs of 30000 average to 30000: summed first, as before, they made
+    /// `inf` (largest finite f16: 65504). The split keeps small values too: 1e-6 over 64 ranks
+    /// comes back within the precision of the subnormals it passes through, where a division by
+    /// all of 64 first (NCCL's way) makes 1.6e-8, under half the least subnormal: 0.
+    #[test]
+    fn f16_avg_divides_around_the_sum_so_a_sum_past_its_range_stays_finite() {
+        let average = |inputs: &[Vec<f16>]| {
+            let n = inputs.len();
+            let mut prepared: Vec<Vec<f16>> = inputs.to_vec();
+            for p in &mut prepared {
+                prepare_slice(ReduceOp::Avg, p, n).unwrap();
+            }
+            let mut acc = prepared[0].clone();
+            for p in &prepared[1..] {
+                reduce_slice(ReduceOp::Avg, &mut acc, p).unwrap();
+            }
+            finalize_slice(ReduceOp::Avg, &mut acc, n).unwrap();
+            acc
+        };
+        let big = vec![vec![f16::from_f32(30000.0), f16::from_f32(-32000.0)]; 4];
+        assert_eq!(
+            average(&big),
+            [f16::from_f32(30000.0), f16::from_f32(-32000.0)]
+        );
+        let small = vec![vec![f16::from_f32(1e-6)]; 64];
+        let got = average(&small)[0].to_f32();
+        assert!((got - 1e-6).abs() < 1e-7, "{got}");
+        // Mixed magnitudes over 6 ranks (divisors 4 and 1.5) against the f64 average.
+        let mixed: Vec<Vec<f16>> = (0..6)
+            .map(|r| {
+                vec![
+                    f16::from_f32(20000.0 + r as f32 * 1000.0),
+                    f16::from_f32(r as f32),
+                ]
+            })
+            .collect();
+        let got = average(&mixed);
+        assert!((got[0].to_f32() - 22500.0).abs() <= 16.0, "{}", got[0]);
+        assert!((got[1].to_f32() - 2.5).abs() <= 2e-3, "{}", got[1]);
+        // Only Avg of f16 changes the input in prepare; bf16 and f32 divide once at the end.
+        assert!(prepare_changes_input(ReduceOp::Avg, DType::F16));
+        assert!(prepare_changes_input(ReduceOp::PremulSum(0.5), DType::F32));
+        for d in [DType::BF16, DType::F32, DType::F64, DType::I32] {
+            assert!(!prepare_changes_input(ReduceOp::Avg, d), "{d:?}");
+        }
+        let mut x = [f16::ONE];
+        assert_eq!(
+            prepare_slice(ReduceOp::Avg, &mut x, 0),
+            Err(WireError::NoInputs { op: ReduceOp::Avg })
+        );
+    }
+
+    #[test]
+    fn average_divisors_follow_torch_fsdp_and_multiply_to_n() {
+        // torch's `_get_gradient_divide_factors`, by hand.
+        for (n, before) in [
+            (1, 1.0),
+            (2, 2.0),
+            (3, 2.0),
+            (4, 2.0),
+            (6, 4.0),
+            (8, 4.0),
+            (64, 8.0),
+        ] {
+            let (b, a) = average_divisors(n);
+            assert_eq!(b, before, "{n} ranks");
+            assert!((b * a - n as f32).abs() < 1e-6, "{n} ranks: {b} x {a}");
+        }
     }
 
     #[test]

@@ -578,7 +578,7 @@ impl GlooBackend {
     }
 
     fn prepare(&self, o: &Op<'_>, rop: ReduceOp, data: &mut [u8]) -> Result<()> {
-        dist_wire::prepare(rop, o.dtype(), data).map_err(|e| o.wire(e))
+        dist_wire::prepare(rop, o.dtype(), data, self.world_size).map_err(|e| o.wire(e))
     }
 
     fn finalize(&self, o: &Op<'_>, rop: ReduceOp, data: &mut [u8]) -> Result<()> {

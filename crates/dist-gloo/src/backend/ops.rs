@@ -249,8 +249,9 @@ impl Backend for GlooBackend {
                         )
                     }
                 };
-                if let ReduceOp::PremulSum(_) = op {
-                    // The scale must be applied to a copy: the input is the caller's.
+                if dist_wire::prepare_changes_input(op, dtype) {
+                    // The scale (or f16 Avg's first division) must be applied to a copy: the
+                    // input is the caller's.
                     let mut work = input.to_vec();
                     self.prepare(o, op, &mut work)?;
                     run(&work, output, scratch)?;

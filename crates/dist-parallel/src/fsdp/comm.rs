@@ -21,12 +21,19 @@ impl<C: ComputeElement> Grad<C> {
     }
 
     /// Averages this shard over `pg` (HSDP's replicate dimension), in the type it travels in:
-    /// in the compute type as a sum of shards divided by the first of [`divide_factors`], to be
-    /// divided by the second once summed ([`Grad::averaged_over`]).
+    /// in the compute type as a sum of shards divided by the first of
+    /// [`dist_wire::average_divisors`], to be divided by the second once summed
+    /// ([`Grad::averaged_over`]).
+    ///
+    /// Why not `ReduceOp::Avg` in the compute type: how a backend averages `f16` is its own
+    /// (gloo splits the division as this does; NCCL's `ncclAvg` divides by all of `n` first,
+    /// which loses small gradients to underflow), and a sum of `f16` gradients that are not
+    /// divided ahead overflows where their average is in range (64 ranks of gradients near
+    /// 1100 gave `inf`). Divided here, the gradients are alike on every backend.
     pub(crate) fn all_reduce_avg(self, pg: &ProcessGroup) -> dist_collective::Result<GradWork<C>> {
         Ok(match self {
             Grad::Compute(mut v) => {
-                divide(&mut v, divide_factors(pg.world_size()).0);
+                divide(&mut v, dist_wire::average_divisors(pg.world_size()).0);
                 GradWork::Compute(pg.all_reduce_async(v, ReduceOp::Sum)?)
             }
             Grad::F32(v) => GradWork::F32(pg.all_reduce_async(v, ReduceOp::Avg)?),
@@ -34,11 +41,11 @@ impl<C: ComputeElement> Grad<C> {
     }
 
     /// Ends an average over `n` ranks: a compute-type sum of shards each divided by the first
-    /// of [`divide_factors`] is divided by the second; the `f32` form was averaged by the
-    /// collective itself.
+    /// of [`dist_wire::average_divisors`] is divided by the second; the `f32` form was averaged
+    /// by the collective itself.
     pub(crate) fn averaged_over(mut self, n: usize) -> Self {
         if let Grad::Compute(v) = &mut self {
-            divide(v, divide_factors(n).1);
+            divide(v, dist_wire::average_divisors(n).1);
         }
         self
     }
@@ -52,25 +59,6 @@ impl<C: ComputeElement> Grad<C> {
     }
 }
 
-/// How a gradient in the compute type is averaged over `n` ranks: divided by `before` ahead
-/// of a sum and by `after` once summed, `before · after = n`, `before` the power of two torch's
-/// FSDP picks: doubled from 1 while it divides `n` and `n / before > before`, so about √n
-/// (it need not divide `n`: 6 ranks give 4 and 1.5).
-///
-/// Why not `ReduceOp::Avg`: it sums first and divides at the end, and in `f16` (largest
-/// finite value 65504) the partial sums overflowed where the average itself was fine: 64 ranks
-/// of gradients near 1100 gave `inf`. Dividing by all of `n` first would lose small gradients
-/// to underflow instead; splitting the division keeps both ends in range, as torch does for
-/// reduce types that NCCL cannot average. `before` is a power of two, so in `f32` and `bf16`
-/// the first division is exact.
-pub(crate) fn divide_factors(n: usize) -> (f32, f32) {
-    let mut before = 1usize;
-    while n.is_multiple_of(before) && n / before > before {
-        before *= 2;
-    }
-    (before as f32, n as f32 / before as f32)
-}
-
 /// Divides every element by `by`, rounding once from `f32`.
 fn divide<C: ComputeElement>(v: &mut [C], by: f32) {
     if by != 1.0 {
@@ -79,9 +67,9 @@ fn divide<C: ComputeElement>(v: &mut [C], by: f32) {
 }
 
 /// Packs a unit's gradients for a reduce-scatter that averages over `n` ranks by a sum
-/// ([`divide_factors`]).
+/// ([`dist_wire::average_divisors`]).
 pub(crate) fn divided_for_sum<C: ComputeElement>(mut packed: Vec<C>, n: usize) -> Vec<C> {
-    divide(&mut packed, divide_factors(n).0);
+    divide(&mut packed, dist_wire::average_divisors(n).0);
     packed
 }
 
@@ -130,27 +118,4 @@ pub(crate) fn busy_time(pg: &ProcessGroup, seqs: &[u64]) -> Duration {
         .filter_map(|e| Some(e.finished_ms? - e.started_ms?))
         .sum();
     Duration::from_secs_f64(ms.max(0.0) / 1e3)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::divide_factors;
-
-    #[test]
-    fn divide_factors_follow_torch_fsdp_and_multiply_to_n() {
-        // torch's `_get_gradient_divide_factors`, by hand.
-        for (n, before) in [
-            (1, 1.0),
-            (2, 2.0),
-            (3, 2.0),
-            (4, 2.0),
-            (6, 4.0),
-            (8, 4.0),
-            (64, 8.0),
-        ] {
-            let (b, a) = divide_factors(n);
-            assert_eq!(b, before, "{n} ranks");
-            assert!((b * a - n as f32).abs() < 1e-6, "{n} ranks: {b} x {a}");
-        }
-    }
 }

@@ -534,7 +534,7 @@ impl<C: ComputeElement> Fsdp<C> {
         self.mem.accumulated = self.no_sync_acc.iter().flatten().map(|a| a.len() * 4).sum();
         let l = &self.units[u];
         let n = self.shard_pg.world_size();
-        // In the compute type, a sum of gradients divided ahead (see `divide_factors`).
+        // In the compute type, a sum of gradients divided ahead (`dist_wire::average_divisors`).
         let work = match (self.opts.reduce_dtype, acc) {
             (ReduceDtype::Compute, None) => GradWork::Compute(
                 self.shard_pg
