@@ -46,6 +46,36 @@ impl std::fmt::Debug for NcclBackend {
     }
 }
 
+/// Refuses a split `color` or `key` past NCCL's non-negative `int`, naming which.
+fn check_split_args(rank: usize, color: Option<u32>, key: usize) -> Result<()> {
+    let past = |what: &str, v: u64| Error::Unsupported {
+        rank,
+        op: "split",
+        reason: format!(
+            "{what} {v} does not fit NCCL's non-negative int (at most {})",
+            i32::MAX
+        ),
+    };
+    if let Some(c) = color.filter(|&c| c > i32::MAX as u32) {
+        return Err(past("color", u64::from(c)));
+    }
+    if key > i32::MAX as usize {
+        return Err(past("key", key as u64));
+    }
+    Ok(())
+}
+
+/// The device a backend takes when its first operation names none (a barrier): this process's
+/// rank on its host modulo the host's `devices`, as torch's `LOCAL_RANK` convention has it
+/// (under Slurm with one visible GPU per task that is always device 0); without a local rank,
+/// the group rank modulo `devices`, as torch's `ProcessGroupNCCL` guesses.
+pub(crate) fn default_ordinal(local_rank: Option<u32>, rank: usize, devices: u32) -> u32 {
+    match local_rank {
+        Some(lr) => lr % devices,
+        None => (rank % devices as usize) as u32,
+    }
+}
+
 impl NcclBackend {
     /// A backend for `rank` of `world_size`, rendezvousing under `prefix` in `store` when it
     /// first needs its communicator. Fails at once with [`Error::Unavailable`] (naming the
@@ -79,7 +109,10 @@ impl NcclBackend {
     /// calls it; the ranks passing the same `color` form a new backend, ordered by `key`
     /// (`None`: this rank joins none and gets `None`). Creates this backend's communicator
     /// first if needed.
+    /// `color` and `key` must fit NCCL's non-negative `int` (up to `i32::MAX`): larger ones are
+    /// refused, where they would have merged distinct colors and reordered ranks.
     pub fn split(&self, color: Option<u32>, key: usize) -> Result<Option<NcclBackend>> {
+        check_split_args(self.rank, color, key)?;
         let live = self.live(None)?;
         let Some((comm, rank, size)) = live.exclusive("split", |c| c.split(color, key))? else {
             return Ok(None);
@@ -124,28 +157,30 @@ impl NcclBackend {
                 reason: "the driver loaded but reports no CUDA device".into(),
             });
         }
-        Ok(self.rank as u32 % n)
+        Ok(default_ordinal(self.opts.local_rank, self.rank, n))
     }
 
     /// The communicator, created on first use (on `device`, or the default one). A failed
-    /// creation is sticky: peers are in an unknown state.
+    /// creation is sticky once the rendezvous began (peers are then in an unknown state);
+    /// choosing and binding the device involves no peer, so a failure there (a device this
+    /// process cannot see) is returned and the next call tries again.
     fn live(&self, device: Option<u32>) -> Result<Arc<Live>> {
         let mut slot = self.live.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = &*slot {
             return r.clone();
         }
-        let r = self.create(device).map(Arc::new);
-        *slot = Some(r.clone());
-        r
-    }
-
-    fn create(&self, device: Option<u32>) -> Result<Live> {
         let ordinal = match device {
             Some(d) => d,
             None => self.default_device()?,
         };
         let dev = Device::primary(self.rank, ordinal)?;
         dev.bind(self.rank, "init")?;
+        let r = self.create(dev).map(Arc::new);
+        *slot = Some(r.clone());
+        r
+    }
+
+    fn create(&self, dev: Device) -> Result<Live> {
         let Some(store) = &self.store else {
             return Err(Error::Unsupported {
                 rank: self.rank,
@@ -620,8 +655,20 @@ impl Backend for NcclBackend {
         let rt = self.check_counts(OP, "recv_counts", recv_counts)?;
         self.check_len(OP, "input", &i, st, dtype)?;
         self.check_len(OP, "output", &o, rt, dtype)?;
-        let sz = dtype.size();
         let rank = self.rank;
+        // NCCL would pair a self-send and a self-receive of different sizes (an error or a
+        // hang of its own); gloo refuses the same.
+        if send_counts[rank] != recv_counts[rank] {
+            return Err(dist_backend::Error::invalid(
+                rank,
+                OP,
+                format!(
+                    "this rank sends itself {} elements but expects to receive {} from itself",
+                    send_counts[rank], recv_counts[rank]
+                ),
+            ));
+        }
+        let sz = dtype.size();
         let (sc, rc) = (send_counts.to_vec(), recv_counts.to_vec());
         self.run(OP, opts, &[i, o], i.len(), |c, s, seq| {
             // One group of send+recv per peer, zero sizes skipped (torch's all2all).
@@ -867,5 +914,40 @@ impl Pieces {
         };
         let call = if send { "ncclSend" } else { "ncclRecv" };
         check(res, self.rank, self.op, self.seq, call)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{check_split_args, default_ordinal};
+
+    #[test]
+    fn split_colors_and_keys_past_nccls_int_are_refused() {
+        check_split_args(0, Some(i32::MAX as u32), i32::MAX as usize).unwrap();
+        check_split_args(0, None, 0).unwrap();
+        let e = check_split_args(2, Some(u32::MAX), 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 2") && e.contains("color 4294967295"),
+            "{e}"
+        );
+        let e = check_split_args(1, Some(0), 1 << 31)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key 2147483648"), "{e}");
+    }
+
+    #[test]
+    fn the_default_device_wraps_the_local_rank_and_falls_back_to_the_rank() {
+        // Slurm with one visible GPU per task: local rank 3 is device 0, not 3.
+        assert_eq!(default_ordinal(Some(3), 11, 1), 0);
+        assert_eq!(default_ordinal(Some(3), 11, 2), 1);
+        assert_eq!(default_ordinal(Some(1), 5, 8), 1);
+        assert_eq!(default_ordinal(None, 5, 4), 1);
+        assert_eq!(
+            default_ordinal(None, usize::MAX, 3),
+            (usize::MAX % 3) as u32
+        );
     }
 }

@@ -228,14 +228,14 @@ impl Comm {
         color: Option<u32>,
         key: usize,
     ) -> Result<Option<(Comm, usize, usize)>> {
-        let color = color.map_or(-1, |c| c.min(i32::MAX as u32) as c_int);
+        // `NcclBackend::split` refused colors and keys past `c_int`; -1 is NCCL_SPLIT_NOCOLOR.
+        let color = color.map_or(-1, |c| c_int::try_from(c).unwrap_or(c_int::MAX));
+        let key = c_int::try_from(key).unwrap_or(c_int::MAX);
         let mut new: ncclComm_t = std::ptr::null_mut();
         self.with("split", 0, |c| {
             // SAFETY: `c` is live (held under the read lock); `new` is a valid out-pointer;
             // a null config asks for the parent's.
-            let r = unsafe {
-                nccl::ncclCommSplit(c, color, key as c_int, &mut new, std::ptr::null_mut())
-            };
+            let r = unsafe { nccl::ncclCommSplit(c, color, key, &mut new, std::ptr::null_mut()) };
             check(r, self.rank, "split", 0, "ncclCommSplit")
         })?;
         if new.is_null() {
@@ -299,7 +299,7 @@ impl CommProbe for Comm {
     }
 
     fn abort(&self) {
-        let deadline = Instant::now() + self.abort_wait;
+        let deadline = dist_backend::deadline_after(Instant::now(), self.abort_wait);
         loop {
             if let Ok(_guard) = self.lock.try_write() {
                 let c = self.ptr.swap(std::ptr::null_mut(), Ordering::AcqRel);

@@ -188,7 +188,7 @@ impl Live {
     /// Waits (up to the drain timeout) for pending operations, then stops the watchdog;
     /// operations still pending fail with [`crate::AbortCause::Closed`].
     pub(crate) fn close(&self) {
-        let deadline = Instant::now() + self.drain;
+        let deadline = dist_backend::deadline_after(Instant::now(), self.drain);
         while self.watch.has_pending() && Instant::now() < deadline {
             if self.watch.tick(Instant::now()).is_some() {
                 break;

@@ -282,9 +282,13 @@ impl<C: CommProbe> Watch<C> {
         }
     }
 
-    /// Whether any operation is still pending.
+    /// Whether any operation is still pending and may yet finish: not once the communicator
+    /// failed. Its failed operations stay listed (errors name them) but never leave, and a
+    /// close that drained until none was pending waited out its whole timeout after any
+    /// failure (300 s by default; twice, through `close` and then `Drop`).
     pub(crate) fn has_pending(&self) -> bool {
-        !self.lock().pending.is_empty()
+        let st = self.lock();
+        st.failed.is_none() && !st.pending.is_empty()
     }
 
     /// The flight recorder: the last operations, oldest first, then the pending ones.
@@ -432,6 +436,8 @@ mod tests {
         assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
         // Sticky: no second abort, and waiters and later ops fail with the first cause.
         assert!(w.tick(t0 + Duration::from_secs(3)).is_none());
+        // Nothing is left to drain: a close stops waiting for the failed op.
+        assert!(!w.has_pending());
         assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
         let e = w
             .wait("all_reduce", 7, Duration::from_millis(1))

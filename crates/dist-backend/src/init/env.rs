@@ -75,6 +75,19 @@ const LAUNCHERS: [Vars; 4] = [
     },
 ];
 
+/// This process's rank among the ranks on its host, as the launcher that set the environment
+/// read through `env` says (the same launcher and variables [`InitConfig::from_env`] reads);
+/// `None` where no launcher's variables are set, or it gives no local rank, or the value is not
+/// a number. For a device choice before (or without) a full init.
+pub fn local_rank_from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
+    let vars = LAUNCHERS
+        .iter()
+        .find(|v| env(v.rank).is_some() || env(v.size).is_some())?;
+    vars.local_rank
+        .iter()
+        .find_map(|name| num(env, name).ok().flatten())
+}
+
 impl InitConfig {
     /// Reads the process environment (see the module docs for the variables).
     pub fn from_env() -> Result<Self> {

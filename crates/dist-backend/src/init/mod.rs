@@ -44,6 +44,7 @@ mod env;
 mod slurm;
 mod url;
 
+pub use env::local_rank_from_lookup;
 pub use slurm::{expand_nodelist, first_host};
 pub use url::{init_from_url, init_from_url_by, init_from_url_with};
 

@@ -258,3 +258,28 @@ fn urls_need_rank_and_world_size() {
     .unwrap_err();
     assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
 }
+
+#[test]
+fn the_local_rank_alone_comes_from_the_launcher_that_set_the_ranks() {
+    let lr = |vars: &[(&str, &str)]| local_rank_from_lookup(&env(vars));
+    assert_eq!(lr(&[("RANK", "5"), ("LOCAL_RANK", "1")]), Some(1));
+    // mpirun inside sbatch: Open MPI's local rank, not the batch step's SLURM_LOCALID.
+    assert_eq!(
+        lr(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_LOCALID", "0"),
+        ]),
+        Some(3)
+    );
+    assert_eq!(
+        lr(&[("SLURM_PROCID", "7"), ("SLURM_LOCALID", "2")]),
+        Some(2)
+    );
+    assert_eq!(lr(&[("PMI_RANK", "1"), ("PMI_LOCAL_RANK", "1")]), Some(1));
+    // No launcher, none of its local rank, or one that is not a number.
+    assert_eq!(lr(&[("LOCAL_RANK", "1")]), None);
+    assert_eq!(lr(&[("RANK", "1")]), None);
+    assert_eq!(lr(&[("RANK", "1"), ("LOCAL_RANK", "one")]), None);
+}
