@@ -440,7 +440,13 @@ fn with_redop(
                 seq,
                 "ncclRedOpDestroy",
             );
-            out.and(d)
+            if let (Ok(()), Err(e)) = (&out, d) {
+                // The operation is enqueued and must be watched and fenced like any other:
+                // failing it here left its kernel running unordered with the caller's stream.
+                // What leaks is one reduction handle.
+                tracing::warn!(rank, op = name, seq, error = %e, "dist-nccl: could not destroy a PreMulSum handle");
+            }
+            out
         }
     }
 }

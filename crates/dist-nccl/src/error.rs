@@ -112,6 +112,17 @@ pub enum AbortCause {
     /// The backend was closed (or dropped) with operations still pending.
     #[error("the backend was closed")]
     Closed,
+    /// An operation's NCCL calls were enqueued but its end event could not be recorded or
+    /// waited for, so nothing would order it with the caller's stream or see it finish.
+    #[error("{op} #{seq} was enqueued but could not be fenced: {error}")]
+    Unfenced {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number.
+        seq: u64,
+        /// The CUDA failure, as reported.
+        error: String,
+    },
 }
 
 impl Error {

@@ -158,12 +158,25 @@ impl Live {
             self.device.bind(rank, op)?;
             self.watch.check(op, seq)?;
             self.stream.wait_for(user, rank, op)?;
+            // Made before the NCCL calls: once they are enqueued, every failure must still
+            // fence them.
+            let end = Event::new(rank, op)?;
             let started = Instant::now();
             let stream: nccl::cudaStream_t = self.stream.raw().cast();
             self.comm().with(op, seq, |c| f(c, stream, seq))?;
-            let end = Event::new(rank, op)?;
-            end.record(self.stream.raw(), rank, op)?;
-            end.block_stream(user, rank, op)?;
+            let fenced = end
+                .record(self.stream.raw(), rank, op)
+                .and_then(|()| end.block_stream(user, rank, op));
+            if let Err(e) = fenced {
+                // The kernel runs on, unordered with the caller's stream and unwatched: abort
+                // the communicator (which ends it) and make the failure every later op's.
+                self.watch.abort_with(crate::AbortCause::Unfenced {
+                    op,
+                    seq,
+                    error: e.to_string(),
+                });
+                return Err(e);
+            }
             self.watch.push(Pending {
                 seq,
                 op,
