@@ -469,6 +469,16 @@ fn a_silent_rank_makes_the_watchdog_abort_and_name_the_op() {
         let later = b
             .broadcast(BufMut::Device(dbuf(&a)), DType::F32, 0, &o)
             .unwrap_err();
+        // Closing after the abort does not drain the failed op for the group's timeout
+        // (300 s by default; it did, in close and again on drop).
+        let closing = std::time::Instant::now();
+        b.close();
+        drop(b);
+        assert!(
+            closing.elapsed() < Duration::from_secs(60),
+            "close took {:?}",
+            closing.elapsed()
+        );
         Some((e.to_string(), later.to_string()))
     });
     let (e, later) = errs[0].clone().unwrap();
@@ -482,6 +492,19 @@ fn a_silent_rank_makes_the_watchdog_abort_and_name_the_op() {
         later.contains("broadcast #3 failed") && later.contains("all_reduce #2 did not complete"),
         "{later}"
     );
+}
+
+/// A first operation without a buffer (a barrier) takes the launcher's local rank modulo the
+/// devices: under Slurm with one visible GPU per task, local rank 3 is device 0.
+#[test]
+fn a_barrier_first_takes_the_local_rank_modulo_the_devices() {
+    let Some(n) = gpus() else { return };
+    let store: Arc<dyn Store> = Arc::new(HashStore::new(Duration::from_secs(60)));
+    let mut o = NcclOptions::default();
+    o.local_rank = Some(2 * n as u32 - 1);
+    let b = NcclBackend::new(store, "local-rank", 0, 1, o).expect("backend");
+    b.barrier(&OpOptions::default()).unwrap();
+    assert_eq!(b.device(), Some(n as u32 - 1));
 }
 
 #[test]
