@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use dist_backend::Error;
-use dist_wire::{CloseReason, CollectiveOp, DType};
+use dist_wire::{CloseReason, CollectiveOp, DType, FrameHeader, HEADER_LEN};
 
 use super::{Core, PeerState, Status, Step};
 use crate::transport::{Incoming, OnFrame, Outgoing, StepCtx};
@@ -862,4 +862,71 @@ fn read_ahead_stops_at_its_bound_until_a_step_takes_the_frames() {
     assert_eq!(b.poll(&mut sb, &[], &mut recvs, noop, t0), Status::Done);
     assert!(got == data, "the message arrived whole and in order");
     assert!(b.reads_ahead(&sb, 0), "nothing is held any more");
+}
+
+/// A peer's frame whose length runs past the message by wrapping (2^64 - 12 bytes at offset
+/// 16 of a 100-byte message: offset + length is 4 modulo 2^64) fails the step naming the
+/// frame, where the unchecked sum wrapped under the message length, passed, and the receive
+/// sliced its buffer backwards (a panic in `Incoming::slot`); and a streamed receive's window
+/// check does not wrap either.
+#[test]
+fn a_frame_length_that_wraps_past_the_message_fails_the_step() {
+    let t0 = Instant::now();
+    let (mut a, mut b) = (Core::new(0, 2, 16), Core::new(1, 2, 16));
+    let data: Vec<u8> = (0..100u8).collect();
+    let sends = [Outgoing {
+        peer: 1,
+        data: &data,
+        count: 100,
+        tag: 3,
+    }];
+    let mut got = vec![0u8; 100];
+    let mut recvs = [Incoming {
+        peer: 0,
+        buf: &mut got,
+        count: 100,
+        tag: 3,
+        streamed: None,
+        seq_ahead: 0,
+    }];
+    let c = ctx(0, CollectiveOp::AllGather, 1, t0);
+    let mut sa = a.begin(c, &sends, &[]);
+    let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+    let mut stream = Vec::new();
+    loop {
+        let bytes: Vec<u8> = a.transmit(&mut sa, &sends, 1).concat();
+        if bytes.is_empty() {
+            break;
+        }
+        a.transmitted(&mut sa, &sends, 1, bytes.len());
+        stream.extend(bytes);
+    }
+    let frame = HEADER_LEN + 16;
+    let mut h = FrameHeader::decode(&stream[frame..]).unwrap();
+    assert_eq!((h.offset, h.payload_len), (16, 16));
+    h.payload_len = u64::MAX - 11;
+    feed(&mut b, &mut sb, &mut recvs, 0, &stream[..frame]);
+    feed(&mut b, &mut sb, &mut recvs, 0, &h.encode());
+    let mut noop = |_: usize, _: Range<usize>, _: &mut [u8]| Ok(());
+    assert_eq!(
+        b.poll(&mut sb, &[], &mut recvs, &mut noop, t0),
+        Status::Failed
+    );
+    let e = b.finish(&mut sb, &[], t0).unwrap_err().to_string();
+    assert!(
+        e.contains("expected 100 bytes from rank 0")
+            && e.contains("offset 16 of 18446744073709551604 bytes"),
+        "{e}"
+    );
+    let mut window = vec![0u8; 16];
+    let streamed = Incoming {
+        peer: 0,
+        buf: &mut window,
+        count: 100,
+        tag: 3,
+        streamed: Some(100),
+        seq_ahead: 0,
+    };
+    assert!(streamed.fits(16, 16));
+    assert!(!streamed.fits(20, usize::MAX - 2));
 }

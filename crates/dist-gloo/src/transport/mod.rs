@@ -254,7 +254,7 @@ impl Incoming<'_> {
     /// [`Incoming::buf`] (always, unless streamed through a window it would wrap).
     pub fn fits(&self, at: usize, n: usize) -> bool {
         let w = self.buf.len();
-        self.streamed.is_none() || n == 0 || (w > 0 && at % w + n <= w)
+        self.streamed.is_none() || n == 0 || (w > 0 && n <= w - at % w)
     }
 }
 
@@ -523,8 +523,9 @@ pub(crate) fn judge(
             },
         });
     }
-    let end = got as u64 + h.payload_len;
-    if h.offset != got as u64 || end > len as u64 {
+    // `got <= len`, so `len - got` cannot wrap, where `got + payload_len` could: a peer's
+    // length near 2^64 wrapped past the check and sliced the buffer backwards.
+    if h.offset != got as u64 || h.payload_len > len.saturating_sub(got) as u64 {
         return Err(Error::invalid(
             ctx.rank,
             ctx.op.name(),
