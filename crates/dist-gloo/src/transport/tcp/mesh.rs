@@ -266,6 +266,60 @@ fn listen(ip: IpAddr, world: usize, rank: usize) -> Result<TcpListener> {
     Ok(sock.into())
 }
 
+/// A connection accepted whose 12-byte hello has not all arrived yet.
+struct Unnamed {
+    stream: TcpStream,
+    from: SocketAddr,
+    hello: [u8; 12],
+    got: usize,
+}
+
+/// What reading an [`Unnamed`] connection's hello came to.
+enum Hello {
+    /// Whole: the peer rank it names, if the hello is this group's and names a rank still
+    /// expected.
+    Whole(Option<usize>),
+    /// Not all here yet.
+    Partial,
+    /// The connection closed or failed before its hello was whole.
+    Gone,
+}
+
+impl Unnamed {
+    /// Reads what has arrived of the hello without blocking.
+    fn read(
+        &mut self,
+        group: u32,
+        world: usize,
+        rank: usize,
+        named: &[(usize, TcpStream)],
+    ) -> Hello {
+        while self.got < self.hello.len() {
+            match self.stream.read(&mut self.hello[self.got..]) {
+                Ok(0) => return Hello::Gone,
+                Ok(k) => self.got += k,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Hello::Partial,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return Hello::Gone,
+            }
+        }
+        let b = &self.hello;
+        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let their_group = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        let peer = u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize;
+        let fits = magic == HELLO_MAGIC
+            && their_group == group
+            && peer > rank
+            && peer < world
+            && !named.iter().any(|(p, _)| *p == peer);
+        Hello::Whole(fits.then_some(peer))
+    }
+}
+
+/// Accepts the `expected` higher ranks' connections, each named by the hello it sends first.
+/// Hellos are read without blocking, beside the accepting: a connection that sends nothing (a
+/// port scanner, a health probe, a client of an earlier job) waited in a blocking read for the
+/// whole deadline while the ranks queued behind it, and the mesh failed naming them.
 fn accept_all(
     listener: TcpListener,
     expected: usize,
@@ -275,56 +329,26 @@ fn accept_all(
     deadline: Instant,
 ) -> Result<Vec<(usize, TcpStream)>> {
     let mut out: Vec<(usize, TcpStream)> = Vec::with_capacity(expected);
+    let mut unnamed: Vec<Unnamed> = Vec::new();
     listener
         .set_nonblocking(true)
         .map_err(io(rank, "making the listener non-blocking".into()))?;
     while out.len() < expected {
+        let mut moved = false;
         match listener.accept() {
-            Ok((mut s, from)) => {
-                s.set_nonblocking(false)
+            Ok((stream, from)) => {
+                stream
+                    .set_nonblocking(true)
                     .map_err(io(rank, "configuring an accepted connection".into()))?;
-                s.set_read_timeout(Some(
-                    deadline
-                        .saturating_duration_since(Instant::now())
-                        .max(Duration::from_millis(1)),
-                ))
-                .map_err(io(rank, "configuring an accepted connection".into()))?;
-                let mut b = [0u8; 12];
-                if s.read_exact(&mut b).is_err() {
-                    tracing::warn!(rank, %from, "dropping a connection that sent no hello");
-                    continue;
-                }
-                let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                let their_group = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-                let peer = u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize;
-                if magic != HELLO_MAGIC
-                    || their_group != group
-                    || peer <= rank
-                    || peer >= world
-                    || out.iter().any(|(p, _)| *p == peer)
-                {
-                    tracing::warn!(rank, %from, peer, "dropping a connection with a bad hello");
-                    continue;
-                }
-                s.set_read_timeout(None)
-                    .map_err(io(rank, "configuring an accepted connection".into()))?;
-                out.push((peer, s));
+                unnamed.push(Unnamed {
+                    stream,
+                    from,
+                    hello: [0; 12],
+                    got: 0,
+                });
+                moved = true;
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (rank + 1..world)
-                        .filter(|p| !out.iter().any(|(q, _)| q == p))
-                        .collect();
-                    return Err(Error::Io {
-                        rank,
-                        context: format!(
-                            "building the connection mesh: rank(s) {missing:?} did not connect in time"
-                        ),
-                        source: std::io::ErrorKind::TimedOut.into(),
-                    });
-                }
-                thread::sleep(Duration::from_millis(1));
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => {
                 return Err(Error::Io {
                     rank,
@@ -333,6 +357,46 @@ fn accept_all(
                 });
             }
         }
+        let mut i = 0;
+        while i < unnamed.len() {
+            let before = unnamed[i].got;
+            let hello = unnamed[i].read(group, world, rank, &out);
+            moved |= unnamed[i].got != before;
+            match hello {
+                Hello::Partial => i += 1,
+                Hello::Gone => {
+                    let u = unnamed.swap_remove(i);
+                    tracing::warn!(rank, from = %u.from, "dropping a connection that sent no hello");
+                }
+                Hello::Whole(None) => {
+                    let u = unnamed.swap_remove(i);
+                    tracing::warn!(rank, from = %u.from, "dropping a connection with a bad hello");
+                }
+                Hello::Whole(Some(peer)) => {
+                    let u = unnamed.swap_remove(i);
+                    u.stream
+                        .set_nonblocking(false)
+                        .map_err(io(rank, "configuring an accepted connection".into()))?;
+                    out.push((peer, u.stream));
+                }
+            }
+        }
+        if out.len() == expected || moved {
+            continue;
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (rank + 1..world)
+                .filter(|p| !out.iter().any(|(q, _)| q == p))
+                .collect();
+            return Err(Error::Io {
+                rank,
+                context: format!(
+                    "building the connection mesh: rank(s) {missing:?} did not connect in time"
+                ),
+                source: std::io::ErrorKind::TimedOut.into(),
+            });
+        }
+        thread::sleep(Duration::from_millis(1));
     }
     Ok(out)
 }
@@ -395,6 +459,47 @@ mod tests {
         let mut cc = socket2::SockRef::from(s).tcp_congestion().unwrap();
         cc.retain(|&c| c != 0);
         cc
+    }
+
+    /// Connections that say nothing, say half a hello, send a wrong one or hang up come first;
+    /// the ranks (one sending its hello in two writes) are accepted all the same, long before
+    /// the deadline. Before, the first silent connection held the accepting thread in a
+    /// blocking read until the deadline.
+    #[test]
+    fn strangers_that_connect_first_do_not_hold_up_the_ranks() {
+        use std::io::Write;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let group = group_id("g");
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(120);
+        let acceptor = thread::spawn(move || accept_all(l, 2, group, 3, 0, deadline));
+        let silent = TcpStream::connect(at).unwrap();
+        let mut half = TcpStream::connect(at).unwrap();
+        half.write_all(&hello(group, 1)[..5]).unwrap();
+        let mut wrong = TcpStream::connect(at).unwrap();
+        wrong.write_all(&hello(group ^ 1, 1)).unwrap();
+        drop(TcpStream::connect(at).unwrap());
+        let mut one = TcpStream::connect(at).unwrap();
+        one.write_all(&hello(group, 1)[..7]).unwrap();
+        let mut two = TcpStream::connect(at).unwrap();
+        two.write_all(&hello(group, 2)).unwrap();
+        one.write_all(&hello(group, 1)[7..]).unwrap();
+        let mut peers: Vec<usize> = acceptor
+            .join()
+            .unwrap()
+            .unwrap()
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect();
+        peers.sort_unstable();
+        assert_eq!(peers, [1, 2]);
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "accepting took {:?}",
+            started.elapsed()
+        );
+        drop((silent, half, wrong));
     }
 
     #[test]
