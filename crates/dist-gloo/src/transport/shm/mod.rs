@@ -64,6 +64,26 @@ impl FromStr for TransportMode {
 /// rarely waits for its reader (a power of two).
 pub const DEFAULT_RING_BYTES: usize = 2 << 20;
 
+/// The least data bytes of a ring: each ring's slot (its control block and data) must keep
+/// the next rank's ring at a multiple of 128 bytes, which smaller powers of two did not (with
+/// 64, every odd rank's ring was refused, and its pairs went over TCP or failed under
+/// `DIST_GLOO_TRANSPORT=shm`).
+const MIN_RING_BYTES: usize = 128;
+
+/// The data bytes of each ring for a requested `bytes` (`DIST_GLOO_SHM_RING_BYTES`): the
+/// next power of two, at least [`MIN_RING_BYTES`]; an error past the largest power of two.
+fn ring_capacity(bytes: usize) -> io::Result<usize> {
+    bytes
+        .max(MIN_RING_BYTES)
+        .checked_next_power_of_two()
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a shared-memory ring of {bytes} bytes (DIST_GLOO_SHM_RING_BYTES) is past any power of two"),
+            )
+        })
+}
+
 /// CPUs online on this machine (not this process's affinity, which a launcher may have
 /// narrowed to one core per rank), from `/sys/devices/system/cpu/online` ("0-3,8-11").
 pub fn online_cpus() -> Option<usize> {
@@ -210,7 +230,8 @@ pub(crate) fn negotiate(
             .map_or_else(host_id, Ok)
             .map_err(|e| (e, "reading the host id from /proc"))
             .and_then(|h| {
-                Segment::create(world, o.ring_bytes.max(64).next_power_of_two())
+                ring_capacity(o.ring_bytes)
+                    .and_then(|cap| Segment::create(world, cap))
                     .map(|s| (h, s))
                     .map_err(|e| (e, "creating a shared-memory segment (memfd)"))
             });
@@ -377,5 +398,31 @@ pub(crate) fn negotiate(
                 hosts.windows(2).any(|w| w[0] == w[1])
             },
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank's ring opens at the smallest size asked for (with 64 data bytes, odd ranks'
+    /// rings sat off the 128-byte alignment and were refused), and a size past every power of
+    /// two is an error, where it panicked (debug) or became 0 (release).
+    #[test]
+    fn small_and_huge_ring_sizes_give_rings_every_rank_can_open_or_an_error() {
+        for asked in [0, 1, 64, 100, 128, 129] {
+            let cap = ring_capacity(asked).unwrap();
+            assert!(
+                cap.is_power_of_two() && cap >= 128 && cap >= asked,
+                "{asked}: {cap}"
+            );
+            let seg = Segment::create(3, cap).unwrap();
+            for peer in 0..3 {
+                seg.rx_from(peer)
+                    .unwrap_or_else(|e| panic!("{asked} bytes, ring of rank {peer}: {e}"));
+            }
+        }
+        let e = ring_capacity(usize::MAX).unwrap_err().to_string();
+        assert!(e.contains("DIST_GLOO_SHM_RING_BYTES"), "{e}");
     }
 }
