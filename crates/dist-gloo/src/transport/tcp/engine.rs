@@ -664,7 +664,12 @@ impl Engine {
         // one that changed meanwhile is treated as a poller event, without sleeping.
         let mut awake = false;
         for (peer, slot) in self.conns.iter_mut().enumerate() {
-            let Some(c) = slot else { continue };
+            // Not a link whose input has ended: nothing more is read from it, and one whose
+            // ring is corrupt failed its arm every time, so every later wait skipped the
+            // poller and the engine spun until the group closed.
+            let Some(c) = slot.as_mut().filter(|c| !c.ended) else {
+                continue;
+            };
             match c.link.arm() {
                 Ok(false) => {}
                 Ok(true) => {
