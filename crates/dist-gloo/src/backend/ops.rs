@@ -332,7 +332,7 @@ impl Backend for GlooBackend {
                     "the output",
                     out.len(),
                     dtype,
-                    count * self.world_size,
+                    count.saturating_mul(self.world_size),
                 )?;
                 Some(out)
             }
@@ -367,7 +367,13 @@ impl Backend for GlooBackend {
         let input = match (input, self.rank == root) {
             (Some(b), true) => {
                 let inp = self.host_ref(name, b)?;
-                self.check_len(name, "the input", inp.len(), dtype, count * self.world_size)?;
+                self.check_len(
+                    name,
+                    "the input",
+                    inp.len(),
+                    dtype,
+                    count.saturating_mul(self.world_size),
+                )?;
                 Some(inp)
             }
             (None, true) => {
