@@ -281,12 +281,35 @@ fn a_source_without_the_right_tensor_fails_every_rank_naming_it() {
             let e2 =
                 DTensor::<f32>::distribute_from(None, 2, &[2, 3], &mesh, &[Placement::Shard(0)])
                     .unwrap_err();
+            // Rank 0 passes a tensor too, where only the source, rank 1, may: before, rank 0
+            // returned at once and ranks 1 and 2 went on into the broadcasts without it.
+            let full = [1.0f32; 6];
+            let e3 = DTensor::distribute_from(
+                (pg.rank() <= 1).then_some(&full[..]),
+                1,
+                &[2, 3],
+                &mesh,
+                &[Placement::Shard(0)],
+            )
+            .unwrap_err();
             pg.barrier()?;
-            Ok([e1, e2])
+            Ok([e1, e2, e3])
         })
         .unwrap();
     for (r, errs) in out.iter().enumerate() {
-        for (e, src) in errs.iter().zip([1, 2]) {
+        let msg = errs[2].to_string();
+        if r == 0 {
+            assert!(
+                msg.contains("this rank is not and passed Some"),
+                "rank {r}: {msg}"
+            );
+        } else {
+            assert!(
+                msg.contains("a rank other than the source, rank 1, passed a tensor"),
+                "rank {r}: {msg}"
+            );
+        }
+        for (e, src) in errs[..2].iter().zip([1, 2]) {
             let msg = e.to_string();
             if r == src {
                 assert!(

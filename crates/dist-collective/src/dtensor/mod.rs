@@ -129,21 +129,25 @@ impl<T: Element> DTensor<T> {
         };
         // Check the placements before the broadcast, so a bad call fails on every rank alike.
         layout_for(mesh, OP, global_shape, placements)?;
-        if pg.rank() != src && full.is_some() {
-            return Err(wrong_side(full, false));
+        // Each rank's own mistake only it can see (the source's tensor of the wrong size or
+        // none; another rank's tensor where it must pass none): every rank says whether it
+        // made one, before the data, so that all fail together rather than some waiting out
+        // their timeout in a broadcast a failed rank never joins.
+        let mine: Result<Option<Vec<T>>> = match (pg.rank() == src, full) {
+            (true, Some(f)) if f.len() == numel => Ok(Some(f.to_vec())),
+            (true, Some(f)) => Err(Error::size(pg.rank(), OP, "full tensor", numel, f.len())),
+            (true, None) => Err(wrong_side(None, true)),
+            (false, None) => Ok(None),
+            (false, Some(f)) => Err(wrong_side(Some(f), false)),
+        };
+        let from_src = usize::from(pg.rank() == src);
+        let mut failed = [0u8; 2];
+        if mine.is_err() {
+            failed[from_src] = 1;
         }
-        // The source's own mistakes only it can see: it says whether it has a tensor to
-        // send first, so that the others fail with it rather than wait out their timeout.
-        let mine = (pg.rank() == src).then(|| match full {
-            Some(f) if f.len() == numel => Ok(f.to_vec()),
-            Some(f) => Err(Error::size(pg.rank(), OP, "full tensor", numel, f.len())),
-            None => Err(wrong_side(None, true)),
-        });
-        let mut sends = [u8::from(matches!(mine, Some(Ok(_)) | None))];
-        pg.broadcast(&mut sends, src)?;
-        let mut buf = match mine {
-            Some(r) => r?,
-            None if sends[0] == 0 => {
+        pg.all_reduce(&mut failed, ReduceOp::Max)?;
+        let mut buf = match mine? {
+            _ if failed[1] != 0 => {
                 return Err(Error::invalid(
                     pg.rank(),
                     OP,
@@ -152,6 +156,17 @@ impl<T: Element> DTensor<T> {
                     ),
                 ));
             }
+            _ if failed[0] != 0 => {
+                return Err(Error::invalid(
+                    pg.rank(),
+                    OP,
+                    format!(
+                        "a rank other than the source, rank {src}, passed a tensor (its own \
+                         error says which)"
+                    ),
+                ));
+            }
+            Some(buf) => buf,
             None => vec![T::zeroed(); numel],
         };
         pg.broadcast(&mut buf, src)?;
