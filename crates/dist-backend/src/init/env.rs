@@ -17,7 +17,41 @@ pub(super) fn num(env: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Op
     }
 }
 
-/// The leading integer of a Slurm tasks-per-node value such as `4(x2),3`.
+/// The port a Slurm step without `MASTER_PORT` rendezvous on: 15000 plus the job id and
+/// 4999 per step, modulo 20000 (step 0 keeps the job's own port).
+fn slurm_port(job: usize, step: usize) -> u16 {
+    (15000 + (job % 20000 + (step % 20000) * 4999) % 20000) as u16
+}
+
+/// This node's count in a Slurm tasks-per-node value such as `2(x3),1` (nodes 0-2 run 2
+/// tasks, node 3 runs 1), the node being `SLURM_NODEID` (0 when unset). The leading count
+/// alone was wrong on every node whose count differs from the first's, and init then refused
+/// a local rank past it on those nodes only.
+fn slurm_tasks_here(env: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
+    let Some(v) = env(name) else {
+        return Ok(None);
+    };
+    let node = num(env, "SLURM_NODEID")?.unwrap_or(0);
+    let bad = || init_err(format!("{name}={v:?} is not a Slurm tasks-per-node list"));
+    let mut first = 0usize;
+    for entry in v.trim().split(',') {
+        let (count, times) = match entry.split_once("(x") {
+            Some((c, rest)) => (c, rest.strip_suffix(')').ok_or_else(bad)?),
+            None => (entry, "1"),
+        };
+        let count: usize = count.trim().parse().map_err(|_| bad())?;
+        let times: usize = times.trim().parse().map_err(|_| bad())?;
+        first = first.saturating_add(times);
+        if node < first {
+            return Ok(Some(count));
+        }
+    }
+    Err(init_err(format!(
+        "{name}={v:?} lists {first} nodes, but SLURM_NODEID={node}"
+    )))
+}
+
+/// The leading integer of a local-size value (what follows it is not read).
 fn leading_num(env: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
     match env(name) {
         None => Ok(None),
@@ -120,7 +154,12 @@ impl InitConfig {
                 }
                 let mut ls = None;
                 for name in v.local_size {
-                    if let Some(x) = leading_num(env, name)? {
+                    let here = if v.launcher == Launcher::Slurm {
+                        slurm_tasks_here(env, name)?
+                    } else {
+                        leading_num(env, name)?
+                    };
+                    if let Some(x) = here {
                         ls = Some((x, *name));
                         break;
                     }
@@ -186,7 +225,13 @@ impl InitConfig {
         let master_addr = match env("MASTER_ADDR").filter(|s| !s.trim().is_empty()) {
             Some(a) => Some(a.trim().to_owned()),
             None if launcher == Launcher::Slurm => {
-                match env("SLURM_JOB_NODELIST").or_else(|| env("SLURM_NODELIST")) {
+                // The step's nodes, where rank 0 of the step runs (and serves the store); the
+                // job's whole allocation only outside a step. A step on part of the allocation
+                // looked for its store on the allocation's first node.
+                let list = env("SLURM_STEP_NODELIST")
+                    .or_else(|| env("SLURM_JOB_NODELIST"))
+                    .or_else(|| env("SLURM_NODELIST"));
+                match list {
                     Some(list) => Some(first_host(&list)?),
                     None => None,
                 }
@@ -199,10 +244,15 @@ impl InitConfig {
                     .parse::<u16>()
                     .map_err(|_| init_err(format!("MASTER_PORT={p:?} is not a port number")))?,
             ),
-            // Slurm jobs without MASTER_PORT: a port derived from the job id, the same on
-            // every rank of the job and unlikely to collide with another job's.
+            // Slurm jobs without MASTER_PORT: a port derived from the job and step ids, the
+            // same on every rank of the step and unlikely to collide with another job's or
+            // with another step of this job (two steps at once on one node took one port).
+            // The batch step's id is not a number (or unset): step 0.
             None if launcher == Launcher::Slurm => {
-                num(env, "SLURM_JOB_ID")?.map(|id| 15000 + (id % 20000) as u16)
+                let step = env("SLURM_STEP_ID")
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                num(env, "SLURM_JOB_ID")?.map(|id| slurm_port(id, step))
             }
             None => None,
         };

@@ -283,3 +283,55 @@ fn the_local_rank_alone_comes_from_the_launcher_that_set_the_ranks() {
     assert_eq!(lr(&[("RANK", "1")]), None);
     assert_eq!(lr(&[("RANK", "1"), ("LOCAL_RANK", "one")]), None);
 }
+
+/// Slurm's tasks per node is read for this node (`2(x3),1`: node 3 runs 1 task, the others 2),
+/// where its leading count was taken on every node and init refused local rank 1 on a node
+/// of 3 tasks behind a node of 1; a step's store is on the step's first node, on a port of its
+/// own.
+#[test]
+fn slurm_tasks_per_node_and_the_steps_nodes_and_port() {
+    let base = [
+        ("SLURM_PROCID", "2"),
+        ("SLURM_NTASKS", "7"),
+        ("SLURM_JOB_ID", "123456"),
+        ("SLURM_JOB_NODELIST", "n[1-8]"),
+    ];
+    let with = |more: &[(&'static str, &'static str)]| {
+        let mut v = base.to_vec();
+        v.extend_from_slice(more);
+        InitConfig::from_lookup(env(&v))
+    };
+    let c = with(&[
+        ("SLURM_TASKS_PER_NODE", "1,3(x2)"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_LOCALID", "1"),
+    ])
+    .unwrap();
+    assert_eq!((c.local_rank, c.local_world_size), (1, 3));
+    let c = with(&[
+        ("SLURM_TASKS_PER_NODE", "2(x3),1"),
+        ("SLURM_NODEID", "3"),
+        ("SLURM_LOCALID", "0"),
+    ])
+    .unwrap();
+    assert_eq!(c.local_world_size, 1);
+    let m = with(&[("SLURM_TASKS_PER_NODE", "2(x3),1"), ("SLURM_NODEID", "4")])
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("lists 4 nodes, but SLURM_NODEID=4"), "{m}");
+    let m = with(&[("SLURM_TASKS_PER_NODE", "2(x")])
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("not a Slurm tasks-per-node list"), "{m}");
+    // The step's node list and id choose the store's host and port.
+    let c = with(&[("SLURM_STEP_NODELIST", "n[5-6]"), ("SLURM_STEP_ID", "1")]).unwrap();
+    assert_eq!(c.master_addr.as_deref(), Some("n5"));
+    let job_port = 15000 + (123_456 % 20000) as u16;
+    assert_eq!(c.master_port, Some(15000 + 3456 + 4999));
+    assert_ne!(c.master_port, Some(job_port));
+    let c = with(&[("SLURM_STEP_ID", "batch")]).unwrap();
+    assert_eq!(
+        (c.master_addr.as_deref(), c.master_port),
+        (Some("n1"), Some(job_port))
+    );
+}
