@@ -230,6 +230,15 @@ impl ShardLayout {
                 ),
             });
         }
+        // Every element count and rank count of the layout is a product of these: one past
+        // usize wrapped (in release builds) to a layout whose lengths check out falsely.
+        for (what, shape) in [("tensor", global_shape), ("mesh", mesh_shape)] {
+            if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none() {
+                return Err(Error::InvalidLayout {
+                    reason: format!("{what} shape {shape:?} has more elements than usize counts"),
+                });
+            }
+        }
         for p in placements {
             if let Placement::Shard(d) = *p
                 && d >= global_shape.len()
@@ -448,6 +457,9 @@ mod tests {
             r#"{"global_shape":[4],"mesh_shape":[0],"placements":["Shard(3)"]}"#,
             r#"{"global_shape":[4],"mesh_shape":[2],"placements":["Shard(1)"]}"#,
             r#"{"global_shape":[4],"mesh_shape":[2,2],"placements":["Replicate"]}"#,
+            // Products past usize: they wrapped to a layout whose lengths checked out.
+            r#"{"global_shape":[4294967296,4294967296],"mesh_shape":[2],"placements":["Replicate"]}"#,
+            r#"{"global_shape":[4],"mesh_shape":[4294967296,4294967296],"placements":["Replicate","Replicate"]}"#,
         ] {
             let e = serde_json::from_str::<ShardLayout>(bad).unwrap_err();
             assert!(e.to_string().contains("invalid layout"), "{bad}: {e}");
