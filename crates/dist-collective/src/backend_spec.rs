@@ -40,7 +40,10 @@ impl BackendSpec {
             spec: s.to_owned(),
             reason: why,
         };
-        let s_trim = s.trim();
+        // Names are case-insensitive, as torch's `Backend` lowercases them ("NCCL",
+        // "CPU:GLOO,CUDA:NCCL").
+        let lowered = s.trim().to_ascii_lowercase();
+        let s_trim = lowered.as_str();
         if !s_trim.contains(':') {
             return match engine(s_trim) {
                 Some(Engine::Gloo) => Ok(BackendSpec {
@@ -178,6 +181,10 @@ mod tests {
                 device: Some(Gloo)
             }
         );
+        // Any case, as torch lowercases.
+        assert_eq!(p("GLOO"), p("gloo"));
+        assert_eq!(p("NCCL"), p("nccl"));
+        assert_eq!(p("CPU:Gloo,CUDA:NCCL"), p("cpu:gloo,cuda:nccl"));
     }
 
     #[test]
