@@ -233,7 +233,11 @@ impl ShardLayout {
         // Every element count and rank count of the layout is a product of these: one past
         // usize wrapped (in release builds) to a layout whose lengths check out falsely.
         for (what, shape) in [("tensor", global_shape), ("mesh", mesh_shape)] {
-            if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none() {
+            if shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .is_none()
+            {
                 return Err(Error::InvalidLayout {
                     reason: format!("{what} shape {shape:?} has more elements than usize counts"),
                 });

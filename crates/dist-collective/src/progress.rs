@@ -155,10 +155,14 @@ impl ProgressReport {
                 format!("{be} past #{s}, in {c}")
             };
         }
-        if let Some(c) = &st.failed
-            && c.seq < s
-        {
-            return format!("failed in {c} and did not join #{s}");
+        if let Some(c) = &st.failed {
+            return if c.seq < s {
+                format!("failed in {c} and did not join #{s}")
+            } else {
+                // Its finished collective may be older than #s: "finished ... but did not
+                // join" would contradict it having gone past.
+                format!("{be} past #{s}, and failed in {c}")
+            };
         }
         match &st.finished {
             Some(c) if c.seq < s => format!("finished {c} but did not join #{s}"),
@@ -572,6 +576,7 @@ mod tests {
                 st(c("all_reduce", 3), c("all_reduce", 4), None),
                 st(c("all_reduce", 3), c("all_reduce", 4), None),
                 st(c("all_reduce", 3), c("all_reduce", 4), None),
+                st(c("all_reduce", 4), None, c("all_reduce", 7)),
             ],
             5,
         );
@@ -586,6 +591,7 @@ mod tests {
                 "rank 4 published no progress (gone, never created this group, or cannot reach the store)",
                 "rank 5 is in broadcast #5, not all_reduce: the ranks issued different collectives",
                 "rank 6 finished no collective of this group and did not join #5",
+                "rank 11 is past #5, and failed in all_reduce #7",
             ]
         );
         assert_eq!(r.lagging(), [1, 3, 4, 6, 7, 8, 9, 10]);
