@@ -71,30 +71,40 @@ fn pump_once(
     bytes.len()
 }
 
+/// Rank 0 (`.0`, its step `.1`, its send `.2`) about to send rank 1 (`.3`, `.4`, its receive
+/// `.5`) all of `data` into `got` in an all_gather step, tag 3, in 16-byte frames.
+type Pair<'a> = (Core, Step, [Outgoing<'a>; 1], Core, Step, [Incoming<'a>; 1]);
+
+fn sending<'a>(data: &'a [u8], got: &'a mut [u8], t0: Instant) -> Pair<'a> {
+    let (a, b) = (Core::new(0, 2, 16), Core::new(1, 2, 16));
+    let count = data.len() as u64;
+    let sends = [Outgoing {
+        peer: 1,
+        data,
+        count,
+        tag: 3,
+    }];
+    let recvs = [Incoming {
+        peer: 0,
+        buf: got,
+        count,
+        tag: 3,
+        streamed: None,
+        seq_ahead: 0,
+    }];
+    let c = ctx(0, CollectiveOp::AllGather, 1, t0);
+    let sa = a.begin(c, &sends, &[]);
+    let sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+    (a, sa, sends, b, sb, recvs)
+}
+
 #[test]
 fn a_message_cut_at_every_byte_arrives_whole_frame_by_frame() {
     let t0 = Instant::now();
+    let data: Vec<u8> = (0..100u8).collect();
     for chunk in [1, 7, 64, 1000] {
-        let (mut a, mut b) = (Core::new(0, 2, 16), Core::new(1, 2, 16));
-        let data: Vec<u8> = (0..100u8).collect();
-        let sends = [Outgoing {
-            peer: 1,
-            data: &data,
-            count: 100,
-            tag: 3,
-        }];
         let mut got = vec![0u8; 100];
-        let mut recvs = [Incoming {
-            peer: 0,
-            buf: &mut got,
-            count: 100,
-            tag: 3,
-            streamed: None,
-            seq_ahead: 0,
-        }];
-        let c = ctx(0, CollectiveOp::AllGather, 1, t0);
-        let mut sa = a.begin(c, &sends, &[]);
-        let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+        let (mut a, mut sa, sends, mut b, mut sb, mut recvs) = sending(&data, &mut got, t0);
         let mut frames = Vec::new();
         let mut on_frame = |i: usize, r: Range<usize>, _: &mut [u8]| {
             frames.push((i, r));
@@ -872,26 +882,9 @@ fn read_ahead_stops_at_its_bound_until_a_step_takes_the_frames() {
 #[test]
 fn a_frame_length_that_wraps_past_the_message_fails_the_step() {
     let t0 = Instant::now();
-    let (mut a, mut b) = (Core::new(0, 2, 16), Core::new(1, 2, 16));
     let data: Vec<u8> = (0..100u8).collect();
-    let sends = [Outgoing {
-        peer: 1,
-        data: &data,
-        count: 100,
-        tag: 3,
-    }];
     let mut got = vec![0u8; 100];
-    let mut recvs = [Incoming {
-        peer: 0,
-        buf: &mut got,
-        count: 100,
-        tag: 3,
-        streamed: None,
-        seq_ahead: 0,
-    }];
-    let c = ctx(0, CollectiveOp::AllGather, 1, t0);
-    let mut sa = a.begin(c, &sends, &[]);
-    let mut sb = b.begin(StepCtx { rank: 1, ..c }, &[], &recvs);
+    let (mut a, mut sa, sends, mut b, mut sb, mut recvs) = sending(&data, &mut got, t0);
     let mut stream = Vec::new();
     loop {
         let bytes: Vec<u8> = a.transmit(&mut sa, &sends, 1).concat();
