@@ -109,15 +109,21 @@ const LAUNCHERS: [Vars; 4] = [
     },
 ];
 
+/// The variables of the launcher that set the environment read through `env`: the first of
+/// [`LAUNCHERS`] whose rank or size is set.
+fn launcher_vars(env: &dyn Fn(&str) -> Option<String>) -> Option<&'static Vars> {
+    LAUNCHERS
+        .iter()
+        .find(|v| env(v.rank).is_some() || env(v.size).is_some())
+}
+
 /// This process's rank among the ranks on its host, as the launcher that set the environment
 /// read through `env` says (the same launcher and variables [`InitConfig::from_env`] reads);
 /// `None` where no launcher's variables are set, or it gives no local rank, or the value is not
 /// a number. For a device choice before (or without) a full init.
 pub fn local_rank_from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
-    let vars = LAUNCHERS
-        .iter()
-        .find(|v| env(v.rank).is_some() || env(v.size).is_some())?;
-    vars.local_rank
+    launcher_vars(env)?
+        .local_rank
         .iter()
         .find_map(|name| num(env, name).ok().flatten())
 }
@@ -140,9 +146,7 @@ impl InitConfig {
         rank: Option<usize>,
         world_size: Option<usize>,
     ) -> Result<Self> {
-        let vars = LAUNCHERS
-            .iter()
-            .find(|v| env(v.rank).is_some() || env(v.size).is_some());
+        let vars = launcher_vars(env);
         let (launcher, env_rank, env_size, local_rank, local_size) = match vars {
             Some(v) => {
                 let mut lr = None;
