@@ -237,28 +237,33 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
 #[test]
 fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
     type Tweak = fn(&mut GlooOptions);
-    let cases: [(&str, Tweak); 9] = [
-        ("small_bytes=0", |o| o.small_bytes = Some(0)),
-        // Even the value that `auto` takes between hosts: on one host it takes another.
-        ("halving_doubling_bytes=2097152", |o| {
-            o.halving_doubling_bytes = Some(2 << 20);
-        }),
+    // Values that no default resolves to: what is compared is the resolved value.
+    let cases: [(&str, Tweak); 11] = [
+        ("small_bytes=12345", |o| o.small_bytes = Some(12345)),
         ("segment_bytes=65536", |o| o.mesh.segment_bytes = 64 << 10),
         ("fused_agreement_max_ranks=1", |o| {
             o.fused_agreement_max_ranks = Some(1);
         }),
-        // `auto` takes 0 or 2 MiB by the host's CPUs: neither is `auto` before it resolves.
-        ("area_all_reduce_bytes=0", |o| {
-            o.area_all_reduce_bytes = Some(0)
+        ("halving_doubling_bytes=12345", |o| {
+            o.halving_doubling_bytes = Some(12345);
         }),
-        ("area_all_gather_bytes=2097152", |o| {
-            o.area_all_gather_bytes = Some(2 << 20);
+        ("ring_piece_bytes=12345", |o| {
+            o.ring_piece_bytes = Some(12345)
         }),
-        ("area_broadcast_min_bytes=0", |o| {
-            o.area_broadcast_min_bytes = Some(0);
+        ("all_to_all_pairwise_bytes=12345", |o| {
+            o.all_to_all_pairwise_bytes = Some(12345);
         }),
-        ("area_all_to_all_bytes=4096", |o| {
-            o.area_all_to_all_bytes = Some(4096);
+        ("area_all_reduce_bytes=12345", |o| {
+            o.area_all_reduce_bytes = Some(12345)
+        }),
+        ("area_all_gather_bytes=12345", |o| {
+            o.area_all_gather_bytes = Some(12345);
+        }),
+        ("area_broadcast_min_bytes=12345", |o| {
+            o.area_broadcast_min_bytes = Some(12345);
+        }),
+        ("area_all_to_all_bytes=12345", |o| {
+            o.area_all_to_all_bytes = Some(12345);
         }),
         // Lazy roots are owed no frames for repeated small broadcasts; an eager one is.
         ("lazy_root_verification=false", |o| {
@@ -303,6 +308,58 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
                 }
             }
         }
+    }
+}
+
+/// A rank that sets, explicitly, the values the others leave to their defaults chooses the
+/// same algorithms, so the group is built: the settings are compared once resolved. Before,
+/// the defaults that depend on the mesh were compared as `auto`, and a rank that set what they
+/// resolve to was refused.
+#[test]
+fn ranks_that_set_what_the_defaults_resolve_to_are_not_refused() {
+    for n in 1..=3 {
+        let store =
+            std::sync::Arc::new(dist_backend::store::HashStore::new(Duration::from_secs(30)));
+        // What the mesh-dependent defaults resolve to on this host, from a group of defaults.
+        let resolved = |prefix: &str, tweak: &(dyn Fn(&mut GlooOptions) + Sync)| {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = (0..n)
+                    .map(|r| {
+                        let store = store.clone();
+                        s.spawn(move || {
+                            let mut o = GlooOptions::default();
+                            if r == n - 1 {
+                                tweak(&mut o);
+                            }
+                            let b = GlooBackend::connect(&*store, prefix, r, n, &o)
+                                .unwrap_or_else(|e| panic!("n={n}: rank {r}: {e}"));
+                            let mut x = [r as f32 + 1.0];
+                            b.all_reduce(
+                                BufMut::Host(bytemuck::cast_slice_mut(&mut x)),
+                                DType::F32,
+                                ReduceOp::Sum,
+                                &opts(),
+                            )
+                            .unwrap_or_else(|e| panic!("n={n}: rank {r}: {e}"));
+                            assert_eq!(x[0], (n * (n + 1) / 2) as f32, "n={n}: rank {r}");
+                            (b.one_host(), b.memory_shared_in_group())
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let (one_host, shared) = resolved(&format!("defaults-{n}"), &|_| {})[0];
+        resolved(&format!("explicit-defaults-{n}"), &|o| {
+            o.small_bytes = Some(GlooOptions::auto_small_bytes(n));
+            o.halving_doubling_bytes = Some(GlooOptions::auto_halving_doubling_bytes(n, one_host));
+            o.ring_piece_bytes = Some(GlooOptions::auto_ring_piece_bytes(n, shared));
+            o.all_to_all_pairwise_bytes =
+                Some(GlooOptions::auto_all_to_all_pairwise_bytes(n, shared));
+            o.lazy_root_verification = Some(true);
+        });
     }
 }
 

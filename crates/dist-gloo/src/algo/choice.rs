@@ -2,23 +2,23 @@
 //!
 //! Why: each rank picks an operation's algorithm from the buffer size and its own settings
 //! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`,
-//! `halving_doubling_bytes`, `ring_piece_bytes`, `area_all_reduce_bytes`,
-//! `area_all_gather_bytes`, `area_broadcast_min_bytes`), and whether roots verify lazily.
+//! `halving_doubling_bytes`, `ring_piece_bytes`, `all_to_all_pairwise_bytes`, the
+//! `area_*_bytes`), and whether roots verify lazily.
 //! Ranks whose settings differ would run different algorithms for the same call; the frames'
 //! step tags catch that (a mismatch naming both ranks' algorithm steps, passed to every rank
 //! by the abort notice, which is all a backend built with `GlooBackend::over` gets), but only
 //! at the first call whose size the settings split differently, which may be hours into a
 //! job. Every rank compares every rank's settings through the store when the group is built
 //! instead, so every rank refuses the group at once, naming the setting and a rank that
-//! differs.
+//! differs. The values compared are the resolved ones (an unset setting takes a default that
+//! depends on the mesh), so a rank that sets the value the others' default resolves to agrees.
 
 use std::time::Instant;
 
 use dist_backend::{Error, Result, Store};
 
 /// The settings that choose algorithms, as space-separated `name=value` pairs (in the order
-/// given, which every rank must use alike). `auto` stands for a value resolved once the mesh is
-/// built, which every rank resolves alike.
+/// given, which every rank must use alike).
 pub(crate) fn settings(pairs: &[(&str, String)]) -> String {
     pairs
         .iter()
@@ -31,8 +31,7 @@ fn key(prefix: &str, rank: usize) -> String {
     format!("{prefix}/gloo-algorithms/{rank}")
 }
 
-/// Publishes this rank's [`settings`]; call before the mesh is built, so that every rank's
-/// are in the store once it is.
+/// Publishes this rank's [`settings`] for [`check`].
 pub(crate) fn publish(
     store: &dyn Store,
     prefix: &str,
@@ -45,7 +44,7 @@ pub(crate) fn publish(
 }
 
 /// Fails unless every rank published the same settings as `mine`; the error names the first
-/// setting and rank that differ. Call once the mesh is built (every rank has published).
+/// setting and rank that differ. Waits until `deadline` for every rank to have published.
 pub(crate) fn check(
     store: &dyn Store,
     prefix: &str,
@@ -78,7 +77,7 @@ pub(crate) fn check(
                  differently would run different algorithms for the same call (set \
                  DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES, DIST_GLOO_BCAST_SCATTER_BYTES, \
                  DIST_GLOO_HALVING_DOUBLING_BYTES, DIST_GLOO_RING_PIECE_BYTES, \
-                 DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
+                 DIST_GLOO_ALLTOALL_PAIRWISE_BYTES, DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
                  DIST_GLOO_AREA_ALL_GATHER_BYTES, DIST_GLOO_AREA_BROADCAST_MIN_BYTES, \
                  DIST_GLOO_AREA_ALL_TO_ALL_BYTES, \
                  DIST_GLOO_EAGER_ROOT and GlooOptions alike on every rank)"
@@ -102,11 +101,11 @@ mod tests {
         let soon = Instant::now() + Duration::from_secs(5);
         let a = settings(&[
             ("small_bytes", "16384".into()),
-            ("halving_doubling_bytes", "auto".into()),
+            ("halving_doubling_bytes", "65536".into()),
         ]);
         let b = settings(&[
             ("small_bytes", "0".into()),
-            ("halving_doubling_bytes", "auto".into()),
+            ("halving_doubling_bytes", "65536".into()),
         ]);
         publish(&store, "g", 0, &a, soon).unwrap();
         publish(&store, "g", 1, &b, soon).unwrap();

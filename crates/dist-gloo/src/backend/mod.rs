@@ -151,81 +151,46 @@ impl GlooBackend {
                 format!("rank {rank} is not below world size {world_size}"),
             ));
         }
-        // A setting resolved once the mesh is built, alike on every rank.
-        let auto = || "auto".to_string();
-        let mine = choice::settings(&[
-            (
-                "small_bytes",
-                opts.small_bytes
-                    .unwrap_or_else(|| GlooOptions::auto_small_bytes(world_size))
-                    .to_string(),
-            ),
-            ("segment_bytes", opts.mesh.segment_bytes.to_string()),
-            (
-                "fused_agreement_max_ranks",
-                opts.fused_agreement_max_ranks
-                    .unwrap_or(FUSED_AGREEMENT_MAX_RANKS)
-                    .to_string(),
-            ),
-            (
-                "broadcast_scatter_bytes",
-                opts.broadcast_scatter_bytes
-                    .unwrap_or_else(|| GlooOptions::auto_broadcast_scatter_bytes(world_size))
-                    .to_string(),
-            ),
-            (
-                "halving_doubling_bytes",
-                // Resolved once the mesh says whether the group is on one host; every rank
-                // resolves it alike from the same records.
-                opts.halving_doubling_bytes
-                    .map_or_else(auto, |v| v.to_string()),
-            ),
-            (
-                "ring_piece_bytes",
-                // Resolved once the mesh says whether ranks share memory, as above.
-                opts.ring_piece_bytes.map_or_else(auto, |v| v.to_string()),
-            ),
-            (
-                "area_all_reduce_bytes",
-                // Resolved once the mesh says whether the group's ranks share cores, as above.
-                opts.area_all_reduce_bytes
-                    .map_or_else(auto, |v| v.to_string()),
-            ),
-            (
-                "area_all_gather_bytes",
-                opts.area_all_gather_bytes
-                    .map_or_else(auto, |v| v.to_string()),
-            ),
-            (
-                "area_broadcast_min_bytes",
-                opts.area_broadcast_min_bytes
-                    .map_or_else(auto, |v| v.to_string()),
-            ),
-            (
-                "area_all_to_all_bytes",
-                opts.area_all_to_all_bytes
-                    .map_or_else(auto, |v| v.to_string()),
-            ),
-            (
-                // Not an algorithm, but whether a repeated broadcast's receivers send their
-                // root an agreement frame (`agree::repeats_silently`), which an eager root
-                // waits for.
-                "lazy_root_verification",
-                opts.lazy_root_verification.unwrap_or(true).to_string(),
-            ),
-        ]);
+        let t = TcpTransport::connect_by(store, prefix, rank, world_size, &opts.mesh, deadline)?;
+        let backend = Self::over(Box::new(t), crate::transport::tcp::group_id(prefix), opts);
+        // Compared once resolved, after the mesh: a rank that sets the value another's `auto`
+        // resolves to chooses alike and is not refused.
+        let mine = backend.algorithm_settings(opts.mesh.segment_bytes);
         let agreeing = || format!("group {prefix}: agreeing on the algorithm settings");
         choice::publish(store, prefix, rank, &mine, deadline)
             .map_err(|e| e.in_store_call(rank, agreeing))?;
-        let t = TcpTransport::connect_by(store, prefix, rank, world_size, &opts.mesh, deadline)?;
-        // Every rank published before building its side of the mesh, so all are there now.
         choice::check(store, prefix, rank, world_size, &mine, deadline)
             .map_err(|e| e.in_store_call(rank, agreeing))?;
-        Ok(Self::over(
-            Box::new(t),
-            crate::transport::tcp::group_id(prefix),
-            opts,
-        ))
+        Ok(backend)
+    }
+
+    /// The settings that choose algorithms, as resolved for this group
+    /// ([`choice::settings`]), which every rank must have alike.
+    fn algorithm_settings(&self, segment_bytes: usize) -> String {
+        let v = |n: usize| n.to_string();
+        choice::settings(&[
+            ("small_bytes", v(self.small_bytes)),
+            ("segment_bytes", v(segment_bytes)),
+            (
+                "fused_agreement_max_ranks",
+                v(self.fused_agreement_max_ranks),
+            ),
+            ("broadcast_scatter_bytes", v(self.broadcast_scatter_bytes)),
+            ("halving_doubling_bytes", v(self.halving_doubling_bytes)),
+            ("ring_piece_bytes", v(self.ring_piece_bytes)),
+            ("reduce_piece_bytes", v(self.reduce_piece_bytes)),
+            (
+                "all_to_all_pairwise_bytes",
+                v(self.all_to_all_pairwise_bytes),
+            ),
+            ("area_all_reduce_bytes", v(self.area_all_reduce_bytes)),
+            ("area_all_gather_bytes", v(self.area_all_gather_bytes)),
+            ("area_broadcast_min_bytes", v(self.area_broadcast_min_bytes)),
+            ("area_all_to_all_bytes", v(self.area_all_to_all_bytes)),
+            // Not an algorithm, but whether a repeated broadcast's receivers send their root an
+            // agreement frame (`agree::repeats_silently`), which an eager root waits for.
+            ("lazy_root_verification", self.lazy_root.to_string()),
+        ])
     }
 
     /// A backend over any transport (e.g. [`MemTransport::network`] in tests).
