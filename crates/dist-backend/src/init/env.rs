@@ -122,10 +122,83 @@ fn launcher_vars(env: &dyn Fn(&str) -> Option<String>) -> Option<&'static Vars> 
 /// `None` where no launcher's variables are set, or it gives no local rank, or the value is not
 /// a number. For a device choice before (or without) a full init.
 pub fn local_rank_from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
-    launcher_vars(env)?
-        .local_rank
+    let v = launcher_vars(env)?;
+    let v = if v.local_rank.iter().all(|name| env(name).is_none()) && slurm_task_alike(env, v) {
+        SLURM
+    } else {
+        v
+    };
+    v.local_rank
         .iter()
         .find_map(|name| num(env, name).ok().flatten())
+}
+
+/// A value with the variable it was read from.
+type Named = (usize, &'static str);
+
+/// Slurm's variables, which [`local_of`] falls back on.
+const SLURM: &Vars = &LAUNCHERS[3];
+
+/// The local rank and local world size `v`'s launcher gives, each with the variable it came
+/// from. Where it gives no local rank and the process is a task of an `srun` step that Slurm
+/// numbers as the launcher does ([`slurm_task_alike`]), Slurm's.
+fn local_of(
+    env: &dyn Fn(&str) -> Option<String>,
+    v: &'static Vars,
+) -> Result<(Option<Named>, Option<Named>)> {
+    let mut lr = None;
+    for name in v.local_rank {
+        if let Some(x) = num(env, name)? {
+            lr = Some((x, *name));
+            break;
+        }
+    }
+    let mut ls = None;
+    for name in v.local_size {
+        let here = if v.launcher == Launcher::Slurm {
+            slurm_tasks_here(env, name)?
+        } else {
+            leading_num(env, name)?
+        };
+        if let Some(x) = here {
+            ls = Some((x, *name));
+            break;
+        }
+    }
+    if lr.is_none() && slurm_task_alike(env, v) {
+        let (slurm_lr, slurm_ls) = local_of(env, SLURM)?;
+        return Ok((slurm_lr, ls.or(slurm_ls)));
+    }
+    Ok((lr, ls))
+}
+
+/// Whether `v` is another launcher than Slurm and this process a task of an `srun` step that
+/// Slurm numbers as `v` does: `srun --mpi=pmi2` sets `PMI_RANK` and `PMI_SIZE` but no local
+/// rank, which then fell back to the global rank, wrong on every node but the first. (The
+/// batch step's leftover variables, under an `mpirun` in an `sbatch` script, are no step's.)
+fn slurm_task_alike(env: &dyn Fn(&str) -> Option<String>, v: &Vars) -> bool {
+    let same = |a: &str, b: &str| {
+        let (a, b) = (env(a), env(b));
+        a.is_some() && a.as_deref().map(str::trim) == b.as_deref().map(str::trim)
+    };
+    v.launcher != Launcher::Slurm
+        && in_srun_step(env)
+        && same(v.rank, SLURM.rank)
+        && same(v.size, SLURM.size)
+}
+
+/// Whether this process is a task of an `srun` step: `srun` sets these, the batch script and
+/// an `salloc` shell (which Slurm starts once, with the job's `SLURM_NTASKS` and
+/// `SLURM_PROCID=0`) have none of them.
+fn in_srun_step(env: &dyn Fn(&str) -> Option<String>) -> bool {
+    [
+        "SLURM_STEP_ID",
+        "SLURM_STEPID",
+        "SLURM_STEP_NUM_TASKS",
+        "SLURM_STEP_NODELIST",
+    ]
+    .iter()
+    .any(|k| env(k).is_some())
 }
 
 impl InitConfig {
@@ -149,25 +222,7 @@ impl InitConfig {
         let vars = launcher_vars(env);
         let (launcher, env_rank, env_size, local_rank, local_size) = match vars {
             Some(v) => {
-                let mut lr = None;
-                for name in v.local_rank {
-                    if let Some(x) = num(env, name)? {
-                        lr = Some((x, *name));
-                        break;
-                    }
-                }
-                let mut ls = None;
-                for name in v.local_size {
-                    let here = if v.launcher == Launcher::Slurm {
-                        slurm_tasks_here(env, name)?
-                    } else {
-                        leading_num(env, name)?
-                    };
-                    if let Some(x) = here {
-                        ls = Some((x, *name));
-                        break;
-                    }
-                }
+                let (lr, ls) = local_of(env, v)?;
                 (
                     v.launcher,
                     num(env, v.rank)?.map(|r| (r, v.rank)),
@@ -207,6 +262,21 @@ impl InitConfig {
         };
         if world_size == 0 {
             return Err(init_err(format!("{size_name}=0: the world needs a rank")));
+        }
+        // A program run straight from an `sbatch` script reads the batch step's variables, in
+        // which it is rank 0 of the job's tasks, and would wait out its timeout for ranks that
+        // nothing starts (torch fails at once there, on a missing `RANK`).
+        if launcher == Launcher::Slurm
+            && size_name == SLURM.size
+            && world_size > 1
+            && !in_srun_step(env)
+        {
+            return Err(init_err(format!(
+                "{size_name}={world_size}, but this process is not a task of an srun step (none \
+                 of SLURM_STEP_ID, SLURM_STEPID, SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST is \
+                 set: it is the batch script or an salloc shell, which Slurm starts once); start \
+                 the ranks with `srun`, or with distrun, torchrun or mpirun inside the allocation"
+            )));
         }
         if rank >= world_size {
             return Err(init_err(format!(

@@ -3,11 +3,13 @@
 //! * `env://` ([`InitConfig::from_env`]): torchrun's `MASTER_ADDR`, `MASTER_PORT`, `RANK`,
 //!   `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`; else Open MPI's
 //!   `OMPI_COMM_WORLD_RANK`/`_SIZE`/`_LOCAL_RANK`/`_LOCAL_SIZE`; else PMI's
-//!   `PMI_RANK`/`PMI_SIZE` (with MPICH's `MPI_LOCALRANKID`/`MPI_LOCALNRANKS` when set); else
+//!   `PMI_RANK`/`PMI_SIZE` (with MPICH's `MPI_LOCALRANKID`/`MPI_LOCALNRANKS` when set, else
+//!   Slurm's local rank under `srun --mpi=pmi2`); else
 //!   Slurm's `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` (or this
 //!   node's entry of `SLURM_TASKS_PER_NODE`) with the master on the first host of
 //!   `SLURM_STEP_NODELIST` or `SLURM_JOB_NODELIST` (last: `mpirun` inside `sbatch` leaves
-//!   the batch step's Slurm variables in every process). Rank 0 hosts the [`TcpStore`](crate::store::TcpStore) server on
+//!   the batch step's Slurm variables in every process; the batch script itself, not a task of
+//!   an `srun` step, is refused when the job has several tasks). Rank 0 hosts the [`TcpStore`](crate::store::TcpStore) server on
 //!   `MASTER_ADDR:MASTER_PORT`, as torch does; the others connect. When the launcher runs the
 //!   store itself (torchrun and `distrun` set `TORCHELASTIC_USE_AGENT_STORE=True`), rank 0
 //!   connects as a client too, and every key lives under `/worker/attempt_<n>` with `n` from

@@ -121,6 +121,7 @@ fn slurm_variables_and_nodelist() {
         ("SLURM_NTASKS_PER_NODE", "4(x2)"),
         ("SLURM_JOB_NODELIST", "gpu[07-08,10],cpu1"),
         ("SLURM_JOB_ID", "123456"),
+        ("SLURM_STEP_ID", "0"),
     ]))
     .unwrap();
     assert_eq!(c.launcher, Launcher::Slurm);
@@ -144,6 +145,7 @@ fn slurm_variables_and_nodelist() {
     let m = init_msg(InitConfig::from_lookup(env(&[
         ("SLURM_PROCID", "8"),
         ("SLURM_NTASKS", "8"),
+        ("SLURM_STEPID", "0"),
     ])));
     assert!(
         m.contains("SLURM_PROCID=8") && m.contains("SLURM_NTASKS=8"),
@@ -295,6 +297,7 @@ fn slurm_tasks_per_node_and_the_steps_nodes_and_port() {
         ("SLURM_NTASKS", "7"),
         ("SLURM_JOB_ID", "123456"),
         ("SLURM_JOB_NODELIST", "n[1-8]"),
+        ("SLURM_STEP_NUM_TASKS", "7"),
     ];
     let with = |more: &[(&'static str, &'static str)]| {
         let mut v = base.to_vec();
@@ -334,4 +337,80 @@ fn slurm_tasks_per_node_and_the_steps_nodes_and_port() {
         (c.master_addr.as_deref(), c.master_port),
         (Some("n1"), Some(job_port))
     );
+}
+
+/// A program run straight from an `sbatch` script (no `srun`) reads the batch step's
+/// variables, rank 0 of the job's tasks: it is refused at once, where it waited out its timeout
+/// for ranks nothing starts. A job of one task may still run there.
+#[test]
+fn the_batch_script_is_not_a_rank_of_a_step() {
+    let batch = [
+        ("SLURM_JOB_ID", "200505"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_PROCID", "0"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_NODEID", "0"),
+        ("SLURM_TASKS_PER_NODE", "1(x4)"),
+        ("SLURM_JOB_NODELIST", "gnode[10,20,25,37]"),
+    ];
+    let m = init_msg(InitConfig::from_lookup(env(&batch)));
+    assert!(
+        m.contains("SLURM_NTASKS=4") && m.contains("not a task of an srun step"),
+        "{m}"
+    );
+    for step_var in [
+        "SLURM_STEP_ID",
+        "SLURM_STEPID",
+        "SLURM_STEP_NUM_TASKS",
+        "SLURM_STEP_NODELIST",
+    ] {
+        let mut v = batch.to_vec();
+        v.push((step_var, "4"));
+        let c = InitConfig::from_lookup(env(&v)).unwrap();
+        assert_eq!((c.rank, c.world_size), (0, 4), "{step_var}");
+    }
+    let mut one = batch.to_vec();
+    one[1] = ("SLURM_NTASKS", "1");
+    one[5] = ("SLURM_TASKS_PER_NODE", "1");
+    let c = InitConfig::from_lookup(env(&one)).unwrap();
+    assert_eq!((c.rank, c.world_size), (0, 1));
+    // Rank and world size given: the batch script knows what it asks for.
+    let c = InitConfig::resolve(&env(&batch), Some(0), Some(1)).unwrap();
+    assert_eq!((c.rank, c.world_size), (0, 1));
+}
+
+/// `srun --mpi=pmi2` sets `PMI_RANK` and `PMI_SIZE` but no PMI local rank: Slurm's own local
+/// rank and tasks per node are used, where the global rank was taken as the local one. An
+/// `mpirun` inside an `sbatch` script, whose batch-step Slurm variables number no step, is not
+/// taken in.
+#[test]
+fn under_srun_with_pmi2_the_local_rank_is_slurms() {
+    let pmi2 = [
+        ("PMI_RANK", "5"),
+        ("PMI_SIZE", "8"),
+        ("SLURM_PROCID", "5"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_TASKS_PER_NODE", "4(x2)"),
+        ("SLURM_STEP_ID", "0"),
+    ];
+    let c = InitConfig::from_lookup(env(&pmi2)).unwrap();
+    assert_eq!(c.launcher, Launcher::Pmi);
+    assert_eq!(
+        (c.rank, c.world_size, c.local_rank, c.local_world_size),
+        (5, 8, 1, 4)
+    );
+    assert_eq!(local_rank_from_lookup(&env(&pmi2)), Some(1));
+    // MPICH's hydra inside an sbatch script: the batch step's SLURM_PROCID=0 is not this rank.
+    let hydra = [
+        ("PMI_RANK", "5"),
+        ("PMI_SIZE", "8"),
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "0"),
+    ];
+    let c = InitConfig::from_lookup(env(&hydra)).unwrap();
+    assert_eq!((c.local_rank, c.local_world_size), (5, 8));
+    assert_eq!(local_rank_from_lookup(&env(&hydra)), None);
 }
