@@ -67,16 +67,19 @@ fn tcp_file_and_store_init() {
         );
         assert!(!dir.exists(), "the file store's file outlived job {job}");
     }
-    // One store, two worlds in a row (destroy and re-create).
+    // One store, worlds in a row (destroy and re-create), of two sizes: a world of 3 after two
+    // of 2 started at a count of 4, and its ranks numbered their generation 1, 1 and 2 over
+    // one counter, so the init failed at its deadline.
     let store: Arc<dyn dist_backend::Store> = Arc::new(HashStore::new(t));
-    for _ in 0..2 {
+    for w in [2, 2, 3, 3, 2] {
         assert_eq!(
-            sum_over(2, |r| InitOptions::new()
+            sum_over(w, |r| InitOptions::new()
                 .store(store.clone())
                 .rank(r)
-                .world_size(2)
+                .world_size(w)
                 .timeout(t)),
-            vec![3; 2]
+            vec![(w * (w + 1) / 2) as u32; w],
+            "a world of {w} over a store used before"
         );
     }
 }

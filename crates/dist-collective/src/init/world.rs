@@ -52,20 +52,7 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
             (r, w, s.clone())
         }
     };
-    // Each init over one store gets its own namespace, so a job may destroy and re-create its
-    // world: every rank of one generation increments the counter before any rank can start
-    // the next (the mesh of the first needs them all).
-    // Bounded by the init's deadline, not the store's own timeout (an explicit store may have
-    // another).
-    let n = store
-        .add_by("dist/world_inits", 1, deadline)
-        .map_err(|e| Error::store(rank, "init_process_group: counting inits", e))?;
-    let generation = (n.max(1) as u64 - 1) / world_size as u64;
-    let prefix = if generation == 0 {
-        "world".to_owned()
-    } else {
-        format!("world.{generation}")
-    };
+    let prefix = world_prefix(&*store, rank, world_size, deadline)?;
     let cfg = GroupConfig {
         backend: opts.backend,
         timeout: opts.timeout,
@@ -78,4 +65,41 @@ pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         }),
     };
     ProcessGroup::connect(cfg, prefix, rank, (0..world_size).collect(), true, deadline)
+}
+
+/// The namespace of this init over `store`: each init over one store gets its own, so a job
+/// may destroy and re-create its world. Every rank of one generation increments a counter
+/// before any rank can start the next (the mesh of the first needs them all), so
+/// `(count - 1) / world_size` numbers the generations alike on every rank. The counter is one
+/// per world size: over one counter, a world of another size after the first (an explicit
+/// store reused, a job re-created smaller) started at a count its size does not divide, and its
+/// ranks derived different generations. The first size to init over the store keeps `world`,
+/// `world.1`...; another size `n` takes `world.n<n>.<generation>`, so no two sizes share keys.
+/// Store calls end by `deadline`, the init's, not the store's own timeout (an explicit store
+/// may have another).
+fn world_prefix(
+    store: &dyn dist_backend::Store,
+    rank: usize,
+    world_size: usize,
+    deadline: std::time::Instant,
+) -> Result<String> {
+    let counting = |e| Error::store(rank, "init_process_group: counting inits", e);
+    let size = world_size.to_string();
+    // The first size to init claims the plain names; later calls read it back unchanged.
+    let first = store
+        .compare_set_by("dist/world_inits_size", b"", size.as_bytes(), deadline)
+        .map_err(counting)?;
+    let first = first == size.as_bytes();
+    let counter = if first {
+        "dist/world_inits".to_owned()
+    } else {
+        format!("dist/world_inits/{size}")
+    };
+    let n = store.add_by(&counter, 1, deadline).map_err(counting)?;
+    let generation = (n.max(1) as u64 - 1) / world_size as u64;
+    Ok(match (first, generation) {
+        (true, 0) => "world".to_owned(),
+        (true, g) => format!("world.{g}"),
+        (false, g) => format!("world.n{size}.{g}"),
+    })
 }
