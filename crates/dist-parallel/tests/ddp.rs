@@ -279,7 +279,12 @@ fn an_unused_parameter_is_an_error_naming_it_unless_find_unused_parameters() {
         let mut ddp =
             Ddp::new(pg.clone(), ps, DdpOptions::default(), &mut [&mut a, &mut b]).unwrap();
         ddp.mark_ready(0, &[1.0, 1.0]).unwrap();
-        Ok(ddp.finish(&mut [&mut a, &mut b]).unwrap_err())
+        let e = ddp.finish(&mut [&mut a, &mut b]).unwrap_err();
+        // Ranks that used the parameter would still be reducing this step: no later step of
+        // this DDP may meet their reductions.
+        let next = ddp.mark_ready(0, &[1.0, 1.0]).unwrap_err().to_string();
+        assert!(next.contains("re-create the group and DDP"), "{next}");
+        Ok(e)
     })
     .unwrap();
     for (r, e) in errs.iter().enumerate() {
@@ -470,4 +475,85 @@ fn a_step_whose_reduction_failed_ends_and_the_next_one_runs() {
         assert!(first.contains("all_gather"), "{first}");
         assert_eq!(g, vec![1.0; 3], "the mean of 0 and 2");
     }
+}
+
+/// The default hook, slowed on rank 0 by `delay` before its reduction.
+struct SlowOnRankZero(std::time::Duration);
+
+impl dist_parallel::CommHook for SlowOnRankZero {
+    fn name(&self) -> &'static str {
+        "slow_on_rank_zero"
+    }
+
+    fn reduce(
+        &mut self,
+        pg: &ProcessGroup,
+        bucket: &mut dist_parallel::Bucket<'_>,
+    ) -> dist_collective::Result<()> {
+        if pg.rank() == 0 {
+            std::thread::sleep(self.0);
+        }
+        pg.all_reduce(bucket.data, dist_collective::ReduceOp::Avg)
+    }
+}
+
+/// The caller runs a collective of its own on the wrapped group while a bucket is in flight
+/// (SyncBatchNorm's all-reduce in the backward pass does). Here rank 0's bucket reduction is
+/// late and rank 1's caller is late, so over one group the two ranks would issue the two
+/// collectives in opposite orders (before: a mismatch error on both ranks). Each must get its
+/// own result, whatever the order.
+#[test]
+fn the_callers_collectives_while_a_bucket_is_in_flight_do_not_mix_with_it() {
+    let delay = std::time::Duration::from_millis(300);
+    let out = run_world(2, |pg| {
+        let ps = vec![ParamInfo::new("w", &[3])];
+        let mut w = vec![0.0f32; 3];
+        let mut ddp = Ddp::new(pg.clone(), ps, DdpOptions::default(), &mut [&mut w]).unwrap();
+        ddp.register_comm_hook(Box::new(SlowOnRankZero(delay)))
+            .unwrap();
+        let r = pg.rank();
+        // The only bucket is full: its reduction starts on the communication thread.
+        ddp.mark_ready(0, &[r as f32; 3]).unwrap();
+        if r == 1 {
+            std::thread::sleep(delay);
+        }
+        let mut x = [r as f64 + 1.0; 5];
+        pg.all_reduce(&mut x, dist_collective::ReduceOp::Sum)
+            .unwrap();
+        let mut g = vec![0.0f32; 3];
+        ddp.finish(&mut [&mut g]).unwrap();
+        Ok((x, g))
+    })
+    .unwrap();
+    for (x, g) in out {
+        assert_eq!(x, [3.0; 5], "the caller's own all_reduce");
+        assert_eq!(g, vec![0.5; 3], "the mean of the gradients 0 and 1");
+    }
+}
+
+/// Parameter values that do not match the parameter list on one rank fail every rank at once:
+/// before, that rank returned its error while the others waited in the broadcast of rank 0's
+/// values until their timeout.
+#[test]
+fn values_wrong_on_one_rank_fail_every_rank() {
+    let errs = run_world(2, |pg| {
+        let ps = vec![ParamInfo::new("w", &[3])];
+        let mut w = vec![0.0f32; if pg.rank() == 1 { 2 } else { 3 }];
+        Ok(
+            Ddp::new(pg.clone(), ps, DdpOptions::default(), &mut [&mut w])
+                .unwrap_err()
+                .to_string(),
+        )
+    })
+    .unwrap();
+    assert!(
+        errs[0].contains("rank 0") && errs[0].contains("another rank"),
+        "{}",
+        errs[0]
+    );
+    assert!(
+        errs[1].contains("rank 1") && errs[1].contains("w has 3 elements"),
+        "{}",
+        errs[1]
+    );
 }

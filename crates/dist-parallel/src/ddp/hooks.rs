@@ -29,7 +29,9 @@ pub struct Bucket<'a> {
 pub trait CommHook: Send {
     /// Short name for logs.
     fn name(&self) -> &'static str;
-    /// Replaces `bucket.data` by the average over ranks of every rank's `bucket.data`.
+    /// Replaces `bucket.data` by the average over ranks of every rank's `bucket.data`. `pg` is
+    /// DDP's own group over the wrapped group's ranks (same ranks and order), on which only
+    /// the communication thread runs collectives.
     fn reduce(&mut self, pg: &ProcessGroup, bucket: &mut Bucket<'_>) -> Result<()>;
 }
 

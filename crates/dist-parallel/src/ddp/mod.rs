@@ -1,6 +1,8 @@
 //! `Ddp`: the reducer. Gradients are copied into buckets as they become ready; a full bucket is
 //! handed at once to the communication thread, which reduces buckets in bucket order (the same
-//! order on every rank) while the caller's thread goes on with the backward pass.
+//! order on every rank) while the caller's thread goes on with the backward pass. The thread
+//! reduces on a group of its own over the wrapped group's ranks, so the caller may run
+//! collectives on the wrapped group meanwhile.
 
 pub(crate) mod bucket;
 pub(crate) mod hooks;
@@ -126,6 +128,9 @@ pub struct Ddp {
     sync: bool,
     steps: u64,
     stats: StepStats,
+    /// Why this DDP refuses further steps: one ended with parameters unused on this rank
+    /// (without `find_unused_parameters`), after which the ranks are out of step.
+    failed: Option<String>,
     tx: Option<Sender<Job>>,
     rx: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
@@ -143,7 +148,9 @@ impl std::fmt::Debug for Ddp {
 impl Ddp {
     /// Wraps a model: broadcasts rank 0's parameter values into `values` (one slice per
     /// parameter, in `params` order) so every rank starts equal, lays out the buckets in
-    /// reverse registration order and starts the communication thread.
+    /// reverse registration order and starts the communication thread, over a new group of
+    /// `pg`'s ranks (a group creation of `pg`: every rank calls this in the same order as its
+    /// other group creations).
     pub fn new(
         pg: ProcessGroup,
         params: Vec<ParamInfo>,
@@ -151,7 +158,22 @@ impl Ddp {
         values: &mut [&mut [f32]],
     ) -> Result<Self> {
         let rank = pg.rank();
-        check_slices(rank, "new", &params, values.iter().map(|v| v.len()))?;
+        // Every rank says whether its own slices are wrong before the broadcast, so that a
+        // mistake on one rank fails every rank at once, not only that one while the others
+        // wait in the broadcast until their timeout.
+        let own = check_slices(rank, "new", &params, values.iter().map(|v| v.len()));
+        let mut wrong = [u32::from(own.is_err())];
+        pg.all_reduce(&mut wrong, dist_collective::ReduceOp::Max)?;
+        own?;
+        if wrong[0] != 0 {
+            return Err(Error::InvalidArgument {
+                rank,
+                op: "new",
+                reason: "another rank's parameter values do not match the parameter list \
+                         (its own error says how)"
+                    .into(),
+            });
+        }
         let mut flat: Vec<f32> = values.iter().flat_map(|v| v.iter().copied()).collect();
         pg.broadcast(&mut flat, 0)?;
         let mut at = 0;
@@ -165,7 +187,15 @@ impl Ddp {
         let (done_tx, rx) = mpsc::channel::<Done>();
         let shapes: Arc<Vec<Vec<usize>>> =
             Arc::new(params.iter().map(|p| p.shape.clone()).collect());
-        let comm_pg = pg.clone();
+        // The communication thread reduces on a group of its own over the same ranks. On the
+        // caller's group its collectives and the caller's own (SyncBatchNorm's in the backward
+        // pass, a second model's) would be issued from two threads, in an order that may
+        // differ between ranks: a mismatch, or two same-sized reductions silently swapped.
+        let everyone: Vec<usize> = (0..pg.world_size()).collect();
+        let comm_pg = pg.new_group(&everyone)?.ok_or_else(|| Error::CommThread {
+            rank,
+            reason: "its group does not hold this rank".into(),
+        })?;
         let thread = std::thread::Builder::new()
             .name(format!("dist-ddp-comm-{rank}"))
             .spawn(move || comm_loop(comm_pg, shapes, job_rx, done_tx))
@@ -205,6 +235,7 @@ impl Ddp {
             sync: true,
             steps: 0,
             stats: StepStats::default(),
+            failed: None,
             tx: Some(tx),
             rx,
             thread: Some(thread),
@@ -334,10 +365,23 @@ impl Ddp {
         }
     }
 
+    /// Fails once a step ended in a way that leaves the ranks out of step (`failed`).
+    fn check_usable(&self, op: &'static str) -> Result<()> {
+        match &self.failed {
+            Some(reason) => Err(Error::InvalidArgument {
+                rank: self.pg.rank(),
+                op,
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn ready(&mut self, op: &'static str, index: usize, grad: Option<&[f32]>) -> Result<()> {
         if !self.sync {
             return Ok(());
         }
+        self.check_usable(op)?;
         self.begin_step();
         let rank = self.pg.rank();
         let p = self.param(index, op)?;
@@ -400,6 +444,7 @@ impl Ddp {
     }
 
     fn finish_step(&mut self, mut grads: Option<&mut [&mut [f32]]>) -> Result<()> {
+        self.check_usable("finish")?;
         self.begin_step();
         let rank = self.pg.rank();
         let unused: Vec<usize> = (0..self.params.len())
@@ -407,12 +452,21 @@ impl Ddp {
             .collect();
         if !unused.is_empty() {
             if !self.opts.find_unused_parameters {
-                let names = unused
+                let names: Vec<String> = unused
                     .iter()
                     .map(|&i| self.params[i].name.clone())
                     .collect();
-                self.drain(|_, _| {})?;
+                // Ranks that did use them launched their buckets and wait in reductions this
+                // rank never joins: a later step of this rank would meet those, and average
+                // one step's gradients with another's wherever the sizes matched.
+                self.failed = Some(format!(
+                    "an earlier step ended with parameter(s) {names:?} unused on this rank, \
+                     while ranks that used them may still be reducing that step; re-create \
+                     the group and DDP (find_unused_parameters=true accepts unused parameters)"
+                ));
+                let drained = self.drain(|_, _| {});
                 self.reset_step();
+                drained?;
                 return Err(Error::UnusedParameters { rank, names });
             }
             // An unused parameter contributes a zero gradient on this rank.

@@ -308,6 +308,9 @@ impl<S: Stage> Pipeline<S> {
         }
         let m = self.schedule.num_microbatches();
         if self.local[0].is_some() && inputs.len() != m * self.shapes[0].0 {
+            // The other ranks go into the step and wait for this one's activations until the
+            // group's timeout fails them: the pipeline is out of step on every rank after.
+            self.failed = true;
             return Err(Error::InvalidArgument {
                 rank,
                 op: "Pipeline::step",
