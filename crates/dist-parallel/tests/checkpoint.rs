@@ -266,6 +266,51 @@ fn async_save_copies_first_and_wait_commits() {
     assert!(all[..2000].iter().all(|&x| x == 1.0) && all[2000..].iter().all(|&x| x == 2.0));
 }
 
+/// Two saves started before either is committed (a save slower than the checkpoint
+/// interval): committing the first removed the files of the second, which then committed an
+/// index naming them, and no checkpoint was left. Each commit now leaves later saves' files.
+#[test]
+fn overlapping_async_saves_leave_the_last_committed_loadable() {
+    let dir = tempfile::tempdir().unwrap();
+    run_world(2, |pg| {
+        let l = ShardLayout::shard_dim0(&[4, 1000], 2).unwrap();
+        let save = |k: f32| {
+            let v = vec![k + pg.rank() as f32; 2000];
+            checkpoint::save_async(
+                &pg,
+                dir.path(),
+                vec![LocalTensor::new("v", l.clone(), &[pg.rank()], &v)],
+            )
+            .unwrap()
+        };
+        let first = save(10.0);
+        let second = save(20.0);
+        first.wait().unwrap();
+        second.wait().unwrap();
+        Ok(())
+    })
+    .unwrap();
+    let mut all = vec![0.0f32; 4000];
+    let l = ShardLayout::new(&[4, 1000], &[1], &[Placement::Replicate]).unwrap();
+    checkpoint::load(
+        dir.path(),
+        0,
+        &mut [LocalTensorMut::new("v", l, &[0], &mut all)],
+    )
+    .unwrap();
+    assert!(all[..2000].iter().all(|&x| x == 20.0) && all[2000..].iter().all(|&x| x == 21.0));
+    // The first save's files are gone with its index; only the second's remain.
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names.len(),
+        3,
+        "the index and the second save's two files: {names:?}"
+    );
+}
+
 #[test]
 fn bad_input_names_the_tensor() {
     let dir = tempfile::tempdir().unwrap();
@@ -461,6 +506,25 @@ fn a_corrupt_index_or_header_is_an_error_not_a_panic() {
         std::fs::write(&shard, out).unwrap();
         let e = load(dir.path());
         assert!(e.contains(says), "{what}: {e}");
+    }
+    // The one piece listed twice (a hand-merged index) is named as an overlap: pieces that
+    // overlap could count toward a full cover while leaving part of the slice unloaded.
+    let dir = save();
+    edit_index(dir.path(), &|v| {
+        let chunks = &mut v["tensors"]["w"]["chunks"];
+        let first = chunks[0].clone();
+        chunks.as_array_mut().unwrap().push(first);
+    });
+    let e = load(dir.path());
+    assert!(e.contains("overlap"), "a piece listed twice: {e}");
+    // A file named by a path: the index is data, and must not read outside its directory.
+    for file in ["../elsewhere.safetensors", "/etc/passwd", "a/b.safetensors"] {
+        let dir = save();
+        edit_index(dir.path(), &|v| {
+            v["tensors"]["w"]["chunks"][0]["file"] = serde_json::json!(file);
+        });
+        let e = load(dir.path());
+        assert!(e.contains("not a file name"), "{file}: {e}");
     }
 }
 

@@ -96,6 +96,9 @@ fn load_one(
         )));
     }
     let mut covered = 0;
+    // The parts of this rank's slice copied so far: pieces that overlap (a hand-merged index)
+    // would count some elements twice and leave others unloaded while the count came out right.
+    let mut copied: Vec<(Chunk, &str)> = Vec::new();
     for piece in &entry.chunks {
         // The index comes from a file: a box that is not inside the tensor is corruption,
         // to report rather than index with.
@@ -116,6 +119,28 @@ fn load_one(
         let Some(overlap) = mine.intersect(&piece.chunk) else {
             continue;
         };
+        if let Some((_, other)) = copied.iter().find(|(c, _)| c.intersect(&overlap).is_some()) {
+            return Err(bad(format!(
+                "the index has pieces in {other} and {} that overlap",
+                piece.file
+            )));
+        }
+        // A file name the index gives is joined to the checkpoint's directory: one that
+        // names a path (absolute, or through `..`) would read outside it.
+        let plain = {
+            let mut parts = Path::new(&piece.file).components();
+            matches!(
+                (parts.next(), parts.next()),
+                (Some(std::path::Component::Normal(_)), None)
+            )
+        };
+        if !plain {
+            return Err(bad(format!(
+                "the index names the file {:?}, which is not a file name in the checkpoint's \
+                 directory",
+                piece.file
+            )));
+        }
         if !files.contains_key(&piece.file) {
             let f = ShardFile::open(dir.join(&piece.file), rank, &t.name)?;
             files.insert(piece.file.clone(), f);
@@ -163,6 +188,7 @@ fn load_one(
         )?;
         copy_box(&overlap, &piece.chunk, first, &span, &mine, t.data, elem);
         covered += overlap.numel();
+        copied.push((overlap, &piece.file));
     }
     if covered != mine.numel() {
         return Err(bad(format!(

@@ -293,13 +293,7 @@ fn commit(
     for (name, e) in &tensors {
         let total: usize = e.global_shape.iter().product();
         let covered: usize = e.chunks.iter().map(|c| c.chunk.numel()).sum();
-        let overlap = e.chunks.iter().enumerate().find_map(|(i, a)| {
-            e.chunks[i + 1..]
-                .iter()
-                .find(|b| a.chunk.intersect(&b.chunk).is_some())
-                .map(|b| (a, b))
-        });
-        if let Some((a, b)) = overlap {
+        if let Some((a, b)) = first_overlap(&e.chunks) {
             return Err(bad(
                 name,
                 format!(
@@ -328,6 +322,22 @@ fn commit(
         path: path.to_path_buf(),
         source,
     };
+    // Every file the index names must be there: an index naming a file some other save
+    // removed would be committed unloadable, in place of the checkpoint before it.
+    let files: HashSet<&str> = index
+        .tensors
+        .values()
+        .flat_map(|t| t.chunks.iter().map(|c| c.file.as_str()))
+        .collect();
+    if let Some(missing) = files.iter().find(|f| !dir.join(f).is_file()) {
+        return Err(bad(
+            "",
+            format!(
+                "{missing}, written by this save, is gone from {}",
+                dir.display()
+            ),
+        ));
+    }
     let json = serde_json::to_vec_pretty(&index).map_err(|e| bad("", e.to_string()))?;
     let tmp = dir.join(format!("{INDEX_FILE}.{save_id}.tmp"));
     let mut f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
@@ -343,20 +353,142 @@ fn commit(
     Ok(())
 }
 
-/// Removes what earlier (or killed) saves left: their shard files and temporary files.
-/// Failing to remove one is harmless (the index does not name it), so errors are logged only.
+/// Two pieces that overlap, if any. A sweep along dimension 0: pieces in order of their first
+/// row, each compared only with the earlier ones whose rows reach it (for dim-0 sharding, one
+/// or none), where comparing every pair cost rank 0 billions of comparisons on thousands of
+/// ranks' pieces of a thousand tensors while the others waited.
+fn first_overlap(pieces: &[ChunkEntry]) -> Option<(&ChunkEntry, &ChunkEntry)> {
+    let start = |p: &ChunkEntry| p.chunk.offsets.first().copied().unwrap_or(0);
+    let end = |p: &ChunkEntry| start(p) + p.chunk.shape.first().copied().unwrap_or(1);
+    let mut order: Vec<&ChunkEntry> = pieces.iter().collect();
+    order.sort_by_key(|p| start(p));
+    let mut reaching: Vec<&ChunkEntry> = Vec::new();
+    for b in order {
+        reaching.retain(|a| end(a) > start(b));
+        if let Some(a) = reaching
+            .iter()
+            .find(|a| a.chunk.intersect(&b.chunk).is_some())
+        {
+            return Some((a, b));
+        }
+        reaching.push(b);
+    }
+    None
+}
+
+/// Removes what earlier (or killed) saves left: their shard files and temporary files, those
+/// whose save id ([`fresh_id`]) was taken before `save_id`. A later save's files stay: it may be
+/// in progress (`save_async` twice, then `wait` on the first), and removing them made its
+/// commit name files that were gone. Failing to remove one is harmless (the index does not
+/// name it), so errors are logged only.
 fn remove_stale(dir: &Path, save_id: &str) {
+    let Some(ours) = id_time(save_id) else {
+        return;
+    };
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let ours = name.starts_with("ckpt-") || name.starts_with(&format!("{INDEX_FILE}."));
-        if ours
-            && !name.starts_with(save_id)
+        let id = name
+            .strip_prefix(&format!("{INDEX_FILE}."))
+            .unwrap_or(&name);
+        if id_time(id).is_some_and(|t| t < ours)
             && let Err(err) = fs::remove_file(e.path())
         {
             tracing::warn!("checkpoint: could not remove stale {name}: {err}");
         }
+    }
+}
+
+/// When the save whose id (or file name) `id` starts was started, from [`fresh_id`]'s
+/// `ckpt-<nanoseconds, hex>-<pid, hex>`; `None` for any other name.
+fn id_time(id: &str) -> Option<u128> {
+    let hex = id.strip_prefix("ckpt-")?.split('-').next()?;
+    u128::from_str_radix(hex, 16).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use dist_collective::Chunk;
+
+    use super::*;
+
+    fn piece(file: &str, offsets: &[usize], shape: &[usize]) -> ChunkEntry {
+        ChunkEntry {
+            file: file.into(),
+            chunk: Chunk {
+                offsets: offsets.to_vec(),
+                shape: shape.to_vec(),
+            },
+        }
+    }
+
+    /// The sweep finds what comparing every pair finds, on tilings and on overlaps.
+    #[test]
+    fn the_sweep_finds_overlaps_as_every_pair_does() {
+        let pairwise = |ps: &[ChunkEntry]| {
+            ps.iter().enumerate().any(|(i, a)| {
+                ps[i + 1..]
+                    .iter()
+                    .any(|b| a.chunk.intersect(&b.chunk).is_some())
+            })
+        };
+        let rows: Vec<ChunkEntry> = (0..6)
+            .map(|r| piece(&format!("r{r}"), &[r * 3, 0], &[3, 4]))
+            .collect();
+        let grid: Vec<ChunkEntry> = (0..4)
+            .flat_map(|i| (0..3).map(move |j| piece("g", &[i * 2, j * 5], &[2, 5])))
+            .collect();
+        let mut cases: Vec<(&str, Vec<ChunkEntry>)> = vec![
+            ("rows", rows.clone()),
+            ("rows, reversed", rows.iter().rev().cloned().collect()),
+            ("grid", grid.clone()),
+            (
+                "empty pieces",
+                vec![
+                    piece("a", &[0, 0], &[4, 2]),
+                    piece("b", &[4, 0], &[0, 2]),
+                    piece("c", &[4, 0], &[0, 2]),
+                ],
+            ),
+            ("scalars", vec![piece("a", &[], &[]), piece("b", &[], &[])]),
+            ("one scalar", vec![piece("a", &[], &[])]),
+        ];
+        let mut overlapping = grid.clone();
+        overlapping.push(piece("x", &[3, 9], &[1, 2]));
+        cases.push(("grid and a box inside it", overlapping));
+        let mut late = rows.clone();
+        late.insert(0, piece("long", &[0, 2], &[18, 1]));
+        cases.push(("a column across the rows", late));
+        let mut far = rows;
+        far.push(piece("tail", &[16, 3], &[2, 1]));
+        cases.push(("a box in the last rows", far));
+        for (what, ps) in &cases {
+            assert_eq!(
+                first_overlap(ps).is_some(),
+                pairwise(ps),
+                "{what}: {:?}",
+                first_overlap(ps).map(|(a, b)| (&a.file, &b.file))
+            );
+        }
+        assert!(first_overlap(&cases[2].1).is_none());
+        assert!(first_overlap(&cases[6].1).is_some());
+    }
+
+    #[test]
+    fn save_ids_order_by_when_they_were_taken() {
+        let id = fresh_id();
+        assert!(id_time(&id).is_some(), "{id}");
+        assert_eq!(
+            id_time(&format!("{id}.rank3.safetensors")),
+            id_time(&id),
+            "a file's name starts with its save's id"
+        );
+        // Hex, not text: `ff` was taken after `100` as text sorts it before.
+        assert!(id_time("ckpt-ff-7") < id_time("ckpt-100-1"));
+        assert_eq!(id_time("index.json"), None);
+        assert_eq!(id_time("ckpt-zz-1"), None);
+        assert_eq!(id_time("notes.txt"), None);
     }
 }
