@@ -370,6 +370,58 @@ fn no_sync_accumulates_and_clipping_uses_the_global_norm() {
     }
 }
 
+/// A forward-only pass (evaluation) leaves the last unit gathered, or every unit without
+/// `reshard_after_forward`. New values written into the shards (an optimizer step, a
+/// checkpoint loaded) must reach the next forward: it ran on the gathered copies of the values
+/// before. `reshard` frees what a forward-only pass left.
+#[test]
+fn a_forward_after_the_shards_change_sees_the_new_values() {
+    for keep in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = run_world(2, |pg| {
+            let opts = FsdpOptions {
+                reshard_after_forward: !keep,
+                ..FsdpOptions::default()
+            };
+            let mut fsdp = new_fsdp::<f32>(&pg, opts);
+            let n = fsdp.num_units();
+            let forward = |fsdp: &mut Fsdp<f32>, k: f32| {
+                for u in 0..n {
+                    let p = fsdp.pre_forward(u).unwrap();
+                    assert!(
+                        k.is_nan() || p.iter().all(|&x| x == k),
+                        "keep={keep}: unit {u} does not hold {k}"
+                    );
+                    fsdp.post_forward(u).unwrap();
+                }
+            };
+            forward(&mut fsdp, f32::NAN);
+            for s in fsdp.shards_mut() {
+                s.param.fill(5.0);
+            }
+            forward(&mut fsdp, 5.0);
+            dist_parallel::checkpoint::save(&pg, dir.path(), fsdp.sharded_state()).unwrap();
+            for s in fsdp.shards_mut() {
+                s.param.fill(7.0);
+            }
+            forward(&mut fsdp, 7.0);
+            let rank = pg.rank();
+            dist_parallel::checkpoint::load(dir.path(), rank, &mut fsdp.sharded_state_mut())
+                .unwrap();
+            forward(&mut fsdp, 5.0);
+            assert!(fsdp.memory().in_flight > 0, "keep={keep}");
+            fsdp.reshard().unwrap();
+            Ok(fsdp.memory().in_flight)
+        })
+        .unwrap();
+        assert_eq!(
+            out,
+            vec![0; 2],
+            "keep={keep}: reshard frees every gathered unit"
+        );
+    }
+}
+
 #[test]
 fn memory_is_a_shard_of_ddps_plus_the_units_in_flight() {
     // A wider model so that padding is small next to the shards.

@@ -625,14 +625,9 @@ impl<C: ComputeElement> Fsdp<C> {
             self.harvest_all_reduce()?;
         }
         for u in 0..self.units.len() {
-            if let Gather::Gathering(w) = std::mem::replace(&mut self.state[u], Gather::Sharded) {
-                // A prefetch past the first unit's backward; wait so its buffer is counted free.
-                w.wait()?;
-                let padded = self.units[u].seg_len * (self.shard_pg.world_size() + 1);
-                self.shrink(padded * size_of::<C>());
-            } else {
-                self.free(u);
-            }
+            // A prefetch past the first unit's backward is waited for, so that its buffer is
+            // counted free.
+            self.release(u)?;
         }
         let seqs = std::mem::take(&mut self.seqs);
         let pick = |d: Dim| {
@@ -694,8 +689,64 @@ impl<C: ComputeElement> Fsdp<C> {
         Ok(norm)
     }
 
+    /// Frees every gathered copy of the parameters (the last unit's stays gathered after a
+    /// forward pass, and every unit's without `reshard_after_forward`), so that the next
+    /// forward gathers again, and waits for the gathers still in flight. [`finish`](Self::finish)
+    /// does this at the end of a step; call it after forward-only passes (evaluation), as
+    /// torch's `reshard()`. Every rank calls it alike.
+    pub fn reshard(&mut self) -> Result<()> {
+        let mut first_err = None;
+        for u in 0..self.units.len() {
+            if let Err(e) = self.release(u) {
+                first_err.get_or_insert(e);
+            }
+        }
+        if self.reduce_scatters.is_empty() && self.all_reduces.is_empty() {
+            // A forward-only pass has no step to report: its gathers are not kept for one.
+            self.seqs.clear();
+            self.stats = Default::default();
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Frees unit `u`'s gathered parameters, waiting for its gather if one is in flight; each
+    /// state counts its own bytes free.
+    fn release(&mut self, u: usize) -> Result<()> {
+        match std::mem::replace(&mut self.state[u], Gather::Sharded) {
+            Gather::Gathering(w) => {
+                let waited = w.wait();
+                let padded = self.units[u].seg_len * (self.shard_pg.world_size() + 1);
+                self.shrink(padded * size_of::<C>());
+                waited?;
+            }
+            Gather::Gathered(full) => self.shrink(full.len() * size_of::<C>()),
+            Gather::Sharded => {}
+        }
+        Ok(())
+    }
+
+    /// Forgets every gathered copy of the parameters, as [`Fsdp::reshard`] but without waiting
+    /// for gathers in flight (their result is the shards as they were; the operation completes
+    /// in the background, as its peers take part in it): before the shards change, so that no
+    /// later forward runs on the values they held before.
+    fn forget_gathered(&mut self) {
+        for u in 0..self.units.len() {
+            match std::mem::replace(&mut self.state[u], Gather::Sharded) {
+                Gather::Gathered(full) => self.shrink(full.len() * size_of::<C>()),
+                Gather::Gathering(_in_flight) => {
+                    let padded = self.units[u].seg_len * (self.shard_pg.world_size() + 1);
+                    self.shrink(padded * size_of::<C>());
+                }
+                Gather::Sharded => {}
+            }
+        }
+    }
+
     /// Every parameter's local shard with its gradient, for the optimizer, in unit order.
+    /// Gathered copies of the parameters are dropped first (a forward after this gathers the
+    /// shards as changed), so every rank calls it alike, as it calls `pre_*`/`post_*`.
     pub fn shards_mut(&mut self) -> Vec<ShardMut<'_>> {
+        self.forget_gathered();
         let mut out = Vec::new();
         for ((l, s), g) in self.units.iter().zip(&mut self.shards).zip(&mut self.grads) {
             let (mut s, mut g): (&mut [f32], &mut [f32]) = (s, g);
@@ -738,7 +789,8 @@ impl<C: ComputeElement> Fsdp<C> {
     }
 
     /// Checkpoint targets for loading into the local shards (see
-    /// [`checkpoint::load`](crate::checkpoint::load)).
+    /// [`checkpoint::load`](crate::checkpoint::load)); drops gathered copies as
+    /// [`Fsdp::shards_mut`] does.
     pub fn sharded_state_mut(&mut self) -> Vec<LocalTensorMut<'_>> {
         let coord = self.coord.clone();
         self.shards_mut()
