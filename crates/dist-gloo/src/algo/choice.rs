@@ -2,8 +2,7 @@
 //!
 //! Why: each rank picks an operation's algorithm from the buffer size and its own settings
 //! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`,
-//! `halving_doubling_bytes`, `ring_piece_bytes`, `all_to_all_pairwise_bytes`, the
-//! `area_*_bytes`), and whether roots verify lazily.
+//! `halving_doubling_bytes`, `ring_piece_bytes`, the `area_*_bytes`), and whether roots verify lazily.
 //! Ranks whose settings differ would run different algorithms for the same call; the frames'
 //! step tags catch that (a mismatch naming both ranks' algorithm steps, passed to every rank
 //! by the abort notice, which is all a backend built with `GlooBackend::over` gets), but only
@@ -77,7 +76,7 @@ pub(crate) fn check(
                  differently would run different algorithms for the same call (set \
                  DIST_GLOO_SMALL_BYTES, DIST_GLOO_SEGMENT_BYTES, DIST_GLOO_BCAST_SCATTER_BYTES, \
                  DIST_GLOO_HALVING_DOUBLING_BYTES, DIST_GLOO_RING_PIECE_BYTES, \
-                 DIST_GLOO_ALLTOALL_PAIRWISE_BYTES, DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
+                 DIST_GLOO_AREA_ALL_REDUCE_BYTES, \
                  DIST_GLOO_AREA_ALL_GATHER_BYTES, DIST_GLOO_AREA_BROADCAST_MIN_BYTES, \
                  DIST_GLOO_AREA_ALL_TO_ALL_BYTES, \
                  DIST_GLOO_EAGER_ROOT and GlooOptions alike on every rank)"

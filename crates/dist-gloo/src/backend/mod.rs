@@ -165,7 +165,9 @@ impl GlooBackend {
     }
 
     /// The settings that choose algorithms, as resolved for this group
-    /// ([`choice::settings`]), which every rank must have alike.
+    /// ([`choice::settings`]), which every rank must have alike. Not
+    /// `all_to_all_pairwise_bytes`: all_to_all's two schedules interoperate, so ranks may
+    /// choose differently (`alltoall::by_messages`).
     fn algorithm_settings(&self, segment_bytes: usize) -> String {
         let v = |n: usize| n.to_string();
         choice::settings(&[
@@ -179,10 +181,6 @@ impl GlooBackend {
             ("halving_doubling_bytes", v(self.halving_doubling_bytes)),
             ("ring_piece_bytes", v(self.ring_piece_bytes)),
             ("reduce_piece_bytes", v(self.reduce_piece_bytes)),
-            (
-                "all_to_all_pairwise_bytes",
-                v(self.all_to_all_pairwise_bytes),
-            ),
             ("area_all_reduce_bytes", v(self.area_all_reduce_bytes)),
             ("area_all_gather_bytes", v(self.area_all_gather_bytes)),
             ("area_broadcast_min_bytes", v(self.area_broadcast_min_bytes)),
