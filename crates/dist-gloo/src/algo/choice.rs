@@ -2,7 +2,8 @@
 //!
 //! Why: each rank picks an operation's algorithm from the buffer size and its own settings
 //! (`small_bytes`, `segment_bytes`, `fused_agreement_max_ranks`, `broadcast_scatter_bytes`,
-//! `halving_doubling_bytes`, `ring_piece_bytes`, the `area_*_bytes`), and whether roots verify lazily.
+//! `halving_doubling_bytes`, `ring_piece_bytes`, the `area_*_bytes`), and whether roots
+//! verify lazily.
 //! Ranks whose settings differ would run different algorithms for the same call; the frames'
 //! step tags catch that (a mismatch naming both ranks' algorithm steps, passed to every rank
 //! by the abort notice, which is all a backend built with `GlooBackend::over` gets), but only
