@@ -238,6 +238,14 @@ fn dtypes_scalars_and_empty_tensors_round_trip() {
     assert_eq!(d2, d);
 }
 
+/// The `[4, 1000]` f32 tensor "v" of the checkpoint in `dir`, loaded whole by one process.
+fn load_whole_v(dir: &Path) -> Vec<f32> {
+    let mut all = vec![0.0f32; 4000];
+    let l = ShardLayout::new(&[4, 1000], &[1], &[Placement::Replicate]).unwrap();
+    checkpoint::load(dir, 0, &mut [LocalTensorMut::new("v", l, &[0], &mut all)]).unwrap();
+    all
+}
+
 #[test]
 fn async_save_copies_first_and_wait_commits() {
     let dir = tempfile::tempdir().unwrap();
@@ -255,14 +263,7 @@ fn async_save_copies_first_and_wait_commits() {
         Ok(())
     })
     .unwrap();
-    let mut all = vec![0.0f32; 4000];
-    let l = ShardLayout::new(&[4, 1000], &[1], &[Placement::Replicate]).unwrap();
-    checkpoint::load(
-        dir.path(),
-        0,
-        &mut [LocalTensorMut::new("v", l, &[0], &mut all)],
-    )
-    .unwrap();
+    let all = load_whole_v(dir.path());
     assert!(all[..2000].iter().all(|&x| x == 1.0) && all[2000..].iter().all(|&x| x == 2.0));
 }
 
@@ -290,14 +291,7 @@ fn overlapping_async_saves_leave_the_last_committed_loadable() {
         Ok(())
     })
     .unwrap();
-    let mut all = vec![0.0f32; 4000];
-    let l = ShardLayout::new(&[4, 1000], &[1], &[Placement::Replicate]).unwrap();
-    checkpoint::load(
-        dir.path(),
-        0,
-        &mut [LocalTensorMut::new("v", l, &[0], &mut all)],
-    )
-    .unwrap();
+    let all = load_whole_v(dir.path());
     assert!(all[..2000].iter().all(|&x| x == 20.0) && all[2000..].iter().all(|&x| x == 21.0));
     // The first save's files are gone with its index; only the second's remain.
     let names: Vec<String> = std::fs::read_dir(dir.path())
