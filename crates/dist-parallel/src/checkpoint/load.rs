@@ -1,7 +1,7 @@
 //! Loading: every rank reads the index, then, for each of its slices, only the byte ranges of
 //! the stored pieces that overlap it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -18,8 +18,24 @@ use crate::{Error, Result};
 /// communication. Fails, naming the tensor, when a target is not in the checkpoint, its shape
 /// or dtype differs, or a file is missing or does not hold what the index says.
 pub fn load(dir: &Path, rank: usize, targets: &mut [LocalTensorMut<'_>]) -> Result<()> {
+    load_holding(dir, rank, targets, MAX_OPEN_FILES)
+}
+
+/// Shard files held open at once while loading. A checkpoint saved by more ranks than the
+/// process may open files (1024 by default on Linux) has as many files; keeping each open
+/// from its first read to the end failed with EMFILE, and a process that holds sockets to
+/// its peers has fewer descriptors to spare still.
+const MAX_OPEN_FILES: usize = 64;
+
+/// [`load`], holding at most `max_open` shard files open at once.
+fn load_holding(
+    dir: &Path,
+    rank: usize,
+    targets: &mut [LocalTensorMut<'_>],
+    max_open: usize,
+) -> Result<()> {
     let index = read_index(dir, rank)?;
-    let mut files: HashMap<String, ShardFile> = HashMap::new();
+    let mut files = ShardFiles::new(max_open);
     for t in targets.iter_mut() {
         load_one(dir, rank, &index, &mut files, t)?;
     }
@@ -59,7 +75,7 @@ fn load_one(
     dir: &Path,
     rank: usize,
     index: &Index,
-    files: &mut HashMap<String, ShardFile>,
+    files: &mut ShardFiles,
     t: &mut LocalTensorMut<'_>,
 ) -> Result<()> {
     let name = t.name.clone();
@@ -141,11 +157,7 @@ fn load_one(
                 piece.file
             )));
         }
-        if !files.contains_key(&piece.file) {
-            let f = ShardFile::open(dir.join(&piece.file), rank, &t.name)?;
-            files.insert(piece.file.clone(), f);
-        }
-        let file = files.get_mut(&piece.file).expect("inserted above");
+        let file = files.get(dir, &piece.file, rank, &t.name)?;
         let stored = file.tensors.get(&t.name).ok_or_else(|| {
             bad(format!(
                 "{} holds no tensor of this name, though the index says it does",
@@ -249,10 +261,59 @@ struct StoredTensor {
     data_offsets: [usize; 2],
 }
 
-/// An open shard file whose safetensors header has been read (and nothing else yet).
+/// The shard files a load has read headers from, at most `max_open` of them holding a file
+/// descriptor; the others are opened again when next read.
+struct ShardFiles {
+    by_name: HashMap<String, ShardFile>,
+    /// Names of the files holding a descriptor, the one opened longest ago first.
+    open: VecDeque<String>,
+    max_open: usize,
+}
+
+impl ShardFiles {
+    fn new(max_open: usize) -> Self {
+        ShardFiles {
+            by_name: HashMap::new(),
+            open: VecDeque::new(),
+            max_open: max_open.max(1),
+        }
+    }
+
+    /// The file `name` of `dir`, its header read, open for reading; closes the file opened
+    /// longest ago where that makes one too many open.
+    fn get(&mut self, dir: &Path, name: &str, rank: usize, tensor: &str) -> Result<&mut ShardFile> {
+        let holds_descriptor = self.by_name.get(name).map(|f| f.file.is_some());
+        if holds_descriptor != Some(true) {
+            if self.open.len() >= self.max_open {
+                if let Some(oldest) = self.open.pop_front() {
+                    if let Some(f) = self.by_name.get_mut(&oldest) {
+                        f.file = None;
+                    }
+                }
+            }
+            match self.by_name.get_mut(name) {
+                Some(f) => f.reopen(rank, tensor)?,
+                None => {
+                    let f = ShardFile::open(dir.join(name), rank, tensor)?;
+                    self.by_name.insert(name.to_string(), f);
+                }
+            }
+            self.open.push_back(name.to_string());
+        }
+        Ok(self.by_name.get_mut(name).expect("read or opened above"))
+    }
+
+    #[cfg(test)]
+    fn open_now(&self) -> usize {
+        self.by_name.values().filter(|f| f.file.is_some()).count()
+    }
+}
+
+/// A shard file whose safetensors header has been read (and nothing else yet); `file` is
+/// `None` while it is closed to stay within [`MAX_OPEN_FILES`].
 struct ShardFile {
     path: PathBuf,
-    file: File,
+    file: Option<File>,
     data_start: u64,
     /// Bytes after the header: where every tensor's data offsets must end.
     data_len: u64,
@@ -306,14 +367,44 @@ impl ShardFile {
         }
         Ok(ShardFile {
             path,
-            file,
+            file: Some(file),
             data_start: 8 + n,
             data_len: len - 8 - n,
             tensors,
         })
     }
 
-    /// Reads `len` bytes at `offset` of the data section.
+    /// Opens the file again after it was closed, checking that it still has the length its
+    /// header was read with (a file replaced meanwhile would be read with another's offsets).
+    fn reopen(&mut self, rank: usize, tensor: &str) -> Result<()> {
+        let io = |source| Error::CheckpointIo {
+            rank,
+            op: "load",
+            tensor: tensor.to_string(),
+            path: self.path.clone(),
+            source,
+        };
+        let file = File::open(&self.path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len != self.data_start + self.data_len {
+            return Err(Error::Checkpoint {
+                rank,
+                op: "load",
+                tensor: tensor.to_string(),
+                reason: format!(
+                    "{} changed while loading ({} bytes, {} when its header was read)",
+                    self.path.display(),
+                    len,
+                    self.data_start + self.data_len
+                ),
+            });
+        }
+        self.file = Some(file);
+        Ok(())
+    }
+
+    /// Reads `len` bytes at `offset` of the data section; the file is open
+    /// ([`ShardFiles::get`]).
     fn read(&mut self, offset: usize, len: usize, rank: usize, tensor: &str) -> Result<Vec<u8>> {
         let io = |source| Error::CheckpointIo {
             rank,
@@ -322,11 +413,77 @@ impl ShardFile {
             path: self.path.clone(),
             source,
         };
+        let Some(file) = self.file.as_mut() else {
+            return Err(io(std::io::Error::other(
+                "read from a shard file closed to stay within the open-file bound",
+            )));
+        };
         let mut buf = vec![0u8; len];
-        self.file
-            .seek(SeekFrom::Start(self.data_start + offset as u64))
+        file.seek(SeekFrom::Start(self.data_start + offset as u64))
             .map_err(io)?;
-        self.file.read_exact(&mut buf).map_err(io)?;
+        file.read_exact(&mut buf).map_err(io)?;
         Ok(buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use dist_collective::testing::run_world;
+    use dist_collective::{Placement, ShardLayout};
+
+    use super::*;
+    use crate::checkpoint::{LocalTensor, save};
+
+    /// A checkpoint of more files than may be open at once loads whole, in an order that
+    /// comes back to files closed meanwhile, and never holds more open than the bound.
+    #[test]
+    fn a_load_holds_at_most_its_bound_of_files_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let world = 4;
+        let a: Vec<f32> = (0..40).map(|x| x as f32).collect();
+        let b: Vec<i32> = (0..12).map(|x| -x).collect();
+        run_world(world, |pg| {
+            let (la, lb) = (
+                ShardLayout::shard_dim0(&[8, 5], world).unwrap(),
+                ShardLayout::shard_dim0(&[12], world).unwrap(),
+            );
+            let (ca, cb) = (la.local_chunk(&[pg.rank()]), lb.local_chunk(&[pg.rank()]));
+            let mine_a = &a[ca.offsets[0] * 5..][..ca.numel()];
+            let mine_b = &b[cb.offsets[0]..][..cb.numel()];
+            let t = vec![
+                LocalTensor::new("a", la, &[pg.rank()], mine_a),
+                LocalTensor::new("b", lb, &[pg.rank()], mine_b),
+            ];
+            save::save(&pg, dir.path(), t).unwrap();
+            Ok(())
+        })
+        .unwrap();
+        let whole = |s: &[usize]| ShardLayout::new(s, &[1], &[Placement::Replicate]).unwrap();
+        for bound in [1, 2, world, world + 1] {
+            let (mut a2, mut b2) = (vec![0f32; 40], vec![0i32; 12]);
+            load_holding(
+                dir.path(),
+                0,
+                &mut [
+                    LocalTensorMut::new("a", whole(&[8, 5]), &[0], &mut a2),
+                    LocalTensorMut::new("b", whole(&[12]), &[0], &mut b2),
+                ],
+                bound,
+            )
+            .unwrap();
+            assert_eq!((&a2, &b2), (&a, &b), "at most {bound} files open");
+        }
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
+        assert_eq!(names.len(), world);
+        let mut files = ShardFiles::new(2);
+        for name in names.iter().chain(&names) {
+            let f = files.get(dir.path(), name, 0, "a").unwrap();
+            assert!(f.file.is_some(), "{name} is open once got");
+            assert!(files.open_now() <= 2, "{} open", files.open_now());
+        }
     }
 }
