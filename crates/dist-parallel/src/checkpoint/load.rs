@@ -284,12 +284,11 @@ impl ShardFiles {
     fn get(&mut self, dir: &Path, name: &str, rank: usize, tensor: &str) -> Result<&mut ShardFile> {
         let holds_descriptor = self.by_name.get(name).map(|f| f.file.is_some());
         if holds_descriptor != Some(true) {
-            if self.open.len() >= self.max_open {
-                if let Some(oldest) = self.open.pop_front() {
-                    if let Some(f) = self.by_name.get_mut(&oldest) {
-                        f.file = None;
-                    }
-                }
+            if self.open.len() >= self.max_open
+                && let Some(oldest) = self.open.pop_front()
+                && let Some(f) = self.by_name.get_mut(&oldest)
+            {
+                f.file = None;
             }
             match self.by_name.get_mut(name) {
                 Some(f) => f.reopen(rank, tensor)?,
@@ -454,7 +453,7 @@ mod tests {
                 LocalTensor::new("a", la, &[pg.rank()], mine_a),
                 LocalTensor::new("b", lb, &[pg.rank()], mine_b),
             ];
-            save::save(&pg, dir.path(), t).unwrap();
+            save(&pg, dir.path(), t).unwrap();
             Ok(())
         })
         .unwrap();
