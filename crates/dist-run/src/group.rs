@@ -394,9 +394,12 @@ fn pump(
             let mut src = BufReader::new(src);
             let mut line = Vec::new();
             let mut out = Vec::new();
+            // The last segment ended with a carriage return: a progress bar's redraw, which
+            // the next segment replaces, in the terminal and in the tail.
+            let mut after_cr = false;
             loop {
                 line.clear();
-                match src.read_until(b'\n', &mut line) {
+                match next_segment(&mut src, &mut line, MAX_SEGMENT) {
                     Ok(0) => break,
                     Ok(_) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -405,14 +408,20 @@ fn pump(
                 if let Some(f) = log.as_mut() {
                     let _ = f.write_all(&line);
                 }
-                let text = line.strip_suffix(b"\n").unwrap_or(&line);
-                let text = text.strip_suffix(b"\r").unwrap_or(text);
                 out.clear();
-                out.extend_from_slice(prefix.as_bytes());
-                out.extend_from_slice(text);
-                out.push(b'\n');
-                // One write per line under the lock, so ranks' lines never interleave. A closed
-                // stdout is not a reason to stop draining the rank's pipe.
+                let redraw = line.ends_with(b"\r");
+                if after_cr && line == b"\n" {
+                    // The `\n` of a `\r\n` that arrived apart: ends the bar's line.
+                    out.push(b'\n');
+                } else {
+                    let text = line.strip_suffix(b"\n").unwrap_or(&line);
+                    let text = text.strip_suffix(b"\r").unwrap_or(text);
+                    out.extend_from_slice(prefix.as_bytes());
+                    out.extend_from_slice(text);
+                    out.push(if redraw { b'\r' } else { b'\n' });
+                }
+                // One write per segment under the lock, so ranks' lines never interleave. A
+                // closed stdout is not a reason to stop draining the rank's pipe.
                 let _ = if to_stderr {
                     std::io::stderr().lock().write_all(&out)
                 } else {
@@ -420,18 +429,66 @@ fn pump(
                     o.write_all(&out).and_then(|()| o.flush())
                 };
                 if tail_lines > 0
+                    && out.len() > 1
                     && let Ok(mut t) = tail.lock()
                 {
-                    if t.len() == tail_lines {
+                    if after_cr {
+                        // The bar's previous redraw gives way to this segment.
+                        t.pop_back();
+                    } else if t.len() == tail_lines {
                         t.pop_front();
                     }
                     t.push_back(String::from_utf8_lossy(&out[..out.len() - 1]).into_owned());
                 }
+                after_cr = redraw;
             }
             let _ = done.send(rank);
         })
         .map(|_| ())
         .map_err(|e| format!("could not start an output thread for rank {rank}: {e}"))
+}
+
+/// The most bytes of a rank's output held before they are forwarded without a line end: a
+/// rank that writes megabytes without one (binary output, a very long line) must not grow
+/// distrun's memory, nor keep its output back for the whole run.
+const MAX_SEGMENT: usize = 64 << 10;
+
+/// Reads the next segment of a rank's output into `seg`: up to and including the first `\n`
+/// or `\r` (a progress bar redraws its line with `\r`, and writes `\n` only when it
+/// closes; `\r\n` stays one segment where both have arrived), or `max` bytes, or what is
+/// left at the end. Returns the segment's length, 0 at the end.
+fn next_segment(src: &mut impl BufRead, seg: &mut Vec<u8>, max: usize) -> std::io::Result<usize> {
+    loop {
+        let avail = match src.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            return Ok(seg.len());
+        }
+        let room = max.saturating_sub(seg.len()).max(1);
+        let window = &avail[..avail.len().min(room)];
+        match window.iter().position(|&b| b == b'\n' || b == b'\r') {
+            Some(i) => {
+                let mut end = i + 1;
+                if avail[i] == b'\r' && avail.get(end) == Some(&b'\n') {
+                    end += 1;
+                }
+                seg.extend_from_slice(&avail[..end]);
+                src.consume(end);
+                return Ok(seg.len());
+            }
+            None => {
+                let n = window.len();
+                seg.extend_from_slice(window);
+                src.consume(n);
+                if seg.len() >= max {
+                    return Ok(seg.len());
+                }
+            }
+        }
+    }
 }
 
 /// Stops every rank still running: `sig` to its process group, then SIGKILL to the ones left
@@ -475,4 +532,44 @@ fn stop(ranks: &mut [Rank], sig: i32, grace: Duration) -> Vec<u32> {
         }
     }
     stopped
+}
+
+#[cfg(test)]
+mod segment_tests {
+    use super::next_segment;
+
+    fn segments(input: &[u8], max: usize, chunk: usize) -> Vec<Vec<u8>> {
+        // A reader that returns at most `chunk` bytes per fill, as a pipe does.
+        let reader = std::io::BufReader::with_capacity(chunk, input);
+        let mut src = reader;
+        let mut all = Vec::new();
+        loop {
+            let mut seg = Vec::new();
+            if next_segment(&mut src, &mut seg, max).unwrap() == 0 {
+                return all;
+            }
+            all.push(seg);
+        }
+    }
+
+    #[test]
+    fn output_splits_at_line_ends_and_carriage_returns_and_never_grows_past_the_cap() {
+        let s = |v: &[&str]| v.iter().map(|x| x.as_bytes().to_vec()).collect::<Vec<_>>();
+        assert_eq!(
+            segments(b"a\nstep1\rstep2\r\nend", 64, 64),
+            s(&["a\n", "step1\r", "step2\r\n", "end"])
+        );
+        // Split across fills, the \r\n comes apart (the pump then ends the bar's line).
+        assert_eq!(segments(b"ab\r\n", 64, 3), s(&["ab\r", "\n"]));
+        // Without line ends, pieces of at most `max` bytes.
+        let long = vec![b'x'; 1000];
+        let got = segments(&long, 64, 100);
+        assert!(
+            got.iter().all(|g| g.len() <= 64),
+            "{:?}",
+            got.iter().map(Vec::len).collect::<Vec<_>>()
+        );
+        assert_eq!(got.concat(), long);
+        assert_eq!(segments(b"", 64, 8), Vec::<Vec<u8>>::new());
+    }
 }

@@ -224,6 +224,16 @@ fn run_job(args: &Args) -> Result<i32, String> {
                 return Ok(code);
             }
             Some(_) => {
+                // A signal that came while the failed attempt's ranks were being stopped must
+                // not start the next attempt: its ranks would be stopped as they start. With
+                // other nodes, this node joins the next attempt and ends it there, as the
+                // others learn of an interrupted attempt and not of a node that never joins.
+                if agents.is_none()
+                    && let Some(sig) = signals::pending()
+                {
+                    eprintln!("distrun: received {}: not restarting", signals::name(sig));
+                    return Ok(128 + sig);
+                }
                 attempt += 1;
                 eprintln!(
                     "distrun: restarting the job (restart {attempt} of {})",

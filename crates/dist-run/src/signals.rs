@@ -11,14 +11,30 @@ extern "C" fn on_signal(sig: libc::c_int) {
 }
 
 /// Catches SIGINT, SIGTERM and SIGHUP, so that they stop the ranks instead of orphaning them.
+/// A signal that `distrun` was started ignoring stays ignored, for the ranks too (they
+/// inherit the disposition through `exec`): `nohup distrun ... &` must outlive the shell's
+/// SIGHUP at logout, and a background job its terminal's SIGINT.
 pub(crate) fn install() {
     for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        if ignored(sig) {
+            continue;
+        }
         let handler = on_signal as extern "C" fn(libc::c_int);
         // SAFETY: `on_signal` is async-signal-safe (one atomic store) and lives for the whole
         // program; `signal` has no other precondition.
         unsafe {
             libc::signal(sig, handler as libc::sighandler_t);
         }
+    }
+}
+
+/// Whether `sig`'s disposition is "ignore" (as `nohup` leaves SIGHUP).
+fn ignored(sig: libc::c_int) -> bool {
+    // SAFETY: `sigaction` with a null new action only reads the current one into `old`, a
+    // valid, writable `sigaction` (all-zero bytes are a valid value of that plain C struct).
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
     }
 }
 

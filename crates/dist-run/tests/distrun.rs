@@ -414,6 +414,123 @@ fn sigterm_to_distrun_stops_every_rank() {
     }
 }
 
+/// `nohup distrun ...`: SIGHUP was ignored when distrun started, so the hang-up at logout
+/// stops neither distrun nor its ranks, which inherit the ignoring. Each rank hangs up on
+/// distrun and on itself, then finishes a second later: a distrun that caught the signal
+/// would have stopped them by then and exited 129.
+#[test]
+fn a_job_started_under_nohup_outlives_sighup() {
+    let out = Command::new("nohup")
+        .arg(DISTRUN)
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "kill -HUP $PPID; kill -HUP $$; sleep 1; echo done",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run nohup distrun");
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    for r in 0..2 {
+        assert!(stdout.contains(&format!("[rank {r}] done")), "{stdout}");
+    }
+}
+
+/// A progress bar (`\r` redraws, no line end until it closes) reaches the terminal as it is
+/// drawn, not when its line ends: the rank waits for the test to have seen its first redraw
+/// (up to 30 s) before it ends the line.
+#[test]
+fn a_progress_bar_is_shown_before_its_line_ends() {
+    use std::io::Read;
+    let dir = std::env::temp_dir().join(format!("distrun-bar-{}", std::process::id()));
+    let _ = std::fs::remove_file(&dir);
+    let seen = dir.display().to_string();
+    let script = format!(
+        "printf 'step1\\r'; i=0; while [ ! -e {seen} ] && [ $i -lt 300 ]; do sleep 0.1; \
+         i=$((i+1)); done; if [ -e {seen} ]; then echo found; else echo timeout; fi"
+    );
+    let mut job = distrun(&["--nproc-per-node", "1", "--", "sh", "-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = job.stdout.take().unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    while !String::from_utf8_lossy(&got).contains("step1") {
+        let n = stdout.read(&mut buf).unwrap();
+        assert!(n > 0, "output ended before the bar: {}", text(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    std::fs::write(&dir, b"").unwrap();
+    stdout.read_to_end(&mut got).unwrap();
+    let status = job.wait().unwrap();
+    let _ = std::fs::remove_file(&dir);
+    let got = text(&got);
+    assert!(status.success(), "{got}");
+    assert!(got.starts_with("[rank 0] step1\r"), "{got:?}");
+    assert!(got.contains("[rank 0] found\n"), "{got:?}");
+}
+
+/// A SIGINT that arrives while a failed attempt's ranks are being stopped ends the job: no
+/// restart, whose ranks the signal would stop as they start. Rank 1 says (a line) when
+/// distrun's SIGTERM has reached it, that is, during the grace period; then distrun is
+/// interrupted.
+#[test]
+fn a_signal_during_the_grace_period_stops_the_restarts() {
+    use std::io::{BufRead, BufReader};
+    let dir = std::env::temp_dir().join(format!("distrun-test-{}-graceint", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut job = distrun(&[
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        // Long enough that the SIGINT surely comes within it; the job then takes that long.
+        "--grace-period",
+        "10",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 0 ]; then i=0; \
+         while [ ! -e \"$TEST_DIR/trapped\" ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done; \
+         exit 3; fi; \
+         trap 'echo term' TERM; touch \"$TEST_DIR/trapped\"; while :; do sleep 0.1; done",
+    ])
+    .env("TEST_DIR", &dir)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut lines = BufReader::new(job.stdout.take().unwrap()).lines();
+    loop {
+        let l = lines.next().expect("rank 1 says it got SIGTERM").unwrap();
+        if l == "[rank 1] term" {
+            break;
+        }
+    }
+    let sent = Command::new("kill")
+        .args(["-INT", &job.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = job.wait_with_output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 2), "{stderr}");
+    assert!(!stderr.contains("restarting the job"), "{stderr}");
+    assert!(stderr.contains("received SIGINT"), "{stderr}");
+}
+
 /// Node `rank` of a two-node job of one rank each, running `script` under `sh -c`, its
 /// output piped; `port` is node 0's store port (`"0"` for node 0 itself: a port of its own).
 fn one_rank_node(rank: &str, port: &str, script: &str) -> std::process::Child {
