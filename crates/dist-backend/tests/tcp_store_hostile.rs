@@ -323,3 +323,112 @@ fn replies_past_the_output_budget_are_refused_before_they_are_built() {
         600 << 10
     );
 }
+
+/// Set by the parent to make `server_with_a_soft_limit_of_128` serve instead of returning.
+const SOFT_CHILD_ENV: &str = "DIST_TEST_SOFT_LIMITED_STORE";
+
+/// The child half of `a_low_soft_open_file_limit_does_not_cap_the_clients`: a store server in
+/// a process whose soft open-file limit is 128 under a higher hard one (as most systems set
+/// 1024 under a higher hard limit). Prints its port and its soft limit once the server runs,
+/// then serves until stdin closes.
+#[test]
+fn server_with_a_soft_limit_of_128() {
+    if std::env::var_os(SOFT_CHILD_ENV).is_none() {
+        return;
+    }
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `lim`; setrlimit only reads its argument.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        lim.rlim_cur = 128;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0, "setrlimit");
+    }
+    let server = TcpStoreServer::start_on(loopback(), ServerLimits::DEFAULT).expect("server");
+    // SAFETY: as above.
+    unsafe { assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0) };
+    println!("PORT {} SOFT {}", server.port(), lim.rlim_cur);
+    std::io::stdout().flush().expect("flush");
+    let mut sink = String::new();
+    let _ = std::io::stdin().read_to_string(&mut sink);
+}
+
+/// A server whose process starts with a soft limit of 128 open files serves 400 clients at
+/// once: it raises the soft limit to the hard one. Before, the clients past the limit were
+/// refused until their timeout.
+#[test]
+fn a_low_soft_open_file_limit_does_not_cap_the_clients() {
+    let mut hard = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `hard`.
+    unsafe { assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard), 0) };
+    if hard.rlim_max < 1024 || hard.rlim_cur < 1024 {
+        eprintln!(
+            "skipped: this process may open {} files (hard {}); the test needs 1024",
+            hard.rlim_cur, hard.rlim_max
+        );
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    let mut child = Command::new(exe)
+        .args(["--exact", "server_with_a_soft_limit_of_128", "--nocapture"])
+        .env(SOFT_CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("child server");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel::<(u16, u64)>();
+    let drain = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let mut words = line.split_whitespace();
+            if let (Some("PORT"), Some(p), Some("SOFT"), Some(s)) =
+                (words.next(), words.next(), words.next(), words.next())
+                && let (Ok(p), Ok(s)) = (p.parse(), s.parse())
+            {
+                let _ = tx.send((p, s));
+            }
+        }
+    });
+    let (port, soft) = rx.recv().expect("the child's port");
+    assert!(soft > 128, "the server left the soft limit at {soft}");
+    let clients: Vec<TcpStore> = (0..400)
+        .map(|i| {
+            let s = TcpStore::connect("127.0.0.1", port, CLIENT_TIMEOUT)
+                .unwrap_or_else(|e| panic!("client {i} of 400: {e}"));
+            s.set(&format!("k{i}"), b"v").expect("set");
+            s
+        })
+        .collect();
+    assert_eq!(clients[0].get("k399").expect("get"), b"v");
+    drop(clients);
+    drop(child.stdin.take());
+    let status = child.wait().expect("child exit");
+    drain.join().expect("drain");
+    assert!(status.success(), "child server failed: {status}");
+}
+
+/// APPEND that would make a value larger than a client can read back is refused (the
+/// connection closed, with a warning), and the value stays readable.
+#[test]
+fn an_append_past_the_readable_size_is_refused() {
+    let server = TcpStoreServer::start_on(loopback(), ServerLimits::DEFAULT).expect("server");
+    let store =
+        TcpStore::connect("127.0.0.1", server.port(), CLIENT_TIMEOUT).expect("client connects");
+    let chunk = vec![7u8; 40 << 20];
+    store.append("big", &chunk).expect("first append");
+    // APPEND has no reply: the refusal shows as the connection closing under the next call,
+    // which on the same connection comes after it.
+    let second =
+        TcpStore::connect("127.0.0.1", server.port(), CLIENT_TIMEOUT).expect("client connects");
+    let _ = second.append("big", &chunk);
+    let _ = second.get("big");
+    let fresh =
+        TcpStore::connect("127.0.0.1", server.port(), CLIENT_TIMEOUT).expect("client connects");
+    assert_eq!(fresh.get("big").expect("get").len(), 40 << 20);
+    assert_eq!(store.get("big").expect("get").len(), 40 << 20);
+}

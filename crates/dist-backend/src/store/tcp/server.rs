@@ -38,8 +38,12 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 pub struct ServerLimits {
     /// What one request may hold (key, value and list lengths, whole message).
     pub decode: Limits,
-    /// Most clients connected at once (default 4096). Past it, a new connection first evicts
-    /// the oldest connection that has not validated yet; if there is none it is refused.
+    /// Most clients connected at once (default 65536). Past it, a new connection first evicts
+    /// the oldest connection that has not validated yet; if there is none it is refused. A
+    /// job has a client per rank and per launcher agent, and a rank a second one while its
+    /// progress watchdog publishes during a blocking call: 4096 refused jobs of 2048 ranks.
+    /// The server raises its process's soft open-file limit to the hard one when it starts,
+    /// since the usual soft limit (1024) is what ran out first.
     pub max_connections: usize,
     /// Most bytes of partly received requests held for all clients together (default 512 MiB).
     /// The connection whose bytes would pass it is closed.
@@ -56,7 +60,7 @@ impl ServerLimits {
     /// The default limits.
     pub const DEFAULT: ServerLimits = ServerLimits {
         decode: Limits::DEFAULT,
-        max_connections: 4096,
+        max_connections: 65536,
         max_buffered_total: 512 * 1024 * 1024,
         max_pending_output: 256 * 1024 * 1024,
         max_unvalidated_bytes: 64,
@@ -136,6 +140,7 @@ impl TcpStoreServer {
             .register(&mut listener, LISTENER, Interest::READABLE)
             .map_err(|e| io_err("listen", addr.to_string(), e))?;
         check_somaxconn();
+        raise_open_file_limit();
         let stop = Arc::new(AtomicBool::new(false));
         let clients = Arc::new(AtomicUsize::new(0));
         let mut lp = EventLoop {
@@ -249,6 +254,43 @@ fn check_somaxconn() {
         tracing::warn!(
             "tcp store: /proc/sys/net/core/somaxconn is {n}: many clients connecting at once may \
              be refused and retry"
+        );
+    }
+}
+
+/// Raises this process's soft limit on open files to its hard limit (as Go's runtime does at
+/// start): a store server holds a descriptor per client, and the soft limit of 1024 most
+/// systems set would refuse the clients of a job of a thousand ranks. The hard limit is left
+/// alone; where it is low, the server warns.
+#[allow(
+    unsafe_code,
+    reason = "getrlimit and setrlimit have no safe std equivalent"
+)]
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `getrlimit` writes one `rlimit` into `lim`, a valid, writable value.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return;
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: `setrlimit` only reads `raised`, a valid `rlimit`; raising the soft limit up
+        // to the hard one needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    if lim.rlim_cur < 4096 {
+        tracing::warn!(
+            "tcp store: this process may open {} files: a job of more clients than that cannot \
+             rendezvous through this server (raise `ulimit -n`)",
+            lim.rlim_cur
         );
     }
 }
@@ -683,6 +725,18 @@ impl EventLoop {
                 self.reply(t, &Response::Int(n));
             }
             Request::Append { key, value } => {
+                // A value past the decoder's limit could never be read back: every client's
+                // GET of it would fail to decode the reply.
+                let had = self.kv.get(&key).map_or(0, <[u8]>::len);
+                let would = had.saturating_add(value.len());
+                if would as u64 > self.limits.decode.max_value_len {
+                    return Err(format!(
+                        "APPEND to key {:?} would make its value {would} bytes, past the {} \
+                         a client can read back",
+                        String::from_utf8_lossy(&key),
+                        self.limits.decode.max_value_len
+                    ));
+                }
                 self.kv.append(&key, &value);
                 self.wake(&key);
             }
