@@ -168,18 +168,34 @@ impl FileStore {
         timeout: Duration,
         num_workers: usize,
     ) -> Result<Self, StoreError> {
-        let mut store = FileStore::new(path, timeout)?;
         let deadline = crate::deadline_after(Instant::now(), timeout);
-        store.add_by(OPEN_KEY, 1, deadline)?;
-        store.workers = Some(num_workers as u64);
-        Ok(store)
+        loop {
+            let mut store = FileStore::new(path.as_ref(), timeout)?;
+            store.add_by(OPEN_KEY, 1, deadline)?;
+            // The last handle of an earlier job deletes the file under the lock: where that
+            // came between this open and the count, this handle counted itself in an
+            // unlinked file, and opens the path again.
+            if store.path_names_our_file() {
+                store.workers = Some(num_workers as u64);
+                return Ok(store);
+            }
+            if Instant::now() >= deadline {
+                return Err(store.io(
+                    "open",
+                    &[],
+                    io::Error::other("the file was deleted or replaced every time it was opened"),
+                ));
+            }
+        }
     }
 
-    /// Counts this handle closed (and no longer open) in one record; returns whether it was
-    /// the last: none open any more, and at least `workers` closed.
-    fn count_closed(&self, workers: u64, deadline: Instant) -> Result<bool, StoreError> {
+    /// Counts this handle closed (and no longer open) in one record; the last one (none open
+    /// any more, and at least `workers` closed) deletes the file instead, under the same
+    /// exclusive lock. Deleting after the lock is released would let a handle opened in
+    /// between count itself open in a file about to be unlinked, and work on it alone.
+    fn count_closed(&self, workers: u64, deadline: Instant) -> Result<(), StoreError> {
         let keys = [CLOSED_KEY, OPEN_KEY];
-        self.write("close", &keys, deadline, |kv| {
+        self.write_with_file("close", &keys, deadline, |kv, file| {
             let mut counted = [0i64; 2];
             for (n, (key, delta)) in counted.iter_mut().zip(keys.iter().zip([1, -1])) {
                 *n = kv
@@ -192,24 +208,31 @@ impl FileStore {
             }
             let [closed, open] = counted;
             let last = open <= 0 && u64::try_from(closed).is_ok_and(|c| c >= workers);
+            if last && names(&self.path, file) {
+                match std::fs::remove_file(&self.path) {
+                    Ok(()) => return Ok(((), Vec::new())),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => tracing::warn!(
+                        path = %self.path.display(),
+                        error = %e,
+                        "file store: the last handle could not delete the file"
+                    ),
+                }
+            }
             let records = keys
                 .iter()
                 .zip(counted)
                 .map(|(key, n)| (key.as_bytes().to_vec(), n.to_string().into_bytes()))
                 .collect();
-            Ok((last, vec![Request::MultiSet { pairs: records }]))
+            Ok(((), vec![Request::MultiSet { pairs: records }]))
         })
     }
 
     /// Whether `path` still names the file this handle has open: another job may have
     /// removed it and made a new one there, which is not this handle's to delete.
     fn path_names_our_file(&self) -> bool {
-        use std::os::unix::fs::MetadataExt;
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        match (st.file.metadata(), std::fs::metadata(&self.path)) {
-            (Ok(ours), Ok(there)) => (ours.dev(), ours.ino()) == (there.dev(), there.ino()),
-            _ => false,
-        }
+        names(&self.path, &st.file)
     }
 
     /// The path of the store file.
@@ -396,11 +419,22 @@ impl FileStore {
         deadline: Instant,
         f: impl FnOnce(&mut Kv) -> Result<(T, Vec<Request>), StoreError>,
     ) -> Result<T, StoreError> {
+        self.write_with_file(op, keys, deadline, |kv, _| f(kv))
+    }
+
+    /// [`FileStore::write`], `f` also given the locked file.
+    fn write_with_file<T>(
+        &self,
+        op: &'static str,
+        keys: &[&str],
+        deadline: Instant,
+        f: impl FnOnce(&mut Kv, &File) -> Result<(T, Vec<Request>), StoreError>,
+    ) -> Result<T, StoreError> {
         let mut guard = self.lock_state(op, keys, deadline)?;
         let State { file, kv, offset } = &mut *guard;
         let _unlock = self.flock(file, LockKind::Exclusive, op, keys, deadline)?;
         self.catch_up(file, kv, offset, op, keys, true)?;
-        let (out, records) = f(kv)?;
+        let (out, records) = f(kv, file)?;
         if records.is_empty() {
             return Ok(out);
         }
@@ -531,6 +565,15 @@ fn apply(kv: &mut Kv, rec: &Request) -> Result<(), WireError> {
     Ok(())
 }
 
+/// Whether `path` names the file `file` has open (the same device and inode).
+fn names(path: &Path, file: &File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(ours), Ok(there)) => (ours.dev(), ours.ino()) == (there.dev(), there.ino()),
+        _ => false,
+    }
+}
+
 impl Drop for FileStore {
     fn drop(&mut self) {
         let Some(workers) = self.workers else {
@@ -542,26 +585,13 @@ impl Drop for FileStore {
             return;
         }
         let deadline = crate::deadline_after(Instant::now(), self.timeout.min(CLOSE_WAIT));
-        match self.count_closed(workers, deadline) {
-            Ok(false) => {}
-            Ok(true) if !self.path_names_our_file() => {}
-            Ok(true) => {
-                if let Err(e) = std::fs::remove_file(&self.path)
-                    && e.kind() != io::ErrorKind::NotFound
-                {
-                    tracing::warn!(
-                        path = %self.path.display(),
-                        error = %e,
-                        "file store: the last handle could not delete the file"
-                    );
-                }
-            }
-            Err(e) => tracing::warn!(
+        if let Err(e) = self.count_closed(workers, deadline) {
+            tracing::warn!(
                 path = %self.path.display(),
                 error = %e,
                 "file store: a closing handle could not count itself closed, so the file \
                  will not be deleted"
-            ),
+            );
         }
     }
 }
