@@ -313,9 +313,6 @@ fn spawn(
             });
         }
     }
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("could not start rank {rank} ({prog:?}): {e}"))?;
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(a.tail_lines)));
     let logs = match a.log_dir {
         Some(dir) => {
@@ -336,31 +333,26 @@ fn spawn(
         Some((o, e)) => (Some(o), Some(e)),
         None => (None, None),
     };
-    let mut readers = 0;
-    if let Some(out) = child.stdout.take() {
-        pump(
-            out,
-            rank,
-            false,
-            Arc::clone(&tail),
-            a.tail_lines,
-            out_log,
-            done.clone(),
-        )?;
-        readers += 1;
-    }
-    if let Some(err) = child.stderr.take() {
-        pump(
-            err,
-            rank,
-            true,
-            Arc::clone(&tail),
-            a.tail_lines,
-            err_log,
-            done.clone(),
-        )?;
-        readers += 1;
-    }
+    // The logs are made before the rank starts: a rank started and then left out of the
+    // ranks `stop` sees would run on, unstopped, with whatever it started.
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("could not start rank {rank} ({prog:?}): {e}"))?;
+    let readers = match start_pumps(
+        &mut child,
+        rank,
+        &tail,
+        a.tail_lines,
+        (out_log, err_log),
+        done,
+    ) {
+        Ok(n) => n,
+        Err(e) => {
+            signals::kill_group(child.id(), libc::SIGKILL);
+            let _ = child.wait();
+            return Err(e);
+        }
+    };
     Ok((
         Rank {
             rank,
@@ -371,6 +363,43 @@ fn spawn(
         },
         readers,
     ))
+}
+
+/// Starts the threads that forward `child`'s stdout and stderr; returns how many.
+fn start_pumps(
+    child: &mut Child,
+    rank: u32,
+    tail: &Arc<Mutex<VecDeque<String>>>,
+    tail_lines: usize,
+    (out_log, err_log): (Option<File>, Option<File>),
+    done: &mpsc::Sender<u32>,
+) -> Result<usize, String> {
+    let mut readers = 0;
+    if let Some(out) = child.stdout.take() {
+        pump(
+            out,
+            rank,
+            false,
+            Arc::clone(tail),
+            tail_lines,
+            out_log,
+            done.clone(),
+        )?;
+        readers += 1;
+    }
+    if let Some(err) = child.stderr.take() {
+        pump(
+            err,
+            rank,
+            true,
+            Arc::clone(tail),
+            tail_lines,
+            err_log,
+            done.clone(),
+        )?;
+        readers += 1;
+    }
+    Ok(readers)
 }
 
 /// A thread copying `src` line by line to our stdout (or stderr) with a `[rank R] ` prefix,
