@@ -199,20 +199,21 @@ impl Agents {
     }
 
     /// Before attempt `attempt`: waits until every node has arrived, all within the
-    /// rendezvous timeout from now.
+    /// rendezvous timeout from now. Each node marks its own arrival, so a node interrupted
+    /// while it waited and started again arrives once, not twice: a count of arrivals would
+    /// have reached the node count with one node still missing.
     pub(crate) fn join(&self, attempt: u32) -> Result<(), String> {
         let deadline = deadline_after(Instant::now(), self.timeout);
         let what = format!("joining attempt {attempt}");
-        let n = self
-            .store
-            .add_by(&key(attempt, "joined"), 1, deadline)
+        let arrived = |node: u32| key(attempt, &format!("joined/{node}"));
+        self.store
+            .set_by(&arrived(self.node_rank), b"", deadline)
             .map_err(|e| self.err(&what, e))?;
-        if n == i64::from(self.nnodes) {
-            self.store
-                .set_by(&key(attempt, "go"), b"", deadline)
-                .map_err(|e| self.err(&what, e))?;
+        for node in 0..self.nnodes {
+            let waiting = format!("{what} (waiting for node {node})");
+            self.wait_key(&arrived(node), Some(deadline), &waiting)?;
         }
-        self.wait_key(&key(attempt, "go"), Some(deadline), &what)
+        Ok(())
     }
 
     /// Tells every node that a rank of this one failed (the first report wins).

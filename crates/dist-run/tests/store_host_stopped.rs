@@ -129,10 +129,9 @@ fn a_join_ends_by_its_deadline_when_node_0_is_stopped() {
     let observer = TcpStore::connect("127.0.0.1", port.parse().expect("port"), RDZV)
         .expect("the test's client of node 0's store");
     let started = Instant::now();
-    while observer
-        .add("distrun/attempt_0/joined", 0)
-        .expect("read the join counter")
-        < 2
+    while !observer
+        .check(&["distrun/attempt_0/joined/0", "distrun/attempt_0/joined/1"])
+        .expect("read the arrivals")
     {
         assert!(
             started.elapsed() < Duration::from_secs(60),
