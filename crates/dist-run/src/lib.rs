@@ -21,7 +21,8 @@
 //!   nodes, node 0 may be given `--master-port 0` too: it prints the port it picked
 //!   (`distrun: ... store at ADDR:PORT` on stderr), and the other nodes must be given that port.
 //! * Each line a child prints, on stdout or stderr, is printed on the same stream of `distrun`
-//!   prefixed with `[rank R] `. With `--tee` (or `--log-dir`) it is also written, unprefixed, to
+//!   prefixed with `[rank R] `; so is each redraw of a progress bar (text ending in `\r`), as
+//!   it is drawn, and output without either line end in pieces of 64 KiB. With `--tee` (or `--log-dir`) it is also written, unprefixed, to
 //!   `<log-dir>/attempt_<n>/rank_<r>/{stdout,stderr}.log`.
 //! * When a rank fails (non-zero exit or a signal), the others are stopped (SIGTERM to each
 //!   child's process group, SIGKILL after `--grace-period`) and a summary names the rank that
@@ -32,7 +33,12 @@
 //!   node 0 before every attempt; a failure on one node stops the ranks of every node, and the
 //!   restart decision is the same everywhere.
 //! * SIGINT, SIGTERM and SIGHUP sent to `distrun` are forwarded to the ranks (SIGKILL after the
-//!   grace period); `distrun` then exits with `128 + signal`, without restarting.
+//!   grace period); `distrun` then exits with `128 + signal`, without restarting. A signal
+//!   `distrun` was started ignoring stays ignored, for the ranks too: `nohup distrun ... &`
+//!   outlives the logout.
+//! * Each local rank is bound to its own share of the CPUs where they are at least as many as
+//!   the ranks: whole physical cores of one socket where the ranks are no more than the cores
+//!   (`DIST_RUN_BIND=none` leaves them unbound).
 //!
 //! This is its own crate, not a binary of the `dist` facade, because a launcher has its own
 //! dependencies (`clap`, `libc`) that a library user of `dist` should not have to compile. It
