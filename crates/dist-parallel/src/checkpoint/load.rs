@@ -373,18 +373,29 @@ impl ShardFile {
         })
     }
 
-    /// Opens the file again after it was closed, checking that it still has the length its
-    /// header was read with (a file replaced meanwhile would be read with another's offsets).
-    fn reopen(&mut self, rank: usize, tensor: &str) -> Result<()> {
-        let io = |source| Error::CheckpointIo {
+    /// An I/O error on this file, naming the rank and the tensor being loaded.
+    fn io_error(&self, rank: usize, tensor: &str, source: std::io::Error) -> Error {
+        ShardFile::io_error_at(&self.path, rank, tensor, source)
+    }
+
+    fn io_error_at(path: &Path, rank: usize, tensor: &str, source: std::io::Error) -> Error {
+        Error::CheckpointIo {
             rank,
             op: "load",
             tensor: tensor.to_string(),
-            path: self.path.clone(),
+            path: path.to_path_buf(),
             source,
-        };
-        let file = File::open(&self.path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        }
+    }
+
+    /// Opens the file again after it was closed, checking that it still has the length its
+    /// header was read with (a file replaced meanwhile would be read with another's offsets).
+    fn reopen(&mut self, rank: usize, tensor: &str) -> Result<()> {
+        let file = File::open(&self.path).map_err(|e| self.io_error(rank, tensor, e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| self.io_error(rank, tensor, e))?
+            .len();
         if len != self.data_start + self.data_len {
             return Err(Error::Checkpoint {
                 rank,
@@ -405,20 +416,20 @@ impl ShardFile {
     /// Reads `len` bytes at `offset` of the data section; the file is open
     /// ([`ShardFiles::get`]).
     fn read(&mut self, offset: usize, len: usize, rank: usize, tensor: &str) -> Result<Vec<u8>> {
-        let io = |source| Error::CheckpointIo {
-            rank,
-            op: "load",
-            tensor: tensor.to_string(),
-            path: self.path.clone(),
-            source,
-        };
-        let Some(file) = self.file.as_mut() else {
+        let ShardFile {
+            path,
+            file,
+            data_start,
+            ..
+        } = self;
+        let io = |source| ShardFile::io_error_at(path, rank, tensor, source);
+        let Some(file) = file.as_mut() else {
             return Err(io(std::io::Error::other(
                 "read from a shard file closed to stay within the open-file bound",
             )));
         };
         let mut buf = vec![0u8; len];
-        file.seek(SeekFrom::Start(self.data_start + offset as u64))
+        file.seek(SeekFrom::Start(*data_start + offset as u64))
             .map_err(io)?;
         file.read_exact(&mut buf).map_err(io)?;
         Ok(buf)
