@@ -1,14 +1,13 @@
 //! Which CPUs each local rank may run on.
 //!
 //! When this node's ranks are no more than the CPUs `distrun` may use, each rank gets its own
-//! contiguous share of them (Open MPI binds to cores by default in the same case). Shares are
-//! made of whole physical cores, in order of socket and core, where the ranks are no more than
-//! the cores: the kernel numbers a core's hardware threads apart (CPUs 0 and 48 are one core of
-//! a 2 × 24-core host), so shares of CPU numbers would put two ranks on the same cores and
-//! a rank on both sockets. Ranks that
+//! contiguous share of them (Open MPI binds to cores by default in the same case). Ranks that
 //! wait for each other by spinning, as dist-gloo's shared-memory transport does for a couple of
 //! microseconds, then never wait for a peer that the scheduler put on their own core while
-//! another core ran something else. With more ranks than CPUs nothing is bound (as Open MPI
+//! another core ran something else. Shares are made of whole physical cores, in order of socket
+//! and core, where the ranks are no more than the cores: the kernel numbers a core's hardware
+//! threads apart (CPUs 0 and 48 are one core of a 2 × 24-core host), so shares of CPU numbers
+//! would put two ranks on the same cores and a rank on both sockets. With more ranks than CPUs nothing is bound (as Open MPI
 //! does when oversubscribed), and `DIST_RUN_BIND=none` turns binding off.
 
 /// The CPUs of each local rank, in local-rank order; `None` leaves the ranks unbound.
@@ -44,16 +43,10 @@ fn cores_of(cpus: &[usize], read: impl Fn(usize, &str) -> Option<usize>) -> Vec<
         })
         .collect();
     keyed.sort_unstable();
-    let mut cores: Vec<Vec<usize>> = Vec::new();
-    let mut last = None;
-    for (key, cpu) in keyed {
-        match cores.last_mut() {
-            Some(core) if last == Some(key) => core.push(cpu),
-            _ => cores.push(vec![cpu]),
-        }
-        last = Some(key);
-    }
-    cores
+    keyed
+        .chunk_by(|a, b| a.0 == b.0)
+        .map(|core| core.iter().map(|&(_, cpu)| cpu).collect())
+        .collect()
 }
 
 /// Whole `cores` cut into `nproc` contiguous shares, as [`split`] cuts CPUs; `None` where

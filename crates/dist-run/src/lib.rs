@@ -22,7 +22,8 @@
 //!   (`distrun: ... store at ADDR:PORT` on stderr), and the other nodes must be given that port.
 //! * Each line a child prints, on stdout or stderr, is printed on the same stream of `distrun`
 //!   prefixed with `[rank R] `; so is each redraw of a progress bar (text ending in `\r`), as
-//!   it is drawn, and output without either line end in pieces of 64 KiB. With `--tee` (or `--log-dir`) it is also written, unprefixed, to
+//!   it is drawn, and output without either line end in pieces of 64 KiB. With `--tee` (or
+//!   `--log-dir`) it is also written, unprefixed, to
 //!   `<log-dir>/attempt_<n>/rank_<r>/{stdout,stderr}.log`.
 //! * When a rank fails (non-zero exit or a signal), the others are stopped (SIGTERM to each
 //!   child's process group, SIGKILL after `--grace-period`) and a summary names the rank that
