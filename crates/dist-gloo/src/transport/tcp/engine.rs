@@ -13,6 +13,7 @@ use mio::{Events, Poll};
 use super::by_reference::SingleCopyRule;
 use super::cma::Cma;
 use super::conn::Conn;
+use super::idle::{Idle, SpinWindow};
 use super::linger;
 use crate::output_copy::STREAMING_BYTES;
 use crate::proto::{Core, Status, Step};
@@ -51,41 +52,6 @@ fn watches_area(ctx: &StepCtx) -> bool {
     !matches!(ctx.op, CollectiveOp::SendRecv | CollectiveOp::Close) && !ctx.args_in_payload
 }
 
-/// How long a step has waited with nothing to do, and so how it waits next.
-#[derive(Default)]
-struct Idle {
-    spin_until: Option<Instant>,
-    idle_since: Option<Instant>,
-}
-
-impl Idle {
-    /// Something moved: the next wait spins afresh.
-    fn reset(&mut self) {
-        *self = Idle::default();
-    }
-
-    /// At `now`, with nothing to do: spins once or yields once and returns true while within
-    /// `spin` of the first idle pass, else returns false (time to sleep in the poller). A CPU
-    /// spin first, for `busy_spin` (see `MeshOptions::busy_spin`): a peer on another core
-    /// answers through shared memory within a microsecond, while a yield on a busy host may
-    /// hand the core to another process for a whole time slice. Then yields, which let a peer
-    /// that shares this core run.
-    fn spin(&mut self, now: Instant, spin: Duration, busy_spin: Duration) -> bool {
-        let until = *self
-            .spin_until
-            .get_or_insert(dist_backend::deadline_after(now, spin));
-        if now >= until {
-            return false;
-        }
-        if now.duration_since(*self.idle_since.get_or_insert(now)) < busy_spin {
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
-        true
-    }
-}
-
 #[derive(Debug)]
 pub(super) struct Engine {
     pub(super) poll: Poll,
@@ -94,11 +60,10 @@ pub(super) struct Engine {
     pub(super) core: Core,
     /// Indexed by peer rank; `None` at this rank and once closed.
     pub(super) conns: Vec<Option<Conn>>,
-    /// How long to keep retrying before sleeping in the poller: waking a sleeping process costs
-    /// more than the whole of a small message's round trip.
-    pub(super) spin: Duration,
-    /// The first part of `spin`, busy-waiting without yielding the core.
-    pub(super) busy_spin: Duration,
+    /// How long to keep retrying before sleeping in the poller (waking a sleeping process costs
+    /// more than the whole of a small message's round trip), and which part busy-waits without
+    /// yielding the core; it adapts to how soon the sleeps end.
+    pub(super) spin: SpinWindow,
     /// Single-copy transfers with the peers on this host, when they are possible (the core
     /// copies through it too).
     pub(super) cma: Option<Arc<Cma>>,
@@ -209,7 +174,7 @@ impl Engine {
                         continue;
                     }
                     now = Instant::now();
-                    if idle.spin(now, self.spin, self.busy_spin) {
+                    if idle.spin(now, &self.spin) {
                         continue;
                     }
                     let watched = area.filter(|_| watches_area(ctx));
@@ -278,7 +243,7 @@ impl Engine {
             // at: the pass costs more than an arrival takes to show from another core.
             if !missing.is_empty() && quick < QUICK_LOOKS {
                 quick += 1;
-                if self.busy_spin.is_zero() {
+                if self.spin.busy().is_zero() {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
@@ -301,7 +266,7 @@ impl Engine {
                 Status::Failed => return self.fail(&mut step, &[], &mut [], noop, now),
                 Status::Pending { deadline } => {
                     now = Instant::now();
-                    if idle.spin(now, self.spin, self.busy_spin) || area.sleep(ctx.rank, mark) {
+                    if idle.spin(now, &self.spin) || area.sleep(ctx.rank, mark) {
                         continue;
                     }
                     let slept = self.wait(deadline.saturating_duration_since(now));
@@ -658,8 +623,10 @@ impl Engine {
     }
 
     /// Sleeps in the poller until some link is ready or `timeout` passes (at most
-    /// [`MAX_SLEEP`]), marking the links that are.
+    /// [`MAX_SLEEP`]), marking the links that are; how long it slept adapts the spin of the
+    /// next waits ([`SpinWindow::slept`]).
     fn wait(&mut self, timeout: Duration) -> io::Result<()> {
+        let began = Instant::now();
         // Shared-memory links say they sleep first, then look once more (no wake-up lost);
         // one that changed meanwhile is treated as a poller event, without sleeping.
         let mut awake = false;
@@ -699,6 +666,7 @@ impl Engine {
                 c.readable = true;
             }
         }
+        self.spin.slept(began.elapsed());
         match polled {
             Err(e) if e.kind() != io::ErrorKind::Interrupted => Err(e),
             _ => Ok(()),

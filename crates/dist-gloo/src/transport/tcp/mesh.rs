@@ -27,7 +27,10 @@ pub struct MeshOptions {
     pub timeout: Duration,
     /// Largest frame payload.
     pub segment_bytes: usize,
-    /// Busy-poll time before sleeping.
+    /// Busy-poll time before sleeping. Where the whole spin busy-waits (see `busy_spin`), it
+    /// is the least: a sleep that ends within a millisecond doubles the next waits' spin, up
+    /// to a millisecond, and a longer one halves it again, so that ranks whose wake-ups
+    /// take longer than the spin do not take turns waking each other (see `idle.rs`).
     pub spin: Duration,
     /// The first part of `spin` that does not even yield the core; `None` picks the whole of
     /// `spin` when this host's ranks of the group (those reached through shared memory, and

@@ -14,6 +14,7 @@ mod conn;
 mod engine;
 #[cfg(target_os = "linux")]
 mod huge_pages;
+mod idle;
 #[cfg(not(target_os = "linux"))]
 mod huge_pages {
     /// No page tables to ask outside Linux: never.
@@ -165,8 +166,7 @@ impl TcpTransport {
                 events: mio::Events::with_capacity(64),
                 core,
                 conns,
-                spin: opts.spin,
-                busy_spin,
+                spin: idle::SpinWindow::new(opts.spin, busy_spin),
                 cma,
                 linger: opts.timeout,
                 single_copy: SingleCopyRule {
@@ -180,7 +180,11 @@ impl TcpTransport {
 
     /// Changes how long a step busy-polls before sleeping.
     pub fn set_spin(&self, spin: Duration) {
-        self.engine.lock().unwrap_or_else(|e| e.into_inner()).spin = spin;
+        self.engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .spin
+            .set_base(spin);
     }
 }
 
