@@ -25,6 +25,8 @@
 
 use crate::WireError;
 
+mod scan;
+
 /// The magic number of the VALIDATE query every connection starts with.
 pub const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
 
@@ -581,14 +583,15 @@ pub fn decode_response(
 /// size, and take complete requests out with [`next_request`](Self::next_request).
 ///
 /// It allocates for a key or value only once the length field has been checked against its
-/// [`Limits`]; while a large value arrives it does not re-parse from the start on every feed.
-/// After an error the decoder stays failed: the connection should be closed.
+/// [`Limits`], and parses a request once, when all of it has arrived: until then it walks on
+/// over the length fields that arrived since the last call, so a request costs the same in any
+/// number of pieces. After an error the decoder stays failed: the connection should be closed.
 #[derive(Debug, Default)]
 pub struct RequestDecoder {
     buf: Vec<u8>,
     start: usize,
-    /// Total buffered bytes (from `start`) below which parsing cannot succeed.
-    need: usize,
+    /// How far the walk over the request at `start` has come.
+    scan: scan::Scan,
     limits: Limits,
     failed: Option<WireError>,
 }
@@ -627,15 +630,19 @@ impl RequestDecoder {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
-        let avail = self.buf.len() - self.start;
-        if avail == 0 || avail < self.need {
-            return Ok(None);
-        }
-        let mut r = Reader::new(&self.buf[self.start..], &self.limits);
+        let avail = &self.buf[self.start..];
+        // The parser reads only the request the walk found complete (no byte of the next one),
+        // or, where the walk found the bytes invalid, what arrived, to name what is wrong.
+        let upto = match self.scan.advance(avail, &self.limits) {
+            scan::Scanned::Incomplete => return Ok(None),
+            scan::Scanned::Complete(len) => len,
+            scan::Scanned::Invalid => avail.len(),
+        };
+        let mut r = Reader::new(&avail[..upto], &self.limits);
         match parse_request(&mut r) {
             Ok(req) => {
+                self.scan.reset();
                 self.start += r.pos;
-                self.need = 0;
                 // Compact once the consumed prefix dominates the buffer.
                 if self.start == self.buf.len() {
                     self.buf.clear();
@@ -646,10 +653,7 @@ impl RequestDecoder {
                 }
                 Ok(Some(req))
             }
-            Err(Stop::Need(n)) => {
-                self.need = n;
-                Ok(None)
-            }
+            Err(Stop::Need(_)) => Ok(None),
             Err(Stop::Err(e)) => {
                 self.failed = Some(e.clone());
                 Err(e)
@@ -737,6 +741,8 @@ impl<'a> Reader<'a> {
             return Err(Stop::Err(WireError::TooLong { what, len, limit }));
         }
         self.ensure(len)?;
+        #[cfg(test)]
+        tests::COPIED.with(|c| c.set(c.get() + len));
         Ok(self.take(len as usize)?.to_vec())
     }
 
@@ -870,7 +876,49 @@ fn parse_response(kind: ReplyKind, r: &mut Reader<'_>) -> Parse<Response> {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
+
     use super::*;
+
+    thread_local! {
+        /// Bytes of keys and values the parser copied out of its buffer on this thread.
+        pub(super) static COPIED: Cell<u64> = const { Cell::new(0) };
+    }
+
+    #[test]
+    fn a_list_request_arriving_in_pieces_is_copied_out_once() {
+        let pairs: Vec<(Vec<u8>, Vec<u8>)> = (0..300u32)
+            .map(|i| (format!("/k{i}").into_bytes(), vec![i as u8; 500]))
+            .collect();
+        let payload: u64 = pairs.iter().map(|(k, v)| (k.len() + v.len()) as u64).sum();
+        let req = Request::MultiSet { pairs };
+        let mut bytes = req.to_bytes();
+        Request::Get {
+            key: b"/next".to_vec(),
+        }
+        .encode(&mut bytes);
+        let mut d = RequestDecoder::default();
+        COPIED.with(|c| c.set(0));
+        let mut got = vec![];
+        for piece in bytes.chunks(97) {
+            d.feed(piece);
+            while let Some(r) = d.next_request().unwrap() {
+                got.push(r);
+            }
+        }
+        assert_eq!(
+            got,
+            [
+                req,
+                Request::Get {
+                    key: b"/next".to_vec()
+                }
+            ]
+        );
+        // Restarted from the request's first byte on every piece, the parser copied each item
+        // again each time a later one arrived: hundreds of times this.
+        assert_eq!(COPIED.with(Cell::get), payload + 5);
+    }
 
     #[test]
     fn validate_bytes_match_torch() {

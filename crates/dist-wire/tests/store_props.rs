@@ -72,18 +72,38 @@ fn reply_kind() -> impl Strategy<Value = ReplyKind> {
     ]
 }
 
+/// The limits `decode_chunked` decodes with.
+const SMALL: Limits = Limits {
+    max_key_len: 64,
+    max_value_len: 256,
+    max_list_len: 16,
+    max_message_len: 4096,
+};
+
+/// What decoding `data` request by request with the stateless [`Request::decode`] yields, as
+/// [`decode_chunked`] returns it: the reference the incremental decoder must agree with.
+fn decode_whole(data: &[u8]) -> (Vec<Request>, Option<WireError>) {
+    let mut out = Vec::new();
+    let mut rest = data;
+    loop {
+        match Request::decode(rest, &SMALL) {
+            Ok(Some((r, used))) => {
+                out.push(r);
+                rest = &rest[used..];
+            }
+            Ok(None) => return (out, None),
+            Err(e) => return (out, Some(e)),
+        }
+    }
+}
+
 /// Feeds `data` in the given chunk sizes and collects every request until `Ok(None)` at the end
 /// or the first error.
 fn decode_chunked(
     data: &[u8],
     chunks: impl Iterator<Item = usize>,
 ) -> (Vec<Request>, Option<WireError>) {
-    let mut d = RequestDecoder::new(Limits {
-        max_key_len: 64,
-        max_value_len: 256,
-        max_list_len: 16,
-        max_message_len: 4096,
-    });
+    let mut d = RequestDecoder::new(SMALL);
     let mut out = Vec::new();
     let mut rest = data;
     let mut chunks = chunks.peekable();
@@ -181,7 +201,17 @@ proptest! {
         }
         let whole = decode_chunked(&data, std::iter::empty());
         let bytewise = decode_chunked(&data, std::iter::repeat(1));
-        prop_assert_eq!(whole, bytewise);
+        prop_assert_eq!(&whole, &bytewise);
+        prop_assert_eq!(&whole, &decode_whole(&data));
+    }
+
+    #[test]
+    fn the_decoder_in_pieces_agrees_with_the_stateless_parser(
+        data in bytes(512),
+        chunks in proptest::collection::vec(1usize..40, 0..64),
+    ) {
+        // Random bytes: mostly errors, each of which must be the parser's.
+        prop_assert_eq!(decode_chunked(&data, chunks.into_iter()), decode_whole(&data));
     }
 
     #[test]
