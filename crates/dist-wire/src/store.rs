@@ -508,7 +508,7 @@ impl Request {
         let mut r = Reader::new(buf, limits);
         match parse_request(&mut r) {
             Ok(req) => Ok(Some((req, r.pos))),
-            Err(Stop::Need(_)) => Ok(None),
+            Err(Stop::Need) => Ok(None),
             Err(Stop::Err(e)) => Err(e),
         }
     }
@@ -574,7 +574,7 @@ pub fn decode_response(
     let mut r = Reader::new(buf, limits);
     match parse_response(kind, &mut r) {
         Ok(resp) => Ok(Some((resp, r.pos))),
-        Err(Stop::Need(_)) => Ok(None),
+        Err(Stop::Need) => Ok(None),
         Err(Stop::Err(e)) => Err(e),
     }
 }
@@ -653,7 +653,7 @@ impl RequestDecoder {
                 }
                 Ok(Some(req))
             }
-            Err(Stop::Need(_)) => Ok(None),
+            Err(Stop::Need) => Ok(None),
             Err(Stop::Err(e)) => {
                 self.failed = Some(e.clone());
                 Err(e)
@@ -664,8 +664,8 @@ impl RequestDecoder {
 
 /// Why parsing stopped.
 enum Stop {
-    /// At least this many bytes (from the start of the message) are needed.
-    Need(usize),
+    /// More bytes are needed.
+    Need,
     /// The bytes are invalid.
     Err(WireError),
 }
@@ -699,7 +699,7 @@ impl<'a> Reader<'a> {
             }));
         }
         if end > self.buf.len() as u64 {
-            return Err(Stop::Need(end as usize));
+            return Err(Stop::Need);
         }
         Ok(())
     }
