@@ -366,10 +366,21 @@ impl Agents {
     /// waiting for it.
     /// All of it ends by one deadline: the rendezvous timeout, at most [`ABANDON`].
     pub(crate) fn abandon(&self, attempt: u32, code: i32, what: &str) {
+        self.abandon_by(attempt, code, what, true);
+    }
+
+    /// [`Agents::abandon`] for a node interrupted while it waited for the others to finish
+    /// `attempt` ([`Agents::finish`]), which counted it finished already: counted twice, it
+    /// would let the others' wait end with a node still running.
+    pub(crate) fn abandon_finished(&self, attempt: u32, code: i32, what: &str) {
+        self.abandon_by(attempt, code, what, false);
+    }
+
+    fn abandon_by(&self, attempt: u32, code: i32, what: &str, count: bool) {
         let deadline = deadline_after(Instant::now(), self.timeout.min(ABANDON));
         self.report_failure_by(attempt, code, what, deadline);
         let what = format!("abandoning attempt {attempt}");
-        if let Err(e) = self.count_finished_by(attempt, &what, deadline) {
+        if count && let Err(e) = self.count_finished_by(attempt, &what, deadline) {
             eprintln!("distrun: could not tell the other nodes this one stopped: {e}");
             return;
         }

@@ -34,7 +34,9 @@
 //!   node 0 before every attempt; a failure on one node stops the ranks of every node, and the
 //!   restart decision is the same everywhere.
 //! * SIGINT, SIGTERM and SIGHUP sent to `distrun` are forwarded to the ranks (SIGKILL after the
-//!   grace period); `distrun` then exits with `128 + signal`, without restarting. A signal
+//!   grace period); `distrun` then exits with `128 + signal`, without restarting, and so it
+//!   does when one comes while it waits for the other nodes (to start or to end an attempt),
+//!   telling them first, so that they stop their ranks instead of waiting for it. A signal
 //!   `distrun` was started ignoring stays ignored, for the ranks too: `nohup distrun ... &`
 //!   outlives the logout.
 //! * Each local rank is bound to its own share of the CPUs where they are at least as many as
@@ -79,7 +81,7 @@ pub const DEFAULT_MULTI_NODE_PORT: u16 = 29500;
 
 /// Runs the job described by `args` to its end and returns the exit code `distrun` should
 /// exit with. Errors of `distrun` itself (bad arguments, a port in use, an unreachable node 0)
-/// are printed and give 1.
+/// are printed and give 1, or `128 + signal` where a signal ended the wait that failed.
 ///
 /// Call it from the main thread: children are spawned with `PR_SET_PDEATHSIG` on Linux, which
 /// fires when the spawning thread exits.
@@ -88,7 +90,8 @@ pub fn run(args: &Args) -> i32 {
         Ok(code) => code,
         Err(e) => {
             eprintln!("distrun: error: {e}");
-            1
+            // A scheduler tells an interrupted job from a failed one by this code.
+            signals::pending().map_or(1, |sig| 128 + sig)
         }
     }
 }
@@ -152,8 +155,20 @@ fn run_job(args: &Args) -> Result<i32, String> {
 
     let mut attempt = 0;
     loop {
-        if let Some(a) = &agents {
-            a.join(attempt)?;
+        if let Some(a) = &agents
+            && let Err(e) = a.join(attempt)
+        {
+            // This node marked its arrival: the others may start the attempt without it, and
+            // must hear that it will not come.
+            if let Some(sig) = signals::pending() {
+                let what = format!(
+                    "node {} was interrupted by {} while joining attempt {attempt}",
+                    job.node_rank,
+                    signals::name(sig)
+                );
+                a.abandon(attempt, 128 + sig, &what);
+            }
+            return Err(e);
         }
         let att = Attempt {
             job: &job,
@@ -204,7 +219,19 @@ fn run_job(args: &Args) -> Result<i32, String> {
                 );
             }
             // Every node decides the same: restart or end, with the first failure's code.
-            if let Some((code, what)) = a.finish(attempt, args.grace_period)?
+            let finished = a.finish(attempt, args.grace_period).inspect_err(|_| {
+                // The others may still run ranks, which an interrupted job must stop.
+                if let Some(sig) = signals::pending() {
+                    let what = format!(
+                        "node {} was interrupted by {} while it waited for the other nodes \
+                         to end attempt {attempt}",
+                        job.node_rank,
+                        signals::name(sig)
+                    );
+                    a.abandon_finished(attempt, 128 + sig, &what);
+                }
+            })?;
+            if let Some((code, what)) = finished
                 && failure.is_none()
             {
                 eprintln!("distrun: the job failed on another node: {what}");

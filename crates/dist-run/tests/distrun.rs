@@ -814,3 +814,103 @@ fn store_port_until(node0: &mut std::process::Child, mark: &'static str) -> (Str
     });
     (port, Drain { waited, rest })
 }
+
+/// Reads `node`'s stderr until a line containing `mark` and returns what it read; a thread
+/// drains the rest (so that the node never blocks on a full pipe) and returns it.
+fn stderr_until(
+    node: &mut std::process::Child,
+    mark: &str,
+) -> (String, std::thread::JoinHandle<String>) {
+    use std::io::{BufRead, BufReader, Read};
+    let mut err = BufReader::new(node.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.lines().any(|l| l.contains(mark)) {
+        let n = err.read_line(&mut seen).unwrap();
+        assert_ne!(n, 0, "the node ended before it said {mark:?}: {seen}");
+    }
+    let rest = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = err.read_to_string(&mut rest);
+        rest
+    });
+    (seen, rest)
+}
+
+/// Node 1's `distrun` is interrupted while it waits for node 0 to end the attempt (its own
+/// rank ended well): it exits with `128 + signal`, and tells node 0, which stops its rank and
+/// ends with that code. Before, node 1 exited with 1 and node 0's rank ran on.
+#[test]
+fn a_node_interrupted_while_it_waits_for_the_others_to_end_exits_with_the_signal() {
+    let mut nodes = Killed(vec![one_rank_node("0", "0", "echo up; exec sleep 60")]);
+    let (port, drain) = store_port(&mut nodes.0[0]);
+    nodes.0.push(one_rank_node("1", &port, "exit 0"));
+    assert!(first_rank_line(&mut nodes.0[0]).ends_with("up"));
+    let (_, rest1) = stderr_until(&mut nodes.0[1], "ranks ended well; waiting");
+    let sent = Command::new("kill")
+        .args(["-TERM", &nodes.0[1].id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status1 = ends_by_itself(&mut nodes.0[1]);
+    let err1 = rest1.join().unwrap();
+    assert_eq!(status1.and_then(|s| s.code()), Some(128 + 15), "{err1}");
+    assert!(err1.contains("interrupted by SIGTERM"), "{err1}");
+    let status0 = ends_by_itself(&mut nodes.0[0]);
+    let err0 = drain.join().unwrap();
+    assert_eq!(status0.and_then(|s| s.code()), Some(128 + 15), "{err0}");
+    assert!(
+        err0.contains("node 1 was interrupted by SIGTERM while it waited for the other nodes"),
+        "{err0}"
+    );
+}
+
+/// Node 1's `distrun` is interrupted while it waits for a third node to join: it exits with
+/// `128 + signal` and reports the interruption as the attempt's failure, so that the nodes
+/// that start the attempt without it stop at once. Before, it exited with 1 and said nothing:
+/// its arrival was marked, so the others would start without it and wait for its ranks.
+#[test]
+fn a_node_interrupted_while_joining_exits_with_the_signal_and_says_so() {
+    use dist_backend::Store;
+    use dist_backend::store::TcpStore;
+    let mut nodes = Killed(vec![one_rank_node_of("3", "120", "0", "0", "exit 0")]);
+    let (port, _drain) = store_port(&mut nodes.0[0]);
+    nodes
+        .0
+        .push(one_rank_node_of("3", "120", "1", &port, "exit 0"));
+    let observer = TcpStore::connect(
+        "127.0.0.1",
+        port.parse().expect("port"),
+        Duration::from_secs(30),
+    )
+    .expect("the test's client of node 0's store");
+    let started = Instant::now();
+    while !observer
+        .check(&["distrun/attempt_0/joined/1"])
+        .expect("read the arrivals")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "node 1 never joined"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let sent = Command::new("kill")
+        .args(["-TERM", &nodes.0[1].id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status1 = ends_by_itself(&mut nodes.0[1]);
+    let mut err1 = String::new();
+    std::io::Read::read_to_string(&mut nodes.0[1].stderr.take().unwrap(), &mut err1).unwrap();
+    assert_eq!(status1.and_then(|s| s.code()), Some(128 + 15), "{err1}");
+    assert!(err1.contains("interrupted by SIGTERM"), "{err1}");
+    let failed = observer
+        .get("distrun/attempt_0/failed")
+        .expect("node 1 reported the attempt failed");
+    let failed = String::from_utf8_lossy(&failed);
+    assert!(
+        failed.starts_with("143\t")
+            && failed.contains("node 1 was interrupted by SIGTERM while joining attempt 0"),
+        "{failed}"
+    );
+}
