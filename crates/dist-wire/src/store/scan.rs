@@ -121,7 +121,11 @@ impl Scan {
                 // As the parser checks a count: against the list limit, and the least its
                 // items take (8 bytes each) against the message limit.
                 if n > limits.max_list_len
-                    || self.pos + 8 + n.saturating_mul(8) > limits.max_message_len
+                    || self
+                        .pos
+                        .saturating_add(8)
+                        .saturating_add(n.saturating_mul(8))
+                        > limits.max_message_len
                 {
                     return Err(Invalid);
                 }

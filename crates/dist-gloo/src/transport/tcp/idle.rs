@@ -20,34 +20,39 @@ use std::time::{Duration, Instant};
 /// that is merely late.
 pub(super) const MAX_WINDOW: Duration = Duration::from_millis(1);
 
+/// Which part of the spin busy-waits without yielding the core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Busy {
+    /// All of it, however long it grows: this host's ranks have a core each
+    /// (`MeshOptions::busy_spin` unset and resolved so).
+    Whole,
+    /// Its first part (`MeshOptions::busy_spin` as set, or zero where ranks share cores).
+    First(Duration),
+}
+
 /// How long a step spins before it sleeps, and which part of that busy-waits without yielding
 /// the core.
 #[derive(Debug)]
 pub(super) struct SpinWindow {
     /// The configured spin (`MeshOptions::spin`): the window never shrinks below it.
     base: Duration,
-    /// The configured busy part (`MeshOptions::busy_spin`, resolved), where it is not the
-    /// whole spin.
-    busy: Duration,
-    /// Whether the whole spin busy-waits, however long it grows.
-    busy_whole: bool,
+    busy: Busy,
     /// The spin now, between `base` and [`MAX_WINDOW`].
     now: Duration,
 }
 
 impl SpinWindow {
-    /// A window of `spin`, the first `busy` of which busy-waits.
-    pub(super) fn new(spin: Duration, busy: Duration) -> SpinWindow {
+    /// A window of `spin`, `busy` of which busy-waits.
+    pub(super) fn new(spin: Duration, busy: Busy) -> SpinWindow {
         SpinWindow {
             base: spin,
             busy,
-            busy_whole: busy >= spin,
             now: spin,
         }
     }
 
-    /// Sets the configured spin, and the window back to it; the busy part stays as it was
-    /// configured (the whole spin, or its first part).
+    /// Sets the configured spin, and the window back to it; which part busy-waits stays as
+    /// it was resolved.
     pub(super) fn set_base(&mut self, spin: Duration) {
         self.base = spin;
         self.now = spin;
@@ -57,7 +62,7 @@ impl SpinWindow {
     /// ranks have a core each), so that ranks sharing cores keep handing them over at once,
     /// and a configured spin of zero stays zero.
     fn adapts(&self) -> bool {
-        self.busy_whole && !self.base.is_zero() && self.base < MAX_WINDOW
+        self.busy == Busy::Whole && !self.base.is_zero() && self.base < MAX_WINDOW
     }
 
     /// The spin now.
@@ -65,10 +70,12 @@ impl SpinWindow {
         self.now
     }
 
-    /// The busy part of the spin now: the whole window where the configured spin was all
-    /// busy.
+    /// The busy part of the spin now.
     pub(super) fn busy(&self) -> Duration {
-        if self.busy_whole { self.now } else { self.busy }
+        match self.busy {
+            Busy::Whole => self.now,
+            Busy::First(d) => d,
+        }
     }
 
     /// A sleep in the poller lasted `slept`: one that ended within [`MAX_WINDOW`] doubles the
@@ -128,7 +135,7 @@ mod tests {
 
     #[test]
     fn short_sleeps_double_the_spin_up_to_the_cap_and_long_ones_halve_it_to_the_base() {
-        let mut w = SpinWindow::new(50 * US, 50 * US);
+        let mut w = SpinWindow::new(50 * US, Busy::Whole);
         assert_eq!((w.spin(), w.busy()), (50 * US, 50 * US));
         let mut seen = vec![];
         for _ in 0..6 {
@@ -148,29 +155,32 @@ mod tests {
 
     #[test]
     fn a_window_that_yields_a_spin_of_zero_or_one_past_the_cap_stays_as_configured() {
-        for (spin, busy) in [
-            (50 * US, Duration::ZERO),
-            (50 * US, 10 * US),
-            (Duration::ZERO, Duration::ZERO),
-            (2 * MAX_WINDOW, 2 * MAX_WINDOW),
+        for (spin, busy, busy_part) in [
+            (50 * US, Busy::First(Duration::ZERO), Duration::ZERO),
+            (50 * US, Busy::First(10 * US), 10 * US),
+            (50 * US, Busy::First(50 * US), 50 * US),
+            (Duration::ZERO, Busy::Whole, Duration::ZERO),
+            (2 * MAX_WINDOW, Busy::Whole, 2 * MAX_WINDOW),
         ] {
             let mut w = SpinWindow::new(spin, busy);
             w.slept(US);
             w.slept(US);
-            assert_eq!((w.spin(), w.busy()), (spin, busy), "{spin:?} {busy:?}");
+            assert_eq!((w.spin(), w.busy()), (spin, busy_part), "{spin:?} {busy:?}");
         }
     }
 
     #[test]
     fn setting_the_spin_restarts_the_window_from_it() {
-        let mut w = SpinWindow::new(50 * US, 50 * US);
+        let mut w = SpinWindow::new(50 * US, Busy::Whole);
         w.slept(US);
         w.set_base(20 * US);
         assert_eq!((w.spin(), w.busy()), (20 * US, 20 * US));
         w.slept(US);
         assert_eq!(w.spin(), 40 * US);
-        let mut y = SpinWindow::new(50 * US, Duration::ZERO);
+        // Where ranks share cores, a spin set later still yields, and does not grow.
+        let mut y = SpinWindow::new(Duration::ZERO, Busy::First(Duration::ZERO));
         y.set_base(20 * US);
+        y.slept(US);
         assert_eq!((y.spin(), y.busy()), (20 * US, Duration::ZERO));
     }
 }

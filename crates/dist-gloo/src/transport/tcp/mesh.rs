@@ -27,8 +27,8 @@ pub struct MeshOptions {
     pub timeout: Duration,
     /// Largest frame payload.
     pub segment_bytes: usize,
-    /// Busy-poll time before sleeping. Where the whole spin busy-waits (see `busy_spin`), it
-    /// is the least: a sleep that ends within a millisecond doubles the next waits' spin, up
+    /// Busy-poll time before sleeping. Where the whole spin busy-waits (`busy_spin` unset and
+    /// resolved so), it is the least: a sleep that ends within a millisecond doubles the next waits' spin, up
     /// to a millisecond, and a longer one halves it again, so that ranks whose wake-ups
     /// take longer than the spin do not take turns waking each other (see `idle.rs`).
     pub spin: Duration,

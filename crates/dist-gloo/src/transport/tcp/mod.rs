@@ -124,13 +124,13 @@ impl TcpTransport {
             None if shm::online_cpus().is_some_and(|n| local_ranks > n) => OverRings::SharedCores,
             None => OverRings::FromHugePages,
         };
-        let busy_spin = opts.busy_spin.unwrap_or_else(|| {
-            if local_ranks > 1 && shm::online_cpus().is_some_and(|n| local_ranks <= n) {
-                opts.spin
-            } else {
-                Duration::ZERO
+        let busy_spin = match opts.busy_spin {
+            Some(d) => idle::Busy::First(d),
+            None if local_ranks > 1 && shm::online_cpus().is_some_and(|n| local_ranks <= n) => {
+                idle::Busy::Whole
             }
-        });
+            None => idle::Busy::First(Duration::ZERO),
+        };
         let (cma, cma_in_group) =
             cma::Cma::negotiate(store, prefix, rank, world_size, opts.cross_memory, deadline)
                 .map_err(ranked)?;
