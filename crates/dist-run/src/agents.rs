@@ -69,6 +69,11 @@ pub(crate) struct Agents {
     timeout: Duration,
 }
 
+/// The key by which node `node` marks its arrival at attempt `attempt`'s rendezvous.
+fn arrival_key(attempt: u32, node: u32) -> String {
+    key(attempt, &format!("joined/{node}"))
+}
+
 fn key(attempt: u32, name: &str) -> String {
     format!("distrun/attempt_{attempt}/{name}")
 }
@@ -205,7 +210,7 @@ impl Agents {
     pub(crate) fn join(&self, attempt: u32) -> Result<(), String> {
         let deadline = deadline_after(Instant::now(), self.timeout);
         let what = format!("joining attempt {attempt}");
-        let arrived = |node: u32| key(attempt, &format!("joined/{node}"));
+        let arrived = |node: u32| arrival_key(attempt, node);
         self.store
             .set_by(&arrived(self.node_rank), b"", deadline)
             .map_err(|e| self.err(&what, e))?;
@@ -214,6 +219,19 @@ impl Agents {
             self.wait_key(&arrived(node), Some(deadline), &waiting)?;
         }
         Ok(())
+    }
+
+    /// This node leaves the rendezvous of `attempt`, in which it was interrupted: its arrival
+    /// mark is taken back, so that the others go on waiting for it, and the same node started
+    /// again arrives once, as torchrun's rendezvous forgets a node that leaves before it
+    /// closes. Nodes that saw every mark before this start the attempt without it, and fail
+    /// it when its ranks do not come, as if it had died right after joining.
+    pub(crate) fn withdraw(&self, attempt: u32) {
+        let deadline = deadline_after(Instant::now(), self.timeout.min(ABANDON));
+        let mine = arrival_key(attempt, self.node_rank);
+        if let Err(e) = self.store.delete_key_by(&mine, deadline) {
+            eprintln!("distrun: could not take back this node's arrival: {e}");
+        }
     }
 
     /// Tells every node that a rank of this one failed (the first report wins).

@@ -35,8 +35,9 @@
 //!   restart decision is the same everywhere.
 //! * SIGINT, SIGTERM and SIGHUP sent to `distrun` are forwarded to the ranks (SIGKILL after the
 //!   grace period); `distrun` then exits with `128 + signal`, without restarting, and so it
-//!   does when one comes while it waits for the other nodes (to start or to end an attempt),
-//!   telling them first, so that they stop their ranks instead of waiting for it. A signal
+//!   does when one comes while it waits for the other nodes: to end an attempt (it reports
+//!   the attempt failed first, so that their ranks stop) or to start one (it takes its
+//!   arrival back, so that the same node started again arrives once). A signal
 //!   `distrun` was started ignoring stays ignored, for the ranks too: `nohup distrun ... &`
 //!   outlives the logout.
 //! * Each local rank is bound to its own share of the CPUs where they are at least as many as
@@ -158,15 +159,8 @@ fn run_job(args: &Args) -> Result<i32, String> {
         if let Some(a) = &agents
             && let Err(e) = a.join(attempt)
         {
-            // This node marked its arrival: the others may start the attempt without it, and
-            // must hear that it will not come.
-            if let Some(sig) = signals::pending() {
-                let what = format!(
-                    "node {} was interrupted by {} while joining attempt {attempt}",
-                    job.node_rank,
-                    signals::name(sig)
-                );
-                a.abandon(attempt, 128 + sig, &what);
+            if signals::pending().is_some() {
+                a.withdraw(attempt);
             }
             return Err(e);
         }
@@ -260,8 +254,10 @@ fn run_job(args: &Args) -> Result<i32, String> {
             Some(_) => {
                 // A signal that came while the failed attempt's ranks were being stopped must
                 // not start the next attempt: its ranks would be stopped as they start. With
-                // other nodes, this node joins the next attempt and ends it there, as the
-                // others learn of an interrupted attempt and not of a node that never joins.
+                // other nodes, the wait in `finish` above saw it and ended this node; the
+                // others restart as after any failure, and wait in the next rendezvous for
+                // this node or one started in its place, within --rdzv-timeout, as torchrun's
+                // agents do.
                 if agents.is_none()
                     && let Some(sig) = signals::pending()
                 {
