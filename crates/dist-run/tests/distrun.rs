@@ -836,6 +836,17 @@ fn stderr_until(
     (seen, rest)
 }
 
+/// Sends SIGTERM to `node` (as `kill` does from a shell) and returns its exit status, as
+/// [`ends_by_itself`] does.
+fn sigterm_and_wait(node: &mut std::process::Child) -> Option<std::process::ExitStatus> {
+    let sent = Command::new("kill")
+        .args(["-TERM", &node.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    ends_by_itself(node)
+}
+
 /// Node 1's `distrun` is interrupted while it waits for node 0 to end the attempt (its own
 /// rank ended well): it exits with `128 + signal`, and tells node 0, which stops its rank and
 /// ends with that code. Before, node 1 exited with 1 and node 0's rank ran on.
@@ -846,12 +857,7 @@ fn a_node_interrupted_while_it_waits_for_the_others_to_end_exits_with_the_signal
     nodes.0.push(one_rank_node("1", &port, "exit 0"));
     assert!(first_rank_line(&mut nodes.0[0]).ends_with("up"));
     let (_, rest1) = stderr_until(&mut nodes.0[1], "ranks ended well; waiting");
-    let sent = Command::new("kill")
-        .args(["-TERM", &nodes.0[1].id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let status1 = ends_by_itself(&mut nodes.0[1]);
+    let status1 = sigterm_and_wait(&mut nodes.0[1]);
     let err1 = rest1.join().unwrap();
     assert_eq!(status1.and_then(|s| s.code()), Some(128 + 15), "{err1}");
     assert!(err1.contains("interrupted by SIGTERM"), "{err1}");
@@ -892,12 +898,7 @@ fn a_node_interrupted_while_joining_exits_with_the_signal_and_can_join_again() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    let sent = Command::new("kill")
-        .args(["-TERM", &nodes.0[1].id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let status1 = ends_by_itself(&mut nodes.0[1]);
+    let status1 = sigterm_and_wait(&mut nodes.0[1]);
     let mut err1 = String::new();
     std::io::Read::read_to_string(&mut nodes.0[1].stderr.take().unwrap(), &mut err1).unwrap();
     assert_eq!(status1.and_then(|s| s.code()), Some(128 + 15), "{err1}");
