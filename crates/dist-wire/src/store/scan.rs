@@ -103,7 +103,10 @@ impl Scan {
                 *self.layout.insert(l)
             }
         };
-        while let Some(&f) = layout.head.get(self.field) {
+        // Once the list's count is read, `field` indexes the list item's fields.
+        while self.items_left.is_none()
+            && let Some(&f) = layout.head.get(self.field)
+        {
             if !self.field_at(f, buf, limits)? {
                 return Ok(false);
             }
