@@ -16,6 +16,7 @@ use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
+use crate::placement;
 use crate::util::{build_release, display, project_root, run};
 
 pub(crate) const HELP: &str = "\
@@ -380,18 +381,125 @@ fn median_row<'a>(runs: &'a [Value], op: &str, size: u64) -> Option<(&'a Value, 
 /// neither more often than on the two sides' median rounds, which may come from different
 /// rounds (see docs/BENCHMARKS.md, "The host's slow spells").
 fn paired(ours: &[Value], theirs: &[Value], op: &str, size: u64) -> Option<(f64, f64, f64)> {
-    let time = |v: &Value| find(v, op, size).and_then(|r| r["median_us"].as_f64());
-    let mut ratios: Vec<f64> = ours
-        .iter()
-        .zip(theirs)
-        .map(|(a, b)| Some(time(b)? / time(a)?))
-        .collect::<Option<_>>()?;
+    paired_where(ours, theirs, op, size, |_| true)
+}
+
+/// [`paired`] over the rounds whose row of ours `keep` accepts only (the rounds that met the
+/// vCPUs near each other, say), or `None` where it accepts none.
+fn paired_where(
+    ours: &[Value],
+    theirs: &[Value],
+    op: &str,
+    size: u64,
+    keep: impl Fn(&Value) -> bool,
+) -> Option<(f64, f64, f64)> {
+    let time = |r: &Value| r["median_us"].as_f64();
+    let mut ratios = Vec::new();
+    for (a, b) in ours.iter().zip(theirs) {
+        let (a, b) = (find(a, op, size)?, find(b, op, size)?);
+        if keep(a) {
+            ratios.push(time(b)? / time(a)?);
+        }
+    }
     ratios.sort_by(f64::total_cmp);
     Some((
         ratios[(ratios.len().checked_sub(1)?) / 2],
         *ratios.first()?,
         *ratios.last()?,
     ))
+}
+
+/// Stamps every row of a result with the placement probe's reading taken just before it ran
+/// (see [`crate::placement`]); a row without one (one CPU) has none.
+fn stamp(result: &mut Value, probe: Option<f64>) {
+    let (Some(ns), Some(rows)) = (probe, result["results"].as_array_mut()) else {
+        return;
+    };
+    for row in rows {
+        row["probe_ns"] = serde_json::json!(ns);
+    }
+}
+
+/// The lowest placement reading over every row of `runs`: the near placement's time, against
+/// which a cell's readings count as far ([`placement::is_far`]).
+fn lowest_probe(runs: &[Value]) -> Option<f64> {
+    runs.iter()
+        .filter_map(|v| v["results"].as_array())
+        .flatten()
+        .filter_map(|r| r["probe_ns"].as_f64())
+        .min_by(f64::total_cmp)
+}
+
+/// A cell's placement across rounds: the readings' range, how many of its rounds met far
+/// placement, and the paired ratio over the other rounds. `None` where no round was probed.
+fn placement_of(
+    ours: &[Value],
+    theirs: &[Value],
+    op: &str,
+    size: u64,
+    lowest: f64,
+) -> Option<Placement> {
+    let readings: Vec<f64> = ours
+        .iter()
+        .filter_map(|v| find(v, op, size)?["probe_ns"].as_f64())
+        .collect();
+    let lo = readings.iter().copied().min_by(f64::total_cmp)?;
+    let hi = readings.iter().copied().max_by(f64::total_cmp)?;
+    let far = readings
+        .iter()
+        .filter(|&&ns| placement::is_far(ns, lowest))
+        .count();
+    let near_paired = paired_where(ours, theirs, op, size, |row| {
+        row["probe_ns"]
+            .as_f64()
+            .is_some_and(|ns| !placement::is_far(ns, lowest))
+    })
+    .map(|(m, ..)| m);
+    Some(Placement {
+        lo,
+        hi,
+        far,
+        rounds: readings.len(),
+        near_paired,
+    })
+}
+
+/// What [`placement_of`] found for one cell.
+#[derive(Debug, PartialEq)]
+struct Placement {
+    lo: f64,
+    hi: f64,
+    far: usize,
+    rounds: usize,
+    near_paired: Option<f64>,
+}
+
+impl Placement {
+    /// The table's column: the readings' range and the rounds met far apart, if any.
+    fn column(&self) -> String {
+        let range = format!("{:.0}-{:.0}", self.lo, self.hi);
+        if self.far == 0 {
+            format!("{range:>9}")
+        } else {
+            format!("{range:>9} far {}/{}", self.far, self.rounds)
+        }
+    }
+
+    /// What a cell behind the peer adds to its entry in the list: how many rounds met far
+    /// placement and the paired ratio over the rest, which says whether the cell is behind
+    /// with the vCPUs near each other.
+    fn caveat(&self) -> String {
+        if self.far == 0 {
+            return String::new();
+        }
+        let near = self.near_paired.map_or("no round near".to_string(), |r| {
+            format!("paired over the near rounds {r:.2}x")
+        });
+        format!(
+            " [far placement in {} of {} rounds; {near}]",
+            self.far, self.rounds
+        )
+    }
 }
 
 /// The mean columns of a row: each side's mean of the per-iteration maxima and their ratio
@@ -467,6 +575,15 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
             ""
         }
     );
+    let lowest = lowest_probe(ours);
+    if let Some(ns) = lowest {
+        println!(
+            "# probe: a cache line's round trip between CPU 0 and 1 just before each cell, in ns \
+             (range over rounds); far: over {}x this invocation's lowest, {ns:.0} ns, the host \
+             having put the vCPUs far apart, which slows copies between ranks 3-4x",
+            placement::FAR_FACTOR
+        );
+    }
     let mut behind_cells = Vec::new();
     for op in &fl.ops {
         let sizes: Vec<u64> = if LATENCY.contains(&op.as_str()) {
@@ -506,13 +623,20 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
             } else {
                 String::new()
             };
+            let place = lowest.and_then(|l| placement_of(ours, theirs, op, s, l));
             println!(
-                "  {op:>15} {s:>10} | {ta:>10.1} {:>8} | {tb:>10.1} {:>8} | {ratio:>7.2}x | {}{ranges}",
+                "  {op:>15} {s:>10} | {ta:>10.1} {:>8} | {tb:>10.1} {:>8} | {ratio:>7.2}x | {}{ranges}{}",
                 bw(ba),
                 bw(bb),
-                means(a, b)
+                means(a, b),
+                place
+                    .as_ref()
+                    .map_or(String::new(), |p| format!(" | probe {}", p.column()))
             );
-            behind_cells.extend(behind(op, s, ratio, mean_ratio(a, b)));
+            behind_cells.extend(
+                behind(op, s, ratio, mean_ratio(a, b))
+                    .map(|c| c + &place.as_ref().map_or(String::new(), Placement::caveat)),
+            );
         }
     }
     println!(
@@ -559,7 +683,10 @@ pub(crate) fn run_bench(args: &[String]) -> Result<(), String> {
                     std::process::id()
                 )),
             };
-            ours.push(run_ours(&fl, n, &distrun, &exe, &ours_path)?);
+            let probe = placement::round_trip_ns();
+            let mut o = run_ours(&fl, n, &distrun, &exe, &ours_path)?;
+            stamp(&mut o, probe);
+            ours.push(o);
             if let Some(peer) = &fl.vs {
                 theirs.push(run_peer(
                     &fl,
@@ -617,8 +744,23 @@ fn interleaved_round(
                 ))
             };
             let (ours_at, theirs_at) = (path("ours"), path(peer));
-            let run_o = || rows(run_ours(&cell, n, distrun, exe, &ours_at), &ours_at);
-            let run_t = || rows(run_peer(&cell, n, peer, &theirs_at), &theirs_at);
+            let probe = placement::round_trip_ns();
+            let stamped = |mut v: Value| {
+                stamp(&mut v, probe);
+                v
+            };
+            let run_o = || {
+                rows(
+                    run_ours(&cell, n, distrun, exe, &ours_at).map(stamped),
+                    &ours_at,
+                )
+            };
+            let run_t = || {
+                rows(
+                    run_peer(&cell, n, peer, &theirs_at).map(stamped),
+                    &theirs_at,
+                )
+            };
             if round.is_multiple_of(2) {
                 ours.extend(run_o()?);
                 theirs.extend(run_t()?);
@@ -750,6 +892,46 @@ mod tests {
         assert_eq!((m, lo, hi), (100.0 / 90.0, 0.5, 1.5));
         assert!(paired(&ours, &theirs, "all_reduce", 8192).is_none());
         assert!(paired(&[], &[], "all_reduce", 4096).is_none());
+    }
+
+    #[test]
+    fn a_cell_met_far_apart_in_some_rounds_says_so_and_pairs_the_near_rounds_alone() {
+        let run = |us: f64, probe: Option<f64>| {
+            let mut v = serde_json::json!({"results": [
+                {"op": "all_reduce", "bytes_per_rank": 4096, "median_us": us},
+                {"op": "broadcast", "bytes_per_rank": 4096, "median_us": us}
+            ]});
+            stamp(&mut v, probe);
+            v
+        };
+        // Round 2 met the vCPUs far apart (331 ns against 55): ours took 4x as long there.
+        let ours = [
+            run(10.0, Some(60.0)),
+            run(40.0, Some(331.0)),
+            run(10.0, Some(55.0)),
+        ];
+        let theirs = [run(12.0, None), run(14.0, None), run(11.0, None)];
+        let lowest = lowest_probe(&ours).unwrap();
+        assert_eq!(lowest, 55.0);
+        let p = placement_of(&ours, &theirs, "all_reduce", 4096, lowest).unwrap();
+        assert_eq!((p.lo, p.hi, p.far, p.rounds), (55.0, 331.0, 1, 3));
+        // Over all three rounds the median ratio is 1.1x; over the near two, 1.1x and 1.2x.
+        assert_eq!(p.near_paired, Some(1.1));
+        assert_eq!(p.column().trim(), "55-331 far 1/3");
+        assert_eq!(
+            p.caveat(),
+            " [far placement in 1 of 3 rounds; paired over the near rounds 1.10x]"
+        );
+        // All near: no caveat; never probed (one CPU): no placement at all.
+        let near = [run(10.0, Some(60.0)), run(10.0, Some(55.0))];
+        let p = placement_of(&near, &theirs[..2], "all_reduce", 4096, 55.0).unwrap();
+        assert_eq!((p.far, p.caveat()), (0, String::new()));
+        let unprobed = [run(10.0, None)];
+        assert_eq!(lowest_probe(&unprobed), None);
+        assert_eq!(
+            placement_of(&unprobed, &theirs[..1], "all_reduce", 4096, 55.0),
+            None
+        );
     }
 
     #[test]

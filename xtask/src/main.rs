@@ -1,7 +1,7 @@
 //! `cargo xtask`: the project's one entry point for automation.
 //!
 //! Each subcommand lives in its own module. Arguments are parsed by hand to keep this crate's
-//! build small: it depends on `serde_json` only, and builds into `target/xtask` (see
+//! build small: it depends on `serde_json` and `nix` only, and builds into `target/xtask` (see
 //! `.cargo/config.toml`) so it never invalidates the main build cache.
 
 #![forbid(unsafe_code)]
@@ -9,6 +9,7 @@ mod bench;
 mod check_layers;
 mod ci;
 mod netns;
+mod placement;
 mod soak;
 mod test;
 mod util;
@@ -27,6 +28,9 @@ COMMANDS:
     check-layers    Fail if a dist-* crate depends on a crate above it in the layer DAG, or a
                     sans-IO module (dist-gloo proto/) names I/O, threads or clocks
     bench           nccl-tests-style collective benchmarks (`cargo xtask bench --help`)
+    placement       A cache line's round trip between CPU 0 and CPU 1 in ns (50-74 on the
+                    development VM; far more while the host has put the vCPUs far apart,
+                    when copies between ranks run 3-4x slower); `bench` probes each cell
     test            Multi-rank programs as real processes through distrun (`--world-size N`)
     soak            The main job many times, then injected faults (kill, stall, mismatch,
                     store garbage); a table of failures, hangs and delays (`cargo xtask soak
@@ -93,6 +97,13 @@ fn main() -> ExitCode {
     let result = match cmd {
         "ci" => ci::run(),
         "check-layers" => check_layers::run(),
+        "placement" => match placement::round_trip_ns() {
+            Some(ns) => {
+                println!("{ns:.0}");
+                Ok(())
+            }
+            None => Err("CPU 0 and CPU 1 cannot both be pinned here".to_string()),
+        },
         other => {
             eprintln!("xtask: unknown command `{other}`\n\n{HELP}");
             return ExitCode::from(2);

@@ -1,0 +1,115 @@
+//! Where the host has put this VM's first two vCPUs right now: the round trip of one cache line
+//! between two threads pinned to CPU 0 and CPU 1.
+//!
+//! On the 2-core development VM it reads 50-74 ns, and 300 ns and more while the host has put
+//! the two vCPUs far apart (another core complex or socket), for seconds to minutes; our
+//! shared-memory collectives, which pass every byte between cores, then run 3-4x slower for the
+//! whole run (docs/BENCHMARKS.md, "The vCPUs far apart"). `cargo xtask bench` probes before
+//! each cell so that a table says which cells met that placement. The threads must be pinned:
+//! unpinned, the scheduler may put both on one CPU and the reading says nothing (385-1072 ns
+//! where the pinned probe read 54). The calling thread is never pinned, so the processes a
+//! benchmark starts afterwards inherit its affinity unchanged.
+
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Instant;
+
+use nix::sched::{CpuSet, sched_setaffinity};
+use nix::unistd::Pid;
+
+/// Round trips timed per probe (about 12 ms near, 70 ms far), after as many again to warm up.
+const TRIPS: u32 = 200_000;
+
+/// A reading this many times the lowest one of an invocation counts as far placement.
+pub(crate) const FAR_FACTOR: f64 = 2.0;
+
+/// One cache line, alone in it: a neighbour sharing the line would add its own traffic.
+#[repr(align(64))]
+struct Line(AtomicU32);
+
+/// The mean round trip in nanoseconds of a cache line between CPU 0 and CPU 1, or `None` where
+/// either CPU cannot be pinned (one CPU, or an affinity mask that excludes them).
+pub(crate) fn round_trip_ns() -> Option<f64> {
+    let line = Line(AtomicU32::new(0));
+    // Both threads pin themselves before the barrier; one that cannot says so and neither
+    // bounces. Neither is the calling thread, which stays as it was.
+    let pinned = Barrier::new(2);
+    let ok = [AtomicU32::new(0), AtomicU32::new(0)];
+    let both_pinned = || ok.iter().all(|o| o.load(Ordering::SeqCst) == 1);
+    std::thread::scope(|s| {
+        let answerer = s.spawn(|| {
+            ok[1].store(u32::from(pin(1)), Ordering::SeqCst);
+            pinned.wait();
+            if both_pinned() {
+                for _ in 0..2 * TRIPS {
+                    while line.0.load(Ordering::Acquire) != 1 {
+                        std::hint::spin_loop();
+                    }
+                    line.0.store(0, Ordering::Release);
+                }
+            }
+        });
+        let asker = s.spawn(|| {
+            ok[0].store(u32::from(pin(0)), Ordering::SeqCst);
+            pinned.wait();
+            if !both_pinned() {
+                return None;
+            }
+            let bounce = |trips: u32| {
+                for _ in 0..trips {
+                    line.0.store(1, Ordering::Release);
+                    while line.0.load(Ordering::Acquire) != 0 {
+                        std::hint::spin_loop();
+                    }
+                }
+            };
+            bounce(TRIPS);
+            let start = Instant::now();
+            bounce(TRIPS);
+            Some(start.elapsed().as_secs_f64() * 1e9 / f64::from(TRIPS))
+        });
+        let ns = asker.join().ok().flatten();
+        let _ = answerer.join();
+        ns
+    })
+}
+
+/// Pins the calling thread to `cpu`; false where the kernel refuses.
+fn pin(cpu: usize) -> bool {
+    let mut set = CpuSet::new();
+    set.set(cpu).is_ok() && sched_setaffinity(Pid::from_raw(0), &set).is_ok()
+}
+
+/// Whether `reading` counts as far placement in an invocation whose lowest reading is `lowest`.
+pub(crate) fn is_far(reading: f64, lowest: f64) -> bool {
+    reading > FAR_FACTOR * lowest
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probe_reads_a_positive_time_or_none_and_leaves_this_thread_unpinned() {
+        let before = nix::sched::sched_getaffinity(Pid::from_raw(0)).unwrap();
+        let both = before.is_set(0).unwrap_or(false) && before.is_set(1).unwrap_or(false);
+        match round_trip_ns() {
+            // A round trip takes tens of nanoseconds at least and, on any machine this runs
+            // on, well under a millisecond.
+            Some(ns) => assert!(ns > 1.0 && ns < 1e6, "{ns} ns"),
+            None => assert!(
+                !both,
+                "CPU 0 and 1 are ours, yet the probe could not pin them"
+            ),
+        }
+        let after = nix::sched::sched_getaffinity(Pid::from_raw(0)).unwrap();
+        assert_eq!(before, after);
+    }
+
+    #[test]
+    fn far_is_more_than_twice_the_lowest_reading() {
+        assert!(!is_far(74.0, 50.0));
+        assert!(!is_far(100.0, 50.0));
+        assert!(is_far(331.0, 50.0));
+    }
+}
