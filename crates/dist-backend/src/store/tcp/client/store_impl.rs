@@ -1,6 +1,8 @@
 //! The [`Store`] operations over the protocol's requests.
 
 use super::*;
+use crate::store::error::show_value;
+use crate::store::kv::parse_counter;
 
 impl Store for TcpStore {
     plain_calls_by_deadline!();
@@ -37,6 +39,7 @@ impl Store for TcpStore {
             Response::Int(n) => Ok(n),
             other => Err(other),
         })
+        .map_err(|e| self.why_add_failed(key, deadline, e))
     }
 
     fn compare_set_by(
@@ -203,6 +206,52 @@ impl Store for TcpStore {
 
     fn serves_others(&self) -> bool {
         self.server.is_some()
+    }
+}
+
+impl TcpStore {
+    /// What to report for an `add` that failed with `err`. The protocol has no error reply
+    /// (torch's server answers a bad `ADD` by closing the connection, and ours does as it
+    /// does), so a closed connection is all the client sees when the key holds text. Where the
+    /// key then holds a value that is not a decimal integer, that is said, as the file and
+    /// hash stores say it; otherwise `err` stands.
+    fn why_add_failed(&self, key: &str, deadline: Instant, err: StoreError) -> StoreError {
+        let closed = matches!(&err, StoreError::Io { source, .. } if matches!(
+            source.kind(),
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+        ));
+        if !closed {
+            return err;
+        }
+        let keys = [key];
+        let call = Call::until("add", &keys, Some(deadline));
+        let raw = prefixed(key);
+        // CHECK before GET: the server answers a GET of a missing key with an empty value,
+        // which would read as text.
+        let present = self.quick(
+            &call,
+            &Request::Check {
+                keys: vec![raw.clone()],
+            },
+            |r| match r {
+                Response::Flag(f) => Ok(f == CHECK_READY),
+                other => Err(other),
+            },
+        );
+        if !matches!(present, Ok(true)) {
+            return err;
+        }
+        match self.quick(&call, &Request::Get { key: raw }, |r| match r {
+            Response::Value(v) => Ok(v),
+            other => Err(other),
+        }) {
+            Ok(v) if parse_counter(&v).is_none() => StoreError::NotACounter {
+                addr: self.addr.clone(),
+                key: key.to_owned(),
+                value: show_value(&v),
+            },
+            _ => err,
+        }
     }
 }
 
