@@ -557,8 +557,19 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
     println!(
         "\n# world_size {n}: dist-gloo vs {peer} ({how}; busbw in GB/s, time = median of per-iteration max over ranks; mean: their mean, the throughput of back-to-back calls and the time nccl-tests and the OSU benchmarks report, which the median hides where a rank runs ahead and waits in a few long iterations)"
     );
+    let lowest = lowest_probe(ours);
+    if let Some(ns) = lowest {
+        println!(
+            "# probe: a cache line's round trip between CPU 0 and 1 just before each cell, in ns \
+             (range over rounds); far: over {}x the lower of this invocation's lowest, {ns:.0} \
+             ns, and {} ns, the host having put the vCPUs far apart, which slows copies between \
+             ranks 3-4x",
+            placement::FAR_FACTOR,
+            placement::NEAR_NS
+        );
+    }
     println!(
-        "# {:>15} {:>10} | {:>10} {:>8} | {:>10} {:>8} | {:>8} | {:>9} {:>9} {:>6}{}",
+        "# {:>15} {:>10} | {:>10} {:>8} | {:>10} {:>8} | {:>8} | {:>9} {:>9} {:>6}{}{}",
         "op",
         "bytes",
         "ours us",
@@ -573,17 +584,9 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
             " | ours range us | peer range us | paired"
         } else {
             ""
-        }
+        },
+        if lowest.is_some() { " | probe ns" } else { "" }
     );
-    let lowest = lowest_probe(ours);
-    if let Some(ns) = lowest {
-        println!(
-            "# probe: a cache line's round trip between CPU 0 and 1 just before each cell, in ns \
-             (range over rounds); far: over {}x this invocation's lowest, {ns:.0} ns, the host \
-             having put the vCPUs far apart, which slows copies between ranks 3-4x",
-            placement::FAR_FACTOR
-        );
-    }
     let mut behind_cells = Vec::new();
     for op in &fl.ops {
         let sizes: Vec<u64> = if LATENCY.contains(&op.as_str()) {
