@@ -57,6 +57,9 @@ FLAGS (nccl-tests' names):
                       side that goes first alternating too) instead of whole runs: the
                       host's memory bandwidth drifts by 1.5x over seconds, and a cell's two
                       sides then meet the same drift. Starts two processes per cell
+Before each cell (each round without --interleave) a cache line's round trip between two
+threads pinned to CPU 0 and 1 is timed (`cargo xtask placement`); the table gives it per cell
+and marks rounds met with the vCPUs far apart, when copies between ranks slow down 3-16x
 ";
 
 const OPS: [&str; 5] = [

@@ -241,6 +241,12 @@ impl GlooOptions {
     /// against 64.0) with one run of 270. 2 ranks on 2 cores, 6 runs: 4 B 0.7 against 1.2, 4 KiB 1.2 against 1.6, but
     /// 16 KiB 2.9 against 2.3.
     ///
+    /// The slow spells are the host putting the two vCPUs far apart (a cache line's round trip
+    /// 331 ns against 55); probed before each of 150 alternated pairs, the area up to 1 MiB
+    /// against this limit took 24.3 against 30.2 us at 64 KiB and 49.3 against 64.2 at 256
+    /// KiB near, but 59.1 against 54.4 and 216 against 72.2 far (16% of the pairs): weighted,
+    /// behind from 256 KiB (docs/BENCHMARKS.md, "A placement probe before every cell").
+    ///
     /// A rank whose input is over the limit pays one publication of its table: 4 ranks, 8
     /// runs, 64 B 13.6 against 12.8, 16 KiB 22.8 against 22.2, 64 KiB and 256 KiB even; 2
     /// ranks, 64 KiB 4.7 against 4.6.
