@@ -563,10 +563,10 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
     let lowest = lowest_probe(ours);
     if let Some(ns) = lowest {
         println!(
-            "# probe: a cache line's round trip between CPU 0 and 1 just before each cell, in ns \
-             (range over rounds); far: over {}x the lower of this invocation's lowest, {ns:.0} \
-             ns, and {} ns, the host having put the vCPUs far apart, which slows copies between \
-             ranks 3-4x",
+            "# probe ns: a cache line's round trip between CPU 0 and 1 before each cell (before \
+             each round's run of ours without --interleave), its range over rounds; far: over \
+             {}x the lower of this invocation's lowest, {ns:.0} ns, and {} ns, the host having \
+             put the vCPUs far apart, which slows copies from core to core 3-16x",
             placement::FAR_FACTOR,
             placement::NEAR_NS
         );
@@ -637,7 +637,7 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
                 means(a, b),
                 place
                     .as_ref()
-                    .map_or(String::new(), |p| format!(" | probe {}", p.column()))
+                    .map_or(String::new(), |p| format!(" | {}", p.column()))
             );
             behind_cells.extend(
                 behind(op, s, ratio, mean_ratio(a, b))

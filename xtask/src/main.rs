@@ -30,7 +30,7 @@ COMMANDS:
     bench           nccl-tests-style collective benchmarks (`cargo xtask bench --help`)
     placement       A cache line's round trip between CPU 0 and CPU 1 in ns (50-74 on the
                     development VM; far more while the host has put the vCPUs far apart,
-                    when copies between ranks run 3-4x slower); `bench` probes each cell
+                    when copies from core to core run 3-16x slower); `bench` probes each cell
     test            Multi-rank programs as real processes through distrun (`--world-size N`)
     soak            The main job many times, then injected faults (kill, stall, mismatch,
                     store garbage); a table of failures, hangs and delays (`cargo xtask soak

@@ -3,19 +3,18 @@
 //!
 //! On the 2-core development VM it reads 50-74 ns, and 300 ns and more while the host has put
 //! the two vCPUs far apart (another core complex or socket), for seconds to minutes; our
-//! shared-memory collectives, which pass every byte between cores, then run 3-4x slower for the
-//! whole run (docs/BENCHMARKS.md, "The vCPUs far apart"). `cargo xtask bench` probes before
+//! shared-memory collectives whose bytes pass from core to core through the cache (the rings,
+//! the group area) then run 3-16x slower for the whole run (docs/BENCHMARKS.md, "The vCPUs far
+//! apart" and "A placement probe before every cell"). `cargo xtask bench` probes before
 //! each cell so that a table says which cells met that placement. The threads must be pinned:
 //! unpinned, the scheduler may put both on one CPU and the reading says nothing (385-1072 ns
 //! where the pinned probe read 54). The calling thread is never pinned, so the processes a
-//! benchmark starts afterwards inherit its affinity unchanged.
+//! benchmark starts afterwards inherit its affinity unchanged. Work running on CPU 0 or 1
+//! while it probes lengthens the reading too, and reads as far: probe a quiet machine. Linux
+//! only (`sched_setaffinity`); elsewhere there is no reading.
 
-use std::sync::Barrier;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
-
-use nix::sched::{CpuSet, sched_setaffinity};
-use nix::unistd::Pid;
 
 /// Round trips timed per probe (about 12 ms near, 70 ms far), after as many again to warm up.
 const TRIPS: u32 = 200_000;
@@ -34,19 +33,28 @@ pub(crate) const NEAR_NS: f64 = 100.0;
 struct Line(AtomicU32);
 
 /// The mean round trip in nanoseconds of a cache line between CPU 0 and CPU 1, or `None` where
-/// either CPU cannot be pinned (one CPU, or an affinity mask that excludes them).
+/// either CPU cannot be pinned (one CPU, an affinity mask that excludes them, not Linux) or a
+/// thread cannot be started.
 pub(crate) fn round_trip_ns() -> Option<f64> {
     let line = Line(AtomicU32::new(0));
-    // Both threads pin themselves before the barrier; one that cannot says so and neither
-    // bounces. Neither is the calling thread, which stays as it was.
-    let pinned = Barrier::new(2);
-    let ok = [AtomicU32::new(0), AtomicU32::new(0)];
-    let both_pinned = || ok.iter().all(|o| o.load(Ordering::SeqCst) == 1);
+    // Each thread reports whether it pinned itself (PINNED or UNPINNED), then waits for the
+    // calling thread's word: GO once both pinned, else STOP, also where the second thread
+    // could not be started, so that no thread waits for a partner that never comes.
+    let reports = [AtomicU32::new(WAITING), AtomicU32::new(WAITING)];
+    let go = AtomicU32::new(WAITING);
+    let ready = |me: usize| {
+        let pinned = pin(me);
+        reports[me].store(if pinned { PINNED } else { UNPINNED }, Ordering::SeqCst);
+        loop {
+            match go.load(Ordering::SeqCst) {
+                WAITING => std::thread::yield_now(),
+                word => return word == GO,
+            }
+        }
+    };
     std::thread::scope(|s| {
-        let answerer = s.spawn(|| {
-            ok[1].store(u32::from(pin(1)), Ordering::SeqCst);
-            pinned.wait();
-            if both_pinned() {
+        let answerer = std::thread::Builder::new().spawn_scoped(s, || {
+            if ready(1) {
                 for _ in 0..2 * TRIPS {
                     while line.0.load(Ordering::Acquire) != 1 {
                         std::hint::spin_loop();
@@ -55,10 +63,8 @@ pub(crate) fn round_trip_ns() -> Option<f64> {
                 }
             }
         });
-        let asker = s.spawn(|| {
-            ok[0].store(u32::from(pin(0)), Ordering::SeqCst);
-            pinned.wait();
-            if !both_pinned() {
+        let asker = std::thread::Builder::new().spawn_scoped(s, || {
+            if !ready(0) {
                 return None;
             }
             let bounce = |trips: u32| {
@@ -74,16 +80,46 @@ pub(crate) fn round_trip_ns() -> Option<f64> {
             bounce(TRIPS);
             Some(start.elapsed().as_secs_f64() * 1e9 / f64::from(TRIPS))
         });
-        let ns = asker.join().ok().flatten();
-        let _ = answerer.join();
+        let word = if answerer.is_ok() && asker.is_ok() {
+            let reported = |r: &AtomicU32| loop {
+                match r.load(Ordering::SeqCst) {
+                    WAITING => std::thread::yield_now(),
+                    report => return report,
+                }
+            };
+            let both = reports.iter().all(|r| reported(r) == PINNED);
+            if both { GO } else { STOP }
+        } else {
+            STOP
+        };
+        go.store(word, Ordering::SeqCst);
+        let ns = asker.ok().and_then(|t| t.join().ok().flatten());
+        if let Ok(t) = answerer {
+            let _ = t.join();
+        }
         ns
     })
 }
 
+/// The words of [`round_trip_ns`]'s handshake.
+const WAITING: u32 = 0;
+const PINNED: u32 = 1;
+const UNPINNED: u32 = 2;
+const GO: u32 = 1;
+const STOP: u32 = 2;
+
 /// Pins the calling thread to `cpu`; false where the kernel refuses.
+#[cfg(target_os = "linux")]
 fn pin(cpu: usize) -> bool {
+    use nix::sched::{CpuSet, sched_setaffinity};
     let mut set = CpuSet::new();
-    set.set(cpu).is_ok() && sched_setaffinity(Pid::from_raw(0), &set).is_ok()
+    set.set(cpu).is_ok() && sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).is_ok()
+}
+
+/// Nowhere to pin outside Linux: no reading.
+#[cfg(not(target_os = "linux"))]
+fn pin(_cpu: usize) -> bool {
+    false
 }
 
 /// Whether `reading` counts as far placement in an invocation whose lowest reading is `lowest`:
@@ -96,8 +132,10 @@ pub(crate) fn is_far(reading: f64, lowest: f64) -> bool {
 mod tests {
     use super::*;
 
+    #[cfg(target_os = "linux")]
     #[test]
     fn the_probe_reads_a_positive_time_or_none_and_leaves_this_thread_unpinned() {
+        use nix::unistd::Pid;
         let before = nix::sched::sched_getaffinity(Pid::from_raw(0)).unwrap();
         let both = before.is_set(0).unwrap_or(false) && before.is_set(1).unwrap_or(false);
         match round_trip_ns() {

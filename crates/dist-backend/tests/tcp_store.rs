@@ -377,6 +377,21 @@ fn master_reports_missing_workers() {
 }
 
 #[test]
+fn an_add_after_the_server_is_gone_fails_long_before_the_timeout() {
+    // A closed connection on `add` makes the client look at the key, to say whether it held
+    // text; with the server gone, that look must not retry its connection for the timeout.
+    let timeout = Duration::from_secs(60);
+    let server = TcpStoreServer::start(0).unwrap();
+    let c = TcpStore::connect("127.0.0.1", server.port(), timeout).unwrap();
+    assert_eq!(c.add("n", 1).unwrap(), 1);
+    drop(server);
+    let t0 = Instant::now();
+    let e = c.add("n", 1).unwrap_err();
+    assert!(!matches!(e, StoreError::NotACounter { .. }), "{e:?}");
+    assert!(t0.elapsed() < timeout / 4, "{:?}: {e}", t0.elapsed());
+}
+
+#[test]
 fn server_stops_on_drop() {
     let server = TcpStoreServer::start(0).unwrap();
     let port = server.port();

@@ -209,12 +209,17 @@ impl Store for TcpStore {
     }
 }
 
+/// How long an `add` that failed on a closed connection may spend finding out why.
+const WHY_ADD_FAILED_WITHIN: Duration = Duration::from_millis(500);
+
 impl TcpStore {
     /// What to report for an `add` that failed with `err`. The protocol has no error reply
     /// (torch's server answers a bad `ADD` by closing the connection, and ours does as it
     /// does), so a closed connection is all the client sees when the key holds text. Where the
     /// key then holds a value that is not a decimal integer, that is said, as the file and
-    /// hash stores say it; otherwise `err` stands.
+    /// hash stores say it; otherwise (or where the server does not answer within [`WHY_ADD_FAILED_WITHIN`]) `err`
+    /// stands. A key deleted between the CHECK and the GET would read as an empty value, which
+    /// is not a counter either: a race this reports as such, rather than wait for the key.
     fn why_add_failed(&self, key: &str, deadline: Instant, err: StoreError) -> StoreError {
         let closed = matches!(&err, StoreError::Io { source, .. } if matches!(
             source.kind(),
@@ -224,7 +229,11 @@ impl TcpStore {
             return err;
         }
         let keys = [key];
-        let call = Call::until("add", &keys, Some(deadline));
+        // Briefly: a closed connection is also what a dead server leaves, and the CHECK may
+        // need a new connection, which would retry until the add's own deadline. A live server
+        // answers these two in far less; one that does not leaves `err` standing.
+        let quick = deadline.min(crate::deadline_after(Instant::now(), WHY_ADD_FAILED_WITHIN));
+        let call = Call::until("add", &keys, Some(quick));
         let raw = prefixed(key);
         // CHECK before GET: the server answers a GET of a missing key with an empty value,
         // which would read as text.
