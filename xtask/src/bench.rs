@@ -59,7 +59,7 @@ FLAGS (nccl-tests' names):
                       sides then meet the same drift. Starts two processes per cell
 Before each cell (each round without --interleave) a cache line's round trip between two
 threads pinned to CPU 0 and 1 is timed (`cargo xtask placement`); the table gives it per cell
-and marks rounds met with the vCPUs far apart, when copies between ranks slow down 3-16x
+and marks rounds met with the vCPUs far apart, when copies from core to core slow 3-16x
 ";
 
 const OPS: [&str; 5] = [
@@ -412,7 +412,7 @@ fn paired_where(
     ))
 }
 
-/// Stamps every row of a result with the placement probe's reading taken just before it ran
+/// Stamps every row of a result with the placement probe's reading taken before it ran
 /// (see [`crate::placement`]); a row without one (one CPU) has none.
 fn stamp(result: &mut Value, probe: Option<f64>) {
     let (Some(ns), Some(rows)) = (probe, result["results"].as_array_mut()) else {

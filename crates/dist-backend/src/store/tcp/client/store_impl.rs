@@ -217,9 +217,10 @@ impl TcpStore {
     /// (torch's server answers a bad `ADD` by closing the connection, and ours does as it
     /// does), so a closed connection is all the client sees when the key holds text. Where the
     /// key then holds a value that is not a decimal integer, that is said, as the file and
-    /// hash stores say it; otherwise (or where the server does not answer within [`WHY_ADD_FAILED_WITHIN`]) `err`
-    /// stands. A key deleted between the CHECK and the GET would read as an empty value, which
-    /// is not a counter either: a race this reports as such, rather than wait for the key.
+    /// hash stores say it; otherwise `err` stands, as it does where the server does not answer
+    /// within [`WHY_ADD_FAILED_WITHIN`] or the value read back is empty (a GET of a key
+    /// deleted since the CHECK reads so too, and nothing would be said rather than a wrong
+    /// thing).
     fn why_add_failed(&self, key: &str, deadline: Instant, err: StoreError) -> StoreError {
         let closed = matches!(&err, StoreError::Io { source, .. } if matches!(
             source.kind(),
@@ -254,7 +255,7 @@ impl TcpStore {
             Response::Value(v) => Ok(v),
             other => Err(other),
         }) {
-            Ok(v) if parse_counter(&v).is_none() => StoreError::NotACounter {
+            Ok(v) if !v.is_empty() && parse_counter(&v).is_none() => StoreError::NotACounter {
                 addr: self.addr.clone(),
                 key: key.to_owned(),
                 value: show_value(&v),
