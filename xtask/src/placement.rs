@@ -45,12 +45,7 @@ pub(crate) fn round_trip_ns() -> Option<f64> {
     let ready = |me: usize| {
         let pinned = pin(me);
         reports[me].store(if pinned { PINNED } else { UNPINNED }, Ordering::SeqCst);
-        loop {
-            match go.load(Ordering::SeqCst) {
-                WAITING => std::thread::yield_now(),
-                word => return word == GO,
-            }
-        }
+        set_word(&go) == GO
     };
     std::thread::scope(|s| {
         let answerer = std::thread::Builder::new().spawn_scoped(s, || {
@@ -81,13 +76,7 @@ pub(crate) fn round_trip_ns() -> Option<f64> {
             Some(start.elapsed().as_secs_f64() * 1e9 / f64::from(TRIPS))
         });
         let word = if answerer.is_ok() && asker.is_ok() {
-            let reported = |r: &AtomicU32| loop {
-                match r.load(Ordering::SeqCst) {
-                    WAITING => std::thread::yield_now(),
-                    report => return report,
-                }
-            };
-            let both = reports.iter().all(|r| reported(r) == PINNED);
+            let both = reports.iter().all(|r| set_word(r) == PINNED);
             if both { GO } else { STOP }
         } else {
             STOP
@@ -99,6 +88,16 @@ pub(crate) fn round_trip_ns() -> Option<f64> {
         }
         ns
     })
+}
+
+/// Waits for `word` to leave [`WAITING`] and returns what it was set to.
+fn set_word(word: &AtomicU32) -> u32 {
+    loop {
+        match word.load(Ordering::SeqCst) {
+            WAITING => std::thread::yield_now(),
+            set => return set,
+        }
+    }
 }
 
 /// The words of [`round_trip_ns`]'s handshake.

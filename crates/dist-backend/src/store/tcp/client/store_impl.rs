@@ -238,17 +238,7 @@ impl TcpStore {
         let raw = prefixed(key);
         // CHECK before GET: the server answers a GET of a missing key with an empty value,
         // which would read as text.
-        let present = self.quick(
-            &call,
-            &Request::Check {
-                keys: vec![raw.clone()],
-            },
-            |r| match r {
-                Response::Flag(f) => Ok(f == CHECK_READY),
-                other => Err(other),
-            },
-        );
-        if !matches!(present, Ok(true)) {
+        if !matches!(self.present(&call, std::slice::from_ref(&raw)), Ok(true)) {
             return err;
         }
         match self.quick(&call, &Request::Get { key: raw }, |r| match r {
