@@ -21,6 +21,8 @@ COMM = MPI.COMM_WORLD
 
 
 def build(op, size, n):
+    """The call to time for (op, size), a note naming the MPI call, and the input buffer that
+    `--fresh` rewrites before each timed call (None for a barrier)."""
     count = max(1, size // 4)
     # np.zeros maps fresh pages that are never written: every read of them hits the kernel's one
     # shared zero page, which stays in cache, so a read-only input (all_gather, all_to_all, the
@@ -29,23 +31,33 @@ def build(op, size, n):
     zeros = lambda k: np.full(k, 1.0, dtype=np.float32)  # noqa: E731
     if op in ("all_reduce", "allreduce_4B"):
         buf = zeros(count if op == "all_reduce" else 1)
-        return lambda: COMM.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), "Allreduce in place"
+        return lambda: COMM.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), "Allreduce in place", buf
     if op == "broadcast":
         buf = zeros(count)
-        return lambda: COMM.Bcast(buf, root=0), "Bcast root=0"
+        return lambda: COMM.Bcast(buf, root=0), "Bcast root=0", buf
     if op == "barrier":
-        return COMM.Barrier, "Barrier"
+        return COMM.Barrier, "Barrier", None
     if op == "all_gather":
         inp, out = zeros(count), zeros(count * n)
-        return lambda: COMM.Allgather(inp, out), "Allgather"
+        return lambda: COMM.Allgather(inp, out), "Allgather", inp
     if op == "reduce_scatter":
         inp, out = zeros(count * n), zeros(count)
-        return lambda: COMM.Reduce_scatter_block(inp, out, op=MPI.SUM), "Reduce_scatter_block"
+        return lambda: COMM.Reduce_scatter_block(inp, out, op=MPI.SUM), "Reduce_scatter_block", inp
     if op == "all_to_all":
         k = max(n, count // n * n)
         inp, out = zeros(k), zeros(k)
-        return lambda: COMM.Alltoall(inp, out), "Alltoall"
+        return lambda: COMM.Alltoall(inp, out), "Alltoall", inp
     raise ValueError(f"unknown op {op}")
+
+
+def rewriter(buf):
+    """Writes one float32 of each 64-byte cache line of `buf` with the value it holds, so that
+    its lines are dirty in this core's cache, as a training step leaves the gradients it
+    then reduces (`--fresh`)."""
+    if buf is None:
+        return None
+    lines = buf[::16]
+    return lambda: np.add(lines, 0, out=lines)
 
 
 def main():
@@ -55,6 +67,8 @@ def main():
     ap.add_argument("--ops", default="all_reduce,broadcast,all_gather,reduce_scatter,all_to_all")
     ap.add_argument("--budget", type=float, default=1.5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--fresh", action="store_true",
+                    help="rewrite each input's cache lines before every timed call")
     args = ap.parse_args()
     n, rank = COMM.Get_size(), COMM.Get_rank()
 
@@ -65,8 +79,10 @@ def main():
 
     results = []
     for op, size in pc.plan(pc.split_list(args.ops), pc.split_list(args.sizes, int)):
-        fn, note = build(op, size, n)
-        r = pc.row(op, size, n, pc.measure(fn, size, COMM.Barrier, max_over_ranks, args.budget), note)
+        fn, note, inp = build(op, size, n)
+        fresh = rewriter(inp) if args.fresh else None
+        times = pc.measure(fn, size, COMM.Barrier, max_over_ranks, args.budget, fresh)
+        r = pc.row(op, size, n, times, note)
         results.append(r)
         if rank == 0:
             pc.show(r)

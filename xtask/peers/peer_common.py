@@ -38,9 +38,10 @@ def count_iters(estimate_s, budget_s, lo=5, hi=2000):
     return int(max(lo, min(hi, budget_s / estimate_s)))
 
 
-def measure(fn, size, barrier, max_over_ranks, budget_s):
+def measure(fn, size, barrier, max_over_ranks, budget_s, fresh=None):
     """Warms up, estimates one call's time, then times `count_iters` calls; returns the
-    per-iteration maxima over ranks (seconds)."""
+    per-iteration maxima over ranks (seconds). `fresh`, where given, is called before each
+    timed call, outside its time (`--fresh`: the input written as a training step writes it)."""
     big = size >= 16 << 20
     for _ in range(2 if big else 10):
         fn()
@@ -53,6 +54,8 @@ def measure(fn, size, barrier, max_over_ranks, budget_s):
     times = [0.0] * count_iters(estimate, budget_s)
     barrier()
     for i in range(len(times)):
+        if fresh is not None:
+            fresh()
         start = time.perf_counter()
         fn()
         times[i] = time.perf_counter() - start

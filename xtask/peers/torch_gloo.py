@@ -22,30 +22,41 @@ import torch.multiprocessing as mp  # noqa: E402
 
 
 def build(op, size, n):
-    """The call to time for (op, size), and a note saying which torch API it is."""
+    """The call to time for (op, size), a note saying which torch API it is, and the input
+    tensor that `--fresh` rewrites before each timed call (None for a barrier)."""
     count = max(1, size // 4)
     zeros = lambda k: torch.zeros(k, dtype=torch.float32)  # noqa: E731
     if op in ("all_reduce", "allreduce_4B"):
         t = zeros(count if op == "all_reduce" else 1)
-        return lambda: dist.all_reduce(t), "all_reduce SUM"
+        return lambda: dist.all_reduce(t), "all_reduce SUM", t
     if op == "broadcast":
         t = zeros(count)
-        return lambda: dist.broadcast(t, src=0), "broadcast src=0"
+        return lambda: dist.broadcast(t, src=0), "broadcast src=0", t
     if op == "barrier":
-        return dist.barrier, "barrier"
+        return dist.barrier, "barrier", None
     if op == "all_gather":
         inp, out = zeros(count), zeros(count * n)
-        return lambda: dist.all_gather(list(out.chunk(n)), inp), "all_gather (list)"
+        return lambda: dist.all_gather(list(out.chunk(n)), inp), "all_gather (list)", inp
     if op == "reduce_scatter":
         inp, out = zeros(count * n), zeros(count)
         if not hasattr(dist, "reduce_scatter_tensor"):
             raise NotImplementedError("this torch has no reduce_scatter_tensor")
-        return lambda: dist.reduce_scatter_tensor(out, inp), "reduce_scatter_tensor"
+        return lambda: dist.reduce_scatter_tensor(out, inp), "reduce_scatter_tensor", inp
     if op == "all_to_all":
         k = max(n, count // n * n)
         inp, out = zeros(k), zeros(k)
-        return lambda: dist.all_to_all_single(out, inp), "all_to_all_single"
+        return lambda: dist.all_to_all_single(out, inp), "all_to_all_single", inp
     raise ValueError(f"unknown op {op}")
+
+
+def rewriter(t):
+    """Writes one float32 of each 64-byte cache line of `t` with the value it holds, so that
+    its lines are dirty in this core's cache, as a training step leaves the gradients it
+    then reduces (`--fresh`)."""
+    if t is None:
+        return None
+    lines = t[::16]
+    return lambda: lines.add_(0)
 
 
 def rank_main(rank, args, store_file):
@@ -62,13 +73,15 @@ def rank_main(rank, args, store_file):
     results = []
     for op, size in pc.plan(args.ops, args.sizes):
         try:
-            fn, note = build(op, size, n)
+            fn, note, inp = build(op, size, n)
             fn()  # Gloo rejects some ops only when called: find out before timing.
         except (NotImplementedError, RuntimeError) as e:
             dist.barrier()
             r = pc.unsupported(op, size, str(e).splitlines()[0][:200])
         else:
-            r = pc.row(op, size, n, pc.measure(fn, size, dist.barrier, max_over_ranks, args.budget), note)
+            fresh = rewriter(inp) if args.fresh else None
+            times = pc.measure(fn, size, dist.barrier, max_over_ranks, args.budget, fresh)
+            r = pc.row(op, size, n, times, note)
         results.append(r)
         if rank == 0:
             pc.show(r)
@@ -85,6 +98,8 @@ def main():
     ap.add_argument("--ops", default="all_reduce,broadcast,all_gather,reduce_scatter,all_to_all")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed calls per op and size")
     ap.add_argument("--out", default="")
+    ap.add_argument("--fresh", action="store_true",
+                    help="rewrite each input's cache lines before every timed call")
     args = ap.parse_args()
     args.sizes = pc.split_list(args.sizes, int)
     args.ops = pc.split_list(args.ops)

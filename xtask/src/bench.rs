@@ -57,6 +57,10 @@ FLAGS (nccl-tests' names):
                       side that goes first alternating too) instead of whole runs: the
                       host's memory bandwidth drifts by 1.5x over seconds, and a cell's two
                       sides then meet the same drift. Starts two processes per cell
+    --fresh           every rank writes each cache line of its input before each timed
+                      call, outside its time (ours and the peer's), as a training step
+                      leaves its gradients: without it the input stays clean and cached,
+                      and copies by reference read it from near the reader
 Before each cell (each round without --interleave) a cache line's round trip between two
 threads pinned to CPU 0 and 1 is timed (`cargo xtask placement`); the table gives it per cell
 and marks rounds met with the vCPUs far apart, when copies from core to core slow 3-16x
@@ -89,6 +93,7 @@ struct Flags {
     backend: String,
     rounds: usize,
     interleave: bool,
+    fresh: bool,
 }
 
 const REDOPS: [&str; 5] = ["sum", "prod", "min", "max", "avg"];
@@ -146,6 +151,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
         backend: "gloo".into(),
         rounds: 1,
         interleave: false,
+        fresh: false,
     };
     let mut it = rest.iter();
     while let Some(flag) = it.next() {
@@ -191,6 +197,7 @@ fn parse(args: &[String]) -> Result<Flags, String> {
                     .ok_or_else(|| format!("--rounds {v}: expected a count of at least 1"))?;
             }
             "--interleave" => fl.interleave = true,
+            "--fresh" => fl.fresh = true,
             other => return Err(format!("unknown flag `{other}`\n\n{HELP}")),
         }
     }
@@ -285,6 +292,9 @@ fn run_ours(
     if let Some(i) = &fl.iters {
         cmd.args(["-n", i]);
     }
+    if fl.fresh {
+        cmd.args(["--fresh", "1"]);
+    }
     let shown = display(&cmd);
     let mut job = cmd
         .stdout(Stdio::piped())
@@ -351,6 +361,9 @@ fn run_peer(fl: &Flags, n: usize, peer: &str, out: &Path) -> Result<Value, Strin
     ])
     .arg(out)
     .stdout(Stdio::null());
+    if fl.fresh {
+        cmd.arg("--fresh");
+    }
     run(&mut cmd).map_err(|e| {
         format!("{e}\n(is the peer installed? `cargo xtask bench --help` says how)")
     })?;
@@ -557,8 +570,13 @@ fn compare(fl: &Flags, n: usize, peer: &str, ours: &[Value], theirs: &[Value]) {
     } else {
         "same invocation".to_string()
     };
+    let inputs = if fl.fresh {
+        "; inputs rewritten before each call (--fresh)"
+    } else {
+        ""
+    };
     println!(
-        "\n# world_size {n}: dist-gloo vs {peer} ({how}; busbw in GB/s, time = median of per-iteration max over ranks; mean: their mean, the throughput of back-to-back calls and the time nccl-tests and the OSU benchmarks report, which the median hides where a rank runs ahead and waits in a few long iterations)"
+        "\n# world_size {n}: dist-gloo vs {peer} ({how}{inputs}; busbw in GB/s, time = median of per-iteration max over ranks; mean: their mean, the throughput of back-to-back calls and the time nccl-tests and the OSU benchmarks report, which the median hides where a rank runs ahead and waits in a few long iterations)"
     );
     let lowest = lowest_probe(ours);
     if let Some(ns) = lowest {
@@ -965,6 +983,12 @@ mod tests {
                 .unwrap()
                 .interleave
         );
+        assert!(
+            parse(&args("all_reduce --vs mpi-shm --fresh"))
+                .unwrap()
+                .fresh
+        );
+        assert!(!parse(&args("all_reduce --vs mpi-shm")).unwrap().fresh);
         let e = parse(&args("all_reduce --rounds 0")).unwrap_err();
         assert_eq!(e, "--rounds 0: expected a count of at least 1");
     }

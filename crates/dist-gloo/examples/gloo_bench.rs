@@ -18,6 +18,8 @@
 //! offsets within their pages, as two programs' (or one program's heap) buffers may.
 //! `--per-rank 1` also prints each rank's own times (10th, 50th and 90th percentile and mean)
 //! before the maximum over ranks is taken: where one rank runs ahead, the two differ.
+//! `--fresh 1` writes every cache line of each rank's input before each timed call, outside
+//! its time, as a training step leaves the gradients it reduces (see [`rewrite`]).
 
 #![allow(missing_docs, reason = "an example binary")]
 
@@ -30,7 +32,7 @@ use dist_wire::{DType, ReduceOp};
 /// What `--help` prints (the module documentation has the details).
 const USAGE: &str = "usage: gloo_bench [--ops a,b,...] [--sizes bytes,...] [-n iters] [-w warmup] \
 [-c 0|1] [--json path] [--budget seconds] [-d dtype] [-o sum|prod|min|max|avg] [-r root] \
-[--huge-pages 0|1] [--shift bytes] [--per-rank 0|1]
+[--huge-pages 0|1] [--shift bytes] [--per-rank 0|1] [--fresh 0|1]
 ops: barrier allreduce_4B all_reduce broadcast all_gather reduce_scatter all_to_all reduce gather \
 scatter; sizes are plain byte counts (one rank's block for all_gather, gather and scatter).
 Run one process per rank under a launcher: distrun --nproc-per-node N -- gloo_bench ...";
@@ -51,6 +53,7 @@ struct Args {
     huge_pages: bool,
     shift: usize,
     per_rank: bool,
+    fresh: bool,
 }
 
 /// nccl-tests' datatype names.
@@ -109,6 +112,7 @@ fn parse() -> Args {
         huge_pages: false,
         shift: 0,
         per_rank: false,
+        fresh: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -139,6 +143,7 @@ fn parse() -> Args {
             "--huge-pages" => a.huge_pages = v != "0",
             "--shift" => a.shift = v.parse().expect("--shift takes a byte count"),
             "--per-rank" => a.per_rank = v != "0",
+            "--fresh" => a.fresh = v != "0",
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -254,6 +259,16 @@ impl std::ops::DerefMut for Buf {
             #[cfg(target_os = "linux")]
             Buf::Huge(m, at) => &mut m[*at..],
         }
+    }
+}
+
+/// Writes one byte of every 64-byte cache line of `buf` with the value it holds (`--fresh`),
+/// as a training step writes the gradients it then reduces: the lines are then dirty in this
+/// core's cache. A benchmark that never writes its input finds them clean, and a copy by
+/// reference then reads lines that stay cached near the reader from one call to the next.
+fn rewrite(buf: &mut [u8]) {
+    for i in (0..buf.len()).step_by(64) {
+        buf[i] = std::hint::black_box(buf[i]);
     }
 }
 
@@ -487,6 +502,9 @@ fn main() {
             };
             let mut times = vec![0f64; iters];
             for t in times.iter_mut() {
+                if args.fresh {
+                    rewrite(&mut c.a);
+                }
                 let t0 = Instant::now();
                 run_once(&pg, op, &mut c, &args, &opts);
                 *t = t0.elapsed().as_secs_f64();
