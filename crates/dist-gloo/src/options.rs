@@ -280,7 +280,8 @@ impl GlooOptions {
     /// `DIST_GLOO_CMA_OVER_SHM` (`0` or `1`; unset decides by the host's CPUs),
     /// `DIST_GLOO_TRANSPORT` (`auto`, `tcp` or `shm`; anything else fails the mesh),
     /// `DIST_GLOO_BUSY_SPIN_NS`, `DIST_GLOO_SHM_RING_BYTES`, `DIST_GLOO_COPY_HELPER` (`0` or
-    /// `1`; unset decides by the host's CPUs),
+    /// `1`; unset decides by the host's CPUs), `DIST_GLOO_ADAPTIVE_PATH` (`0` keeps large
+    /// messages over shared-memory rings on the fixed rule's way: `MeshOptions::adaptive_path`),
     /// `DIST_GLOO_BCAST_SCATTER_BYTES` ([`GlooOptions::broadcast_scatter_bytes`]),
     /// `DIST_GLOO_HALVING_DOUBLING_BYTES` ([`GlooOptions::halving_doubling_bytes`]),
     /// `DIST_GLOO_RING_PIECE_BYTES` ([`GlooOptions::ring_piece_bytes`]),
@@ -339,6 +340,9 @@ impl GlooOptions {
         }
         if let Some(v) = var("DIST_GLOO_COPY_HELPER") {
             o.mesh.copy_helper = Some(v != 0);
+        }
+        if let Some(v) = var("DIST_GLOO_ADAPTIVE_PATH") {
+            o.mesh.adaptive_path = v != 0;
         }
         o
     }

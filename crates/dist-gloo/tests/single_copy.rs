@@ -3,7 +3,9 @@
 //! large message by reference exactly when its bytes lie in huge pages (checked against
 //! `/proc/self/smaps`), and the results are right either way. Buffers at different offsets
 //! within their pages arrive whole by reference, through the bounce buffer where the kernel's
-//! copy would be slow and straight elsewhere.
+//! copy would be slow and straight elsewhere. Where each way's pace decides
+//! (`MeshOptions::adaptive_path`), the first large messages to a peer go the rule's way and the
+//! fifth the other, and results stay right as the ways alternate.
 #![cfg(target_os = "linux")]
 
 mod common;
@@ -151,6 +153,8 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
     let mut o = GlooOptions::default();
     o.mesh.transport = TransportMode::Shm;
     o.mesh.timeout = Duration::from_secs(60);
+    // The fixed rule alone: its choices, not what each way's pace teaches.
+    o.mesh.adaptive_path = false;
     let ranks = tcp_world(2, &o);
     // With fewer CPUs than ranks every large message goes by reference: another rule.
     let pages_decide = online_cpus().is_some_and(|n| n >= 2) && cross_memory_available();
@@ -370,4 +374,81 @@ fn buffers_at_different_page_offsets_arrive_whole_by_reference() {
         sent.iter().all(|&s| s > 0),
         "every rank sent its large messages by reference: {sent:?}"
     );
+}
+
+/// Large messages (from two ring-fulls) follow each way's pace (`path_pace`): the first four
+/// of a size to a peer go the fixed rule's way, the fifth the other way (a look), and what
+/// follows goes whichever was faster. Broadcasts and all_gathers of 8 MiB from buffers in
+/// 4 KiB pages, every result checked element by element, whichever way each went.
+#[test]
+fn large_messages_look_at_the_other_way_on_the_fifth_and_stay_right() {
+    let mut o = GlooOptions::default();
+    o.mesh.transport = TransportMode::Shm;
+    o.mesh.timeout = Duration::from_secs(60);
+    let ranks = tcp_world(2, &o);
+    let opts = OpOptions::with_timeout(Duration::from_secs(60));
+    let count = LEN / 4;
+    let f32s = |r: usize, len: usize| -> Vec<u8> {
+        bytemuck::cast_slice(&(0..len).map(|i| value(r, i)).collect::<Vec<f32>>()).to_vec()
+    };
+    let broadcast = |iteration: usize| {
+        let outs = on_all(&ranks, |b| {
+            let mut buf = if b.rank() == 0 {
+                f32s(iteration, count)
+            } else {
+                vec![0u8; LEN]
+            };
+            b.broadcast(BufMut::Host(&mut buf), DType::F32, 0, &opts)
+                .unwrap();
+            buf
+        });
+        expect_each(
+            &format!("broadcast {iteration}"),
+            outs.iter().map(Vec::as_slice),
+            |_, i| value(iteration, i),
+        );
+    };
+    let all_gather = |iteration: usize| {
+        let outs = on_all(&ranks, |b| {
+            let input = f32s(b.rank() + iteration, count);
+            let mut out = vec![0u8; 2 * LEN];
+            b.all_gather(
+                BufRef::Host(&input),
+                BufMut::Host(&mut out),
+                DType::F32,
+                &[count; 2],
+                &opts,
+            )
+            .unwrap();
+            out
+        });
+        expect_each(
+            &format!("all_gather {iteration}"),
+            outs.iter().map(Vec::as_slice),
+            |_, i| value(i / count + iteration, i % count),
+        );
+    };
+    let cases: [(&str, &dyn Fn(usize)); 2] =
+        [("broadcast", &broadcast), ("all_gather", &all_gather)];
+    for (what, op) in cases {
+        let start = by_reference(&ranks);
+        for i in 0..4 {
+            op(i);
+        }
+        let after_four = sent_since(&ranks, &start);
+        op(4);
+        let fifth = sent_since(&ranks, &start);
+        if cross_memory_available() {
+            // Rank 0 sends in both ops. The rule sent the first four all one way (by
+            // reference or not, by the host's CPUs); the fifth went the other.
+            let (four, five) = (after_four[0], fifth[0] - after_four[0]);
+            assert!(
+                (four == 0) != (five == 0),
+                "{what}: by reference in the first four {four}, in the fifth {five}"
+            );
+        }
+        for i in 5..24 {
+            op(i);
+        }
+    }
 }

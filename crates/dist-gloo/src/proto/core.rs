@@ -231,6 +231,12 @@ impl Core {
         step.tx.get(i).is_some_and(|t| t.by_ref)
     }
 
+    /// Whether send `i` of `step` is done: every frame written and, when it went by
+    /// reference, acknowledged.
+    pub fn send_done(&self, step: &Step, i: usize) -> bool {
+        step.tx.get(i).is_some_and(|t| t.done)
+    }
+
     /// The bytes to write to `peer` next, in order (empty when none): control bytes between
     /// frames, else the rest of the current frame's header and payload, for one vectored
     /// write. Report what was written with [`Core::transmitted`] before any other call.

@@ -72,7 +72,7 @@ const MIN_RING_BYTES: usize = 128;
 
 /// The data bytes of each ring for a requested `bytes` (`DIST_GLOO_SHM_RING_BYTES`): the
 /// next power of two, at least [`MIN_RING_BYTES`]; an error past the largest power of two.
-fn ring_capacity(bytes: usize) -> io::Result<usize> {
+pub(crate) fn ring_capacity(bytes: usize) -> io::Result<usize> {
     bytes
         .max(MIN_RING_BYTES)
         .checked_next_power_of_two()

@@ -15,6 +15,7 @@ use super::cma::Cma;
 use super::conn::Conn;
 use super::idle::{Idle, SpinWindow};
 use super::linger;
+use super::path_pace::{Paced, PathPace};
 use crate::output_copy::STREAMING_BYTES;
 use crate::proto::{Core, Status, Step};
 use crate::transport::shm::group_area::{AREA_DATA_BYTES, GroupArea};
@@ -69,6 +70,9 @@ pub(super) struct Engine {
     pub(super) cma: Option<Arc<Cma>>,
     /// Which messages to peers that can read this rank's memory go by reference.
     pub(super) single_copy: SingleCopyRule,
+    /// What this rank learnt of each way's pace to each peer on this host, where large
+    /// messages to them take the faster (`None`: the rule alone decides).
+    pub(super) pace: Option<PathPace>,
     /// How long closing waits for each peer to close its end (the group's timeout).
     pub(super) linger: Duration,
 }
@@ -109,17 +113,56 @@ impl Engine {
             .as_deref()
             .filter(|_| ctx.op != CollectiveOp::SendRecv);
         let offer = cma.map_or(0, |_| Cma::next_step_offer());
-        let by_ref = |s: &Outgoing<'_>| {
-            let shm = || matches!(self.conns.get(s.peer), Some(Some(c)) if c.is_shm());
-            cma.is_some_and(|c| c.peer_reads(s.peer))
+        let shm = |peer: usize| matches!(self.conns.get(peer), Some(Some(c)) if c.is_shm());
+        let readable = |peer: usize| cma.is_some_and(|c| c.peer_reads(peer));
+        let rule = |s: &Outgoing<'_>| {
+            readable(s.peer)
                 && self.single_copy.pays(
-                    shm(),
+                    shm(s.peer),
                     ctx.op,
                     s.data,
                     (s.count as usize).saturating_mul(ctx.dtype.size()),
                 )
         };
+        // Where this step sends a peer through the rings many bytes that could go either
+        // way, they take the way their pace to that peer has shown faster (see `path_pace`),
+        // judged on all the step sends it (a chain broadcast's root sends its chunks in one
+        // step).
+        let pace = self
+            .pace
+            .as_ref()
+            .filter(|p| cma.is_some() && p.times(sends.iter().map(|s| s.data.len()).sum()));
+        let to_peer = |peer: usize| -> usize {
+            let bytes = sends
+                .iter()
+                .filter(|s| s.peer == peer)
+                .map(|s| s.data.len());
+            bytes.sum()
+        };
+        let paced = |s: &Outgoing<'_>| {
+            pace.filter(|p| shm(s.peer) && readable(s.peer) && p.times(to_peer(s.peer)))
+        };
+        let by_ref = |s: &Outgoing<'_>| match paced(s) {
+            Some(p) => p.choose(s.peer, to_peer(s.peer), rule(s)),
+            None => rule(s),
+        };
         let mut step = self.core.begin_by_ref(*ctx, sends, recvs, offer, &by_ref);
+        let mut timed: Vec<Paced> = Vec::new();
+        if pace.is_some() {
+            for (i, s) in sends.iter().enumerate() {
+                let first = !sends[..i].iter().any(|e| e.peer == s.peer);
+                if first && !s.data.is_empty() && paced(s).is_some() {
+                    timed.push(Paced {
+                        peer: s.peer,
+                        len: to_peer(s.peer),
+                        rule_by_ref: rule(s),
+                        by_ref: self.core.sends_by_ref(&step, i),
+                        took: None,
+                    });
+                }
+            }
+        }
+        let begun = (!timed.is_empty()).then(Instant::now);
         if let Some(cma) = cma {
             for (i, s) in sends.iter().enumerate() {
                 if self.core.sends_by_ref(&step, i) {
@@ -148,7 +191,7 @@ impl Engine {
         // first pass would otherwise read every awaited peer, a system call each over TCP,
         // for messages already here (at 4 ranks over TCP, three reads per broadcast).
         match self.core.poll(&mut step, sends, recvs, on_frame, now) {
-            Status::Done => return self.core.finish(&mut step, sends, now),
+            Status::Done => return self.finish_timed(&mut step, sends, now, &mut timed, begun),
             Status::Failed => return self.fail(&mut step, sends, recvs, on_frame, now),
             Status::Pending { .. } => {}
         }
@@ -165,8 +208,13 @@ impl Engine {
                     self.write(&mut step, sends, recvs, on_frame, peer);
                 }
             }
+            if let Some(begun) = begun {
+                self.time_sends(&step, sends, &mut timed, begun);
+            }
             match self.core.poll(&mut step, sends, recvs, on_frame, now) {
-                Status::Done => return self.core.finish(&mut step, sends, now),
+                Status::Done => {
+                    return self.finish_timed(&mut step, sends, now, &mut timed, begun);
+                }
                 Status::Failed => return self.fail(&mut step, sends, recvs, on_frame, now),
                 Status::Pending { deadline } => {
                     if progress {
@@ -196,6 +244,39 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// Notes when the `timed` sends of `step`, begun at `begun`, to each peer are all done.
+    fn time_sends(&self, step: &Step, sends: &[Outgoing<'_>], timed: &mut [Paced], begun: Instant) {
+        let mut now = None;
+        for m in timed.iter_mut().filter(|m| m.took.is_none()) {
+            let mut to_peer = sends.iter().enumerate().filter(|(_, s)| s.peer == m.peer);
+            if to_peer.all(|(i, _)| self.core.send_done(step, i)) {
+                m.took = Some(now.get_or_insert_with(Instant::now).duration_since(begun));
+            }
+        }
+    }
+
+    /// Finishes a step whose every send and receive is through, and teaches the pace of each
+    /// way ([`PathPace`]) what its `timed` sends took, if it succeeded: those not yet seen
+    /// done took until now.
+    fn finish_timed(
+        &mut self,
+        step: &mut Step,
+        sends: &[Outgoing<'_>],
+        now: Instant,
+        timed: &mut [Paced],
+        begun: Option<Instant>,
+    ) -> Result<()> {
+        let result = self.core.finish(step, sends, now);
+        if let (Ok(()), Some(begun), Some(pace)) = (&result, begun, self.pace.as_mut()) {
+            let end = Instant::now().duration_since(begun);
+            for m in timed.iter_mut() {
+                m.took.get_or_insert(end);
+                pace.record(m);
+            }
+        }
+        result
     }
 
     /// Operation `ctx` through the group `area` (every peer is on a shared-memory link):

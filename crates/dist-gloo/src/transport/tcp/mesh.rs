@@ -85,6 +85,13 @@ pub struct MeshOptions {
     /// there those ops send their large messages by reference over shared-memory rings too
     /// (see `by_reference`).
     pub copy_helper: Option<bool>,
+    /// Whether large messages (from two ring-fulls) to a peer that is reached through
+    /// shared-memory rings and can read this rank's memory go the way their pace to that
+    /// peer has shown faster, rings or by reference, each rank learning from its own sends
+    /// (`path_pace`); only where `cross_memory_over_rings` is unset. On by default: a
+    /// virtual machine's vCPUs move near and far apart, and the rings slow 8-16x far apart
+    /// where a copy by reference slows 1-2x.
+    pub adaptive_path: bool,
     /// Shared-memory rings between ranks on one host, TCP between hosts, or one of the two
     /// for every pair (see [`crate::transport::shm`]).
     pub transport: TransportMode,
@@ -113,6 +120,7 @@ impl Default for MeshOptions {
             cross_memory_min_bytes: None,
             cross_memory_over_rings: None,
             copy_helper: None,
+            adaptive_path: true,
             transport: TransportMode::Auto,
             shm_ring_bytes: crate::transport::shm::DEFAULT_RING_BYTES,
             host_id: None,

@@ -25,6 +25,7 @@ mod huge_pages {
 mod linger;
 mod link;
 mod mesh;
+mod path_pace;
 mod read_helper;
 
 use std::sync::{Arc, Mutex};
@@ -145,6 +146,15 @@ impl TcpTransport {
             Arc::new(c.split_reads(split))
         });
         let split_reads = cma.as_ref().is_some_and(|c| c.split_copies_on());
+        // Where the rule is the user's (`cross_memory_over_rings` set), it alone decides.
+        let pace = (opts.adaptive_path
+            && opts.cross_memory_over_rings.is_none()
+            && cma.as_ref().is_some_and(|c| c.readable_peers() > 0)
+            && local_ranks > 1)
+            .then(|| {
+                let ring = shm::ring_capacity(opts.shm_ring_bytes).unwrap_or(opts.shm_ring_bytes);
+                path_pace::PathPace::new(world_size, ring)
+            });
         let mut core = Core::new(rank, world_size, opts.segment_bytes);
         if let Some(cma) = &cma {
             core.set_copier(Box::new(Arc::clone(cma)));
@@ -174,6 +184,7 @@ impl TcpTransport {
                     min_bytes: opts.cross_memory_min_bytes,
                     split_reads,
                 },
+                pace,
             }),
         })
     }

@@ -1,0 +1,290 @@
+//! Which way a large message to a peer on this host travels, learnt from how fast each way
+//! went: through the shared-memory rings (the sender copies in, the receiver out, on two
+//! cores at once) or by reference (the receiver alone copies, `process_vm_readv`).
+//!
+//! Why: a virtual machine's host places its vCPUs near each other (sharing a cache) or far
+//! apart, and moves them within seconds (`cargo xtask placement` times it: about 55 ns for a
+//! cache line's round trip near, 330 far). The rings pass every line from core to core, so
+//! far apart they slow 8-16x; a copy by reference streams from memory and slows 1-2x. 2 ranks,
+//! broadcast from huge pages with each input rewritten before each call (`gloo_bench
+//! --fresh 1`), us: the rings near 27 / 665 / 3968 at 1 / 16 / 64 MiB, far 378 / 6876 /
+//! 27841; by reference 101 / 1190-1670 / 5041-6180 near, 541 / 1297 / 6181 far; Open MPI's
+//! shared memory 80 / 950-1110 / 4350-5060 near, 287 / 1864-2028 / 5055-6910 far. No
+//! fixed rule wins in both placements, so the sender watches: each frame already says how
+//! its payload travels, and the sender alone picks, so each rank learns on its own, without
+//! a word to its peers.
+//!
+//! The rule ([`PathPace`]): messages from twice the ring's size keep the way the fixed rule
+//! (`SingleCopyRule`) picks until the other way has been tried and found faster. Every so
+//! many messages (4 at first, doubling to 64 while the other way stays slower) one goes the
+//! other way; one that takes under [`SWITCH_BELOW`] of the current way's time per byte makes
+//! it the current way. A message on the current way slow enough that the other way's last
+//! time would have switched brings the next look forward to the next message, so that a move
+//! far apart is followed within two messages, and a move back near within 65.
+//!
+//! A message's time is the sender's, from the step's start until the message is written and,
+//! by reference, acknowledged: it includes the receiver's lateness, alike for both ways.
+//! Through the rings the last ring-full is still unread when the sender is done, so its time
+//! is per byte of the rest, which is why only messages of at least two ring-fulls are timed.
+
+use std::time::Duration;
+
+/// A look at the other way switches to it when it took less than this fraction of the
+/// current way's time per byte: near even, the current way stays.
+const SWITCH_BELOW: f64 = 0.8;
+
+/// Messages on the current way before the first look at the other, and after a switch.
+const FIRST_LOOK: u32 = 4;
+
+/// The most messages between two looks, reached by doubling while the other way stays slower:
+/// a look at the rings far apart costs up to 8x one message, once in 64.
+const LAST_LOOK: u32 = 64;
+
+/// Size classes kept apart per peer (each a power of two from the smallest timed size; the
+/// last takes everything larger): a way's fixed costs weigh differently on 4 and 256 MiB.
+const CLASSES: usize = 8;
+
+/// One size class's learning about one peer.
+#[derive(Clone, Copy, Debug, Default)]
+struct ClassPace {
+    /// The way messages go now (true: by reference); `None` until a look switched, which
+    /// leaves the fixed rule's choice.
+    by_ref: Option<bool>,
+    /// Time per byte of each way (nanoseconds; index 1 by reference), the current way's
+    /// smoothed over its messages, the other's from its last look.
+    ns_per_byte: [Option<f64>; 2],
+    /// Messages on the current way until the next look at the other.
+    until_look: u32,
+    /// Messages between looks now.
+    look_every: u32,
+}
+
+/// What each rank has learnt of each way's pace to each peer, by size class.
+#[derive(Debug)]
+pub(super) struct PathPace {
+    /// The smallest message timed: twice a ring's data bytes.
+    min_bytes: usize,
+    /// Indexed by peer, then size class.
+    classes: Vec<[ClassPace; CLASSES]>,
+}
+
+/// What a step sends one peer, whose way [`PathPace`] chose, until its time is recorded: a
+/// message, or a chain's chunks, counted as one.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Paced {
+    /// The peer it goes to.
+    pub(super) peer: usize,
+    /// Its bytes.
+    pub(super) len: usize,
+    /// The fixed rule's way for it.
+    pub(super) rule_by_ref: bool,
+    /// The way it went.
+    pub(super) by_ref: bool,
+    /// How long after the step's start all of it was written and, by reference,
+    /// acknowledged.
+    pub(super) took: Option<Duration>,
+}
+
+impl PathPace {
+    /// Learning for `peers` peers whose rings hold `ring_bytes` data bytes each.
+    pub(super) fn new(peers: usize, ring_bytes: usize) -> Self {
+        PathPace {
+            min_bytes: ring_bytes.saturating_mul(2).max(1),
+            classes: vec![[ClassPace::default(); CLASSES]; peers],
+        }
+    }
+
+    /// Whether a message of `len` bytes is timed and its way chosen here.
+    pub(super) fn times(&self, len: usize) -> bool {
+        len >= self.min_bytes
+    }
+
+    fn class(&self, len: usize) -> usize {
+        let doublings = (len / self.min_bytes).max(1).ilog2() as usize;
+        doublings.min(CLASSES - 1)
+    }
+
+    fn at(&self, peer: usize, len: usize) -> Option<&ClassPace> {
+        self.classes.get(peer).map(|c| &c[self.class(len)])
+    }
+
+    /// The way (true: by reference) of the next message of `len` bytes to `peer`, which the
+    /// fixed rule sends by reference when `rule_by_ref`: the current way, or the other when a
+    /// look is due. Changes nothing: [`PathPace::record`] counts the message.
+    pub(super) fn choose(&self, peer: usize, len: usize, rule_by_ref: bool) -> bool {
+        let Some(c) = self.at(peer, len).filter(|_| self.times(len)) else {
+            return rule_by_ref;
+        };
+        let current = c.by_ref.unwrap_or(rule_by_ref);
+        if c.look_every != 0 && c.until_look == 0 {
+            !current
+        } else {
+            current
+        }
+    }
+
+    /// Learns from message `m`, sent whole in a step that succeeded.
+    pub(super) fn record(&mut self, m: &Paced) {
+        let Some(took) = m.took else { return };
+        if !self.times(m.len) {
+            return;
+        }
+        let ns = took.as_nanos() as f64 / m.len as f64;
+        let class = self.class(m.len);
+        let Some(c) = self.classes.get_mut(m.peer).map(|c| &mut c[class]) else {
+            return;
+        };
+        if c.look_every == 0 {
+            c.look_every = FIRST_LOOK;
+            c.until_look = FIRST_LOOK;
+        }
+        let current = c.by_ref.unwrap_or(m.rule_by_ref);
+        let (mine, other) = (usize::from(m.by_ref), usize::from(!m.by_ref));
+        if m.by_ref == current {
+            let smoothed = c.ns_per_byte[mine].map_or(ns, |was| (was + ns) / 2.0);
+            c.ns_per_byte[mine] = Some(smoothed);
+            c.until_look = c.until_look.saturating_sub(1);
+            // Slower than the other way went when last looked at, by the margin that would
+            // switch: the placement may have moved, look again at once.
+            if c.ns_per_byte[other].is_some_and(|o| SWITCH_BELOW * ns > o) {
+                c.until_look = 0;
+            }
+            return;
+        }
+        // A look at the other way.
+        c.ns_per_byte[mine] = Some(ns);
+        let faster = c.ns_per_byte[other].is_none_or(|cur| ns < SWITCH_BELOW * cur);
+        if faster {
+            c.by_ref = Some(m.by_ref);
+            c.look_every = FIRST_LOOK;
+        } else {
+            c.look_every = (c.look_every * 2).min(LAST_LOOK);
+        }
+        c.until_look = c.look_every;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RING: usize = 2 << 20;
+    const LEN: usize = 16 << 20;
+
+    /// Sends `calls` messages of `LEN` to peer 1, each taking `ring_us` through the rings or
+    /// `ref_us` by reference; returns how many went by reference.
+    fn run(p: &mut PathPace, calls: usize, rule: bool, ring_us: u64, ref_us: u64) -> usize {
+        let mut by_ref = 0;
+        for _ in 0..calls {
+            let way = p.choose(1, LEN, rule);
+            by_ref += usize::from(way);
+            let us = if way { ref_us } else { ring_us };
+            p.record(&Paced {
+                peer: 1,
+                len: LEN,
+                rule_by_ref: rule,
+                by_ref: way,
+                took: Some(Duration::from_micros(us)),
+            });
+        }
+        by_ref
+    }
+
+    #[test]
+    fn small_messages_keep_the_fixed_rule() {
+        let p = PathPace::new(2, RING);
+        assert!(!p.times(2 * RING - 1));
+        assert!(p.times(2 * RING));
+        assert!(p.choose(1, RING, true));
+        assert!(!p.choose(1, RING, false));
+    }
+
+    #[test]
+    fn rings_near_stay_with_rare_looks_by_reference() {
+        let mut p = PathPace::new(2, RING);
+        // Near: rings 665 us, by reference 1190.
+        let by_ref = run(&mut p, 400, false, 665, 1190);
+        // Looks after 4, 8, 16, 32, 64, 64... messages: about 9 in 400.
+        assert!((5..=12).contains(&by_ref), "{by_ref} looks in 400");
+        assert!(!p.choose(1, LEN, false));
+    }
+
+    #[test]
+    fn a_move_far_apart_switches_within_two_messages_and_back_near_within_64() {
+        let mut p = PathPace::new(2, RING);
+        run(&mut p, 100, false, 665, 1190);
+        // Far apart: the rings take 6876 us, by reference 1297.
+        let mut ways = Vec::new();
+        for _ in 0..3 {
+            let way = p.choose(1, LEN, false);
+            ways.push(way);
+            run_one(&mut p, way, 6876, 1297);
+        }
+        assert_eq!(ways, [false, true, true], "switched on the second message");
+        // 100 messages far apart: the rings are looked at ever more rarely.
+        let on_rings = 100 - run(&mut p, 100, false, 6876, 1297);
+        assert!(on_rings <= 5, "{on_rings} looks at the rings in 100");
+        // Near again: back on the rings within 65 messages.
+        let mut back = None;
+        for i in 0..65 {
+            let way = p.choose(1, LEN, false);
+            run_one(&mut p, way, 665, 1297);
+            if !way {
+                back = Some(i);
+                break;
+            }
+        }
+        assert!(
+            back.is_some(),
+            "still by reference 65 messages after moving near"
+        );
+        assert_eq!(run(&mut p, 3, false, 665, 1297), 0, "stays on the rings");
+    }
+
+    fn run_one(p: &mut PathPace, way: bool, ring_us: u64, ref_us: u64) {
+        p.record(&Paced {
+            peer: 1,
+            len: LEN,
+            rule_by_ref: false,
+            by_ref: way,
+            took: Some(Duration::from_micros(if way { ref_us } else { ring_us })),
+        });
+    }
+
+    #[test]
+    fn a_way_near_even_does_not_switch() {
+        let mut p = PathPace::new(2, RING);
+        // By reference 10% faster: under the switch margin.
+        let (ring_us, ref_us) = (1000, 900);
+        let by_ref = run(&mut p, 200, false, ring_us, ref_us);
+        assert!(by_ref <= 8, "{by_ref} of 200 by reference");
+    }
+
+    #[test]
+    fn peers_and_size_classes_learn_apart() {
+        let mut p = PathPace::new(3, RING);
+        run(&mut p, 20, false, 6876, 1297);
+        assert!(p.choose(1, LEN, false), "peer 1 learnt by reference");
+        assert!(!p.choose(2, LEN, false), "peer 2 has not");
+        assert!(!p.choose(1, 4 * LEN, false), "nor has a larger size class");
+        assert!(!p.choose(7, LEN, false), "an unknown peer keeps the rule");
+    }
+
+    #[test]
+    fn an_unfinished_message_teaches_nothing() {
+        let mut p = PathPace::new(2, RING);
+        for _ in 0..10 {
+            p.record(&Paced {
+                peer: 1,
+                len: LEN,
+                rule_by_ref: false,
+                by_ref: false,
+                took: None,
+            });
+        }
+        assert!(
+            !p.choose(1, LEN, false),
+            "no look is due without a timed message"
+        );
+    }
+}
