@@ -88,7 +88,8 @@ pub struct MeshOptions {
     /// Whether large messages (from two ring-fulls) to a peer that is reached through
     /// shared-memory rings and can read this rank's memory go the way their pace to that
     /// peer has shown faster, rings or by reference, each rank learning from its own sends
-    /// (`path_pace`); only where `cross_memory_over_rings` is unset. On by default: a
+    /// (`path_pace`); only where `cross_memory_over_rings` is unset and this host's ranks of
+    /// the group fit its CPUs. On by default: a
     /// virtual machine's vCPUs move near and far apart, and the rings slow 8-16x far apart
     /// where a copy by reference slows 1-2x.
     pub adaptive_path: bool,
