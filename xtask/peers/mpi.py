@@ -50,16 +50,6 @@ def build(op, size, n):
     raise ValueError(f"unknown op {op}")
 
 
-def rewriter(buf):
-    """Writes one float32 of each 64-byte cache line of `buf` with the value it holds, so that
-    its lines are dirty in this core's cache, as a training step leaves the gradients it
-    then reduces (`--fresh`)."""
-    if buf is None:
-        return None
-    lines = buf[::16]
-    return lambda: np.add(lines, 0, out=lines)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="tcp")
@@ -80,7 +70,7 @@ def main():
     results = []
     for op, size in pc.plan(pc.split_list(args.ops), pc.split_list(args.sizes, int)):
         fn, note, inp = build(op, size, n)
-        fresh = rewriter(inp) if args.fresh else None
+        fresh = pc.rewriter(inp, lambda v: np.add(v, 0, out=v)) if args.fresh else None
         times = pc.measure(fn, size, COMM.Barrier, max_over_ranks, args.budget, fresh)
         r = pc.row(op, size, n, times, note)
         results.append(r)

@@ -62,6 +62,16 @@ def measure(fn, size, barrier, max_over_ranks, budget_s, fresh=None):
     return max_over_ranks(times)
 
 
+def rewriter(buf, touch):
+    """`--fresh`: a call that writes one float32 of each 64-byte cache line of `buf` with the
+    value it holds (`touch` writes a strided view in place), so that its lines are dirty in this
+    core's cache, as a training step leaves the gradients it then reduces. None for no buffer."""
+    if buf is None:
+        return None
+    lines = buf[::16]
+    return lambda: touch(lines)
+
+
 def row(op, size, n, times, note):
     """One result in the JSON schema `cargo xtask bench` reads."""
     median = statistics.median(times)

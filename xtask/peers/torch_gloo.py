@@ -49,16 +49,6 @@ def build(op, size, n):
     raise ValueError(f"unknown op {op}")
 
 
-def rewriter(t):
-    """Writes one float32 of each 64-byte cache line of `t` with the value it holds, so that
-    its lines are dirty in this core's cache, as a training step leaves the gradients it
-    then reduces (`--fresh`)."""
-    if t is None:
-        return None
-    lines = t[::16]
-    return lambda: lines.add_(0)
-
-
 def rank_main(rank, args, store_file):
     n = args.world_size
     torch.set_num_threads(1)
@@ -79,7 +69,7 @@ def rank_main(rank, args, store_file):
             dist.barrier()
             r = pc.unsupported(op, size, str(e).splitlines()[0][:200])
         else:
-            fresh = rewriter(inp) if args.fresh else None
+            fresh = pc.rewriter(inp, lambda v: v.add_(0)) if args.fresh else None
             times = pc.measure(fn, size, dist.barrier, max_over_ranks, args.budget, fresh)
             r = pc.row(op, size, n, times, note)
         results.append(r)
