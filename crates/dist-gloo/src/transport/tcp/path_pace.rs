@@ -115,8 +115,10 @@ struct ClassPace {
 pub(super) struct PathPace {
     /// The smallest message timed: twice a ring's data bytes.
     min_bytes: usize,
-    /// Indexed by peer, then size class.
-    classes: Vec<[ClassPace; CLASSES]>,
+    /// Indexed by peer, then size class; a peer's classes are made at its first timed
+    /// message, so that a large group whose ranks are mostly on other hosts costs a pointer
+    /// for each of those.
+    classes: Vec<Option<Box<[ClassPace; CLASSES]>>>,
 }
 
 /// What a step sends one peer, whose way [`PathPace`] chose, until its time is recorded: a
@@ -141,7 +143,7 @@ impl PathPace {
     pub(super) fn new(peers: usize, ring_bytes: usize) -> Self {
         PathPace {
             min_bytes: ring_bytes.saturating_mul(2).max(1),
-            classes: vec![[ClassPace::default(); CLASSES]; peers],
+            classes: vec![None; peers],
         }
     }
 
@@ -156,7 +158,8 @@ impl PathPace {
     }
 
     fn at(&self, peer: usize, len: usize) -> Option<&ClassPace> {
-        self.classes.get(peer).map(|c| &c[self.class(len)])
+        let classes = self.classes.get(peer)?.as_deref()?;
+        Some(&classes[self.class(len)])
     }
 
     /// The way (true: by reference) of the next message of `len` bytes to `peer`, which the
@@ -182,9 +185,10 @@ impl PathPace {
         }
         let ns = took.as_nanos() as f64 / m.len as f64;
         let class = self.class(m.len);
-        let Some(c) = self.classes.get_mut(m.peer).map(|c| &mut c[class]) else {
+        let Some(slot) = self.classes.get_mut(m.peer) else {
             return;
         };
+        let c = &mut slot.get_or_insert_with(Box::default)[class];
         if c.look_every == 0 {
             c.look_every = FIRST_LOOK;
             c.until_look = FIRST_LOOK;
