@@ -379,8 +379,8 @@ fn buffers_at_different_page_offsets_arrive_whole_by_reference() {
 /// Large messages (from two ring-fulls) follow each way's pace (`path_pace`) where the ranks
 /// fit the CPUs: the first four of a size to a peer go the fixed rule's way, the fifth the
 /// other way (a look), and what follows goes whichever was faster. Broadcasts and gathers of
-/// 8 MiB from buffers in 4 KiB pages, every result checked element by element, whichever way
-/// each went.
+/// 8 MiB from `Vec`s (the rule for them does not ask about huge pages), every result checked
+/// element by element, whichever way each went.
 #[test]
 fn large_messages_look_at_the_other_way_on_the_fifth_and_stay_right() {
     let mut o = GlooOptions::default();
@@ -449,5 +449,76 @@ fn large_messages_look_at_the_other_way_on_the_fifth_and_stay_right() {
         for i in 5..24 {
             op(i);
         }
+    }
+}
+
+/// With the pace on, exchanges and point-to-point keep the fixed rule: six all_to_alls of
+/// 8 MiB per rank from memory advised against huge pages (where the rule sends nothing by
+/// reference while the ranks fit the CPUs) and six sends of 8 MiB each way (point-to-point
+/// never goes by reference) send nothing by reference, though the pace would look at the
+/// other way on the fifth message of a step that only sends.
+#[test]
+fn exchanges_and_point_to_point_keep_the_fixed_rule_with_the_pace_on() {
+    let mut o = GlooOptions::default();
+    o.mesh.transport = TransportMode::Shm;
+    o.mesh.timeout = Duration::from_secs(60);
+    let ranks = tcp_world(2, &o);
+    let opts = OpOptions::with_timeout(Duration::from_secs(60));
+    let pages_decide = online_cpus().is_some_and(|n| n >= 2) && cross_memory_available();
+    let half = LEN / 8;
+    let mut inputs = Buffers::new(Advice::NoHugePage, value);
+    assert_eq!(inputs.huge_bytes(), 0, "advised against huge pages");
+    let ins: Vec<&[u8]> = inputs.split().into_iter().map(|b| &*b).collect();
+    let start = by_reference(&ranks);
+    for i in 0..6 {
+        let outs = on_all(&ranks, |b| {
+            let mut out = vec![0u8; LEN];
+            b.all_to_all(
+                BufRef::Host(ins[b.rank()]),
+                BufMut::Host(&mut out),
+                DType::F32,
+                &[half; 2],
+                &[half; 2],
+                &opts,
+            )
+            .unwrap();
+            out
+        });
+        expect_each(
+            &format!("all_to_all {i}"),
+            outs.iter().map(Vec::as_slice),
+            |r, i| value(i / half, r * half + i % half),
+        );
+    }
+    for i in 0..6 {
+        let outs = on_all(&ranks, |b| {
+            let (me, peer) = (b.rank(), 1 - b.rank());
+            let mut got = vec![0u8; LEN];
+            // Rank 0 sends first and rank 1 receives first: point-to-point sends are eager.
+            if me == 0 {
+                b.send(BufRef::Host(ins[me]), DType::F32, peer, &opts)
+                    .unwrap();
+                b.recv(BufMut::Host(&mut got), DType::F32, peer, &opts)
+                    .unwrap();
+            } else {
+                b.recv(BufMut::Host(&mut got), DType::F32, peer, &opts)
+                    .unwrap();
+                b.send(BufRef::Host(ins[me]), DType::F32, peer, &opts)
+                    .unwrap();
+            }
+            got
+        });
+        expect_each(
+            &format!("send/recv {i}"),
+            outs.iter().map(Vec::as_slice),
+            |r, i| value(1 - r, i),
+        );
+    }
+    if pages_decide {
+        assert_eq!(
+            sent_since(&ranks, &start),
+            [0, 0],
+            "exchanges and point-to-point sent by reference"
+        );
     }
 }

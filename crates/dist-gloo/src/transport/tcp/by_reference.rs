@@ -121,6 +121,13 @@ pub(super) struct SingleCopyRule {
 }
 
 impl SingleCopyRule {
+    /// The smallest message that goes by reference at all: `min_bytes`, else
+    /// [`SINGLE_COPY_MIN_BYTES`]. The pace of each way (`path_pace`) sends nothing smaller
+    /// that way, so that a user's `cross_memory_min_bytes` holds.
+    pub(super) fn floor(&self) -> usize {
+        self.min_bytes.unwrap_or(SINGLE_COPY_MIN_BYTES).max(1)
+    }
+
     /// Whether `data`, a message of `op` to a peer reached through shared-memory rings
     /// (`shm`) or TCP, goes by reference; `op_bytes` is the size of the operation's buffer as
     /// its frames announce it (element count times element size).

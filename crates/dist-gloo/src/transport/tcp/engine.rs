@@ -84,6 +84,34 @@ const AREA_TAG: u32 = 0;
 /// does not time (see [`Engine::run`]): far above the argument agreement's frames.
 const EXCHANGE_BYTES: usize = 64 << 10;
 
+/// What a step sends one peer whose way the pace chose ([`Engine::run`]), and how far the
+/// engine has seen its sends done.
+struct Timed {
+    paced: Paced,
+    /// The first of the step's sends not yet seen done (or to another peer, skipped).
+    next: usize,
+    /// The step's last send with bytes to the peer.
+    last: usize,
+}
+
+impl Timed {
+    /// The first send with bytes to `peer`, at index `i`, of `len` bytes, which the fixed
+    /// rule sends by reference when `rule_by_ref`.
+    fn new(peer: usize, len: usize, rule_by_ref: bool, i: usize) -> Self {
+        Timed {
+            paced: Paced {
+                peer,
+                len,
+                rule_by_ref,
+                by_ref: rule_by_ref,
+                took: None,
+            },
+            next: i,
+            last: i,
+        }
+    }
+}
+
 /// How many times an operation through the group area looks at the arrival words alone
 /// between two full passes (links, failures, clock).
 const QUICK_LOOKS: u32 = 32;
@@ -131,7 +159,8 @@ impl Engine {
         // Where this step sends a peer through the rings many bytes that could go either
         // way, and receives little, they take the way their pace to that peer has shown
         // faster (see `path_pace`), judged on all the step sends it (a chain broadcast's root
-        // sends its chunks in one step). Not in an exchange: there a send's time hangs on the
+        // sends its chunks in one step), every send to the peer alike but those under the
+        // rule's smallest by reference. Not in an exchange: there a send's time hangs on the
         // peer's own sends, each rank's choice misleads the other's, and the pace misled (2
         // ranks, all_reduce of 4 MiB: 1658 us against 226 in two rounds of three, all_gather
         // and all_to_all alike). A step may receive the argument agreement's few bytes.
@@ -141,39 +170,32 @@ impl Engine {
                 && received.sum::<usize>() < EXCHANGE_BYTES
                 && p.times(sends.iter().map(|s| s.data.len()).sum())
         });
-        let to_peer = |peer: usize| -> usize {
-            let bytes = sends
-                .iter()
-                .filter(|s| s.peer == peer)
-                .map(|s| s.data.len());
-            bytes.sum()
-        };
-        let paced = |s: &Outgoing<'_>| {
-            pace.filter(|p| shm(s.peer) && readable(s.peer) && p.times(to_peer(s.peer)))
-        };
-        let by_ref = |s: &Outgoing<'_>| match paced(s) {
-            Some(p) => p.choose(s.peer, to_peer(s.peer), rule(s)),
+        let mut timed: Vec<Timed> = Vec::new();
+        if let Some(p) = pace {
+            for (i, s) in sends.iter().enumerate().filter(|(_, s)| !s.data.is_empty()) {
+                match timed.iter_mut().find(|t| t.paced.peer == s.peer) {
+                    Some(t) => {
+                        t.paced.len += s.data.len();
+                        t.last = i;
+                    }
+                    None => timed.push(Timed::new(s.peer, s.data.len(), rule(s), i)),
+                }
+            }
+            timed.retain(|t| shm(t.paced.peer) && readable(t.paced.peer) && p.times(t.paced.len));
+            for t in &mut timed {
+                let m = &mut t.paced;
+                m.by_ref = p.choose(m.peer, m.len, m.rule_by_ref);
+            }
+        }
+        let floor = self.single_copy.floor();
+        let by_ref = |s: &Outgoing<'_>| match timed.iter().find(|t| t.paced.peer == s.peer) {
+            Some(t) => t.paced.by_ref && s.data.len() >= floor,
             None => rule(s),
         };
         let mut step = self.core.begin_by_ref(*ctx, sends, recvs, offer, &by_ref);
-        let mut timed: Vec<Paced> = Vec::new();
-        if pace.is_some() {
-            for (i, s) in sends.iter().enumerate() {
-                // One entry per peer, from its first send with bytes (an agreement's empty
-                // frame may go first).
-                let first = !sends[..i]
-                    .iter()
-                    .any(|e| e.peer == s.peer && !e.data.is_empty());
-                if first && !s.data.is_empty() && paced(s).is_some() {
-                    timed.push(Paced {
-                        peer: s.peer,
-                        len: to_peer(s.peer),
-                        rule_by_ref: rule(s),
-                        by_ref: self.core.sends_by_ref(&step, i),
-                        took: None,
-                    });
-                }
-            }
+        // The way the peer's first send took, which the floor may have kept on the rings.
+        for t in &mut timed {
+            t.paced.by_ref = self.core.sends_by_ref(&step, t.next);
         }
         let begun = (!timed.is_empty()).then(Instant::now);
         if let Some(cma) = cma {
@@ -260,12 +282,18 @@ impl Engine {
     }
 
     /// Notes when the `timed` sends of `step`, begun at `begun`, to each peer are all done.
-    fn time_sends(&self, step: &Step, sends: &[Outgoing<'_>], timed: &mut [Paced], begun: Instant) {
+    /// Each send is looked at until it is done, then never again (`Timed::next`), so a chain's
+    /// thousand chunks cost a thousand looks in all, not a thousand per pass.
+    fn time_sends(&self, step: &Step, sends: &[Outgoing<'_>], timed: &mut [Timed], begun: Instant) {
         let mut now = None;
-        for m in timed.iter_mut().filter(|m| m.took.is_none()) {
-            let mut to_peer = sends.iter().enumerate().filter(|(_, s)| s.peer == m.peer);
-            if to_peer.all(|(i, _)| self.core.send_done(step, i)) {
-                m.took = Some(now.get_or_insert_with(Instant::now).duration_since(begun));
+        for t in timed.iter_mut().filter(|t| t.paced.took.is_none()) {
+            while t.next <= t.last
+                && (sends[t.next].peer != t.paced.peer || self.core.send_done(step, t.next))
+            {
+                t.next += 1;
+            }
+            if t.next > t.last {
+                t.paced.took = Some(now.get_or_insert_with(Instant::now).duration_since(begun));
             }
         }
     }
@@ -278,15 +306,15 @@ impl Engine {
         step: &mut Step,
         sends: &[Outgoing<'_>],
         now: Instant,
-        timed: &mut [Paced],
+        timed: &mut [Timed],
         begun: Option<Instant>,
     ) -> Result<()> {
         let result = self.core.finish(step, sends, now);
         if let (Ok(()), Some(begun), Some(pace)) = (&result, begun, self.pace.as_mut()) {
             let end = Instant::now().duration_since(begun);
-            for m in timed.iter_mut() {
-                m.took.get_or_insert(end);
-                pace.record(m);
+            for t in timed.iter_mut() {
+                t.paced.took.get_or_insert(end);
+                pace.record(&t.paced);
             }
         }
         result

@@ -153,7 +153,7 @@ impl TcpTransport {
         // the user's (`cross_memory_over_rings` set).
         let pace = (opts.adaptive_path
             && single_copy_over_rings == OverRings::FromHugePages
-            && cma.as_ref().is_some_and(|c| c.readable_peers() > 0)
+            && cma.is_some()
             && local_ranks > 1)
             .then(|| {
                 let ring = shm::ring_capacity(opts.shm_ring_bytes).unwrap_or(opts.shm_ring_bytes);

@@ -21,14 +21,18 @@
 //! its last three messages' times per byte) makes it the current way. Two messages in a row
 //! on the current way slow enough that the other way's pace would have switched bring the
 //! next look forward to the next message, so that a move far apart is followed within a few
-//! messages, and a move back near within 65.
+//! messages, and a move back near within 65. A look is one message: a slow one (held up by
+//! something else) only puts the next look off, and a lucky one switches until the next look,
+//! 4 messages on, switches back.
 //!
 //! A message's time is the sender's, from the step's start until the message is written and,
 //! by reference, acknowledged, per byte of the whole message. Through the rings the last
 //! ring-full is still unread when the sender is done, and the next step's time pays for it
-//! when steps follow each other; only messages of at least two ring-fulls are timed, so that
-//! the unread part is at most half. Only steps that send alone are timed (see the engine): in
-//! an exchange, a send's time hangs on the peer's own sends.
+//! when steps follow each other. With time between steps nobody pays for it, and the rings
+//! are timed up to a ring-full short: a bias towards the rings, the fixed rule's way for the
+//! ops timed, and only messages of at least two ring-fulls are timed, so that it is at most
+//! half. Only steps that send alone are timed (see the engine): in an exchange, a send's time
+//! hangs on the peer's own sends.
 
 use std::time::Duration;
 
