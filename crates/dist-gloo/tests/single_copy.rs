@@ -110,6 +110,32 @@ fn expect_each<'a>(
     }
 }
 
+/// A 2-rank all_to_all of `LEN`-byte f32 `input`s: each rank sends the other the half of its
+/// input that is the other's and keeps its own; returns this rank's output.
+fn swap_halves(b: &GlooBackend, input: &[u8], opts: &OpOptions) -> Vec<u8> {
+    let half = LEN / 8;
+    let mut out = vec![0u8; LEN];
+    b.all_to_all(
+        BufRef::Host(input),
+        BufMut::Host(&mut out),
+        DType::F32,
+        &[half; 2],
+        &[half; 2],
+        opts,
+    )
+    .unwrap();
+    out
+}
+
+/// Checks [`swap_halves`]'s outputs from inputs filled with [`value`]: rank r's output holds
+/// the r-th half of every rank's input, in rank order.
+fn expect_swapped(what: &str, outs: &[Vec<u8>]) {
+    let half = LEN / 8;
+    expect_each(what, outs.iter().map(Vec::as_slice), |r, i| {
+        value(i / half, r * half + i % half)
+    });
+}
+
 fn value(rank: usize, i: usize) -> f32 {
     (rank * 1_000_003 + i) as f32
 }
@@ -173,25 +199,9 @@ fn large_messages_go_by_reference_exactly_from_huge_pages() {
             &format!("all_to_all {advice:?}"),
             huge,
             pages_decide,
-            |b| {
-                let mut out = vec![0u8; LEN];
-                b.all_to_all(
-                    BufRef::Host(ins[b.rank()]),
-                    BufMut::Host(&mut out),
-                    DType::F32,
-                    &[half; 2],
-                    &[half; 2],
-                    &opts,
-                )
-                .unwrap();
-                out
-            },
+            |b| swap_halves(b, ins[b.rank()], &opts),
         );
-        expect_each(
-            &format!("all_to_all {advice:?}"),
-            outs.iter().map(Vec::as_slice),
-            |r, i| value(i / half, r * half + i % half),
-        );
+        expect_swapped(&format!("all_to_all {advice:?}"), &outs);
         drop(ins);
         drop(inputs);
 
@@ -465,30 +475,13 @@ fn exchanges_and_point_to_point_keep_the_fixed_rule_with_the_pace_on() {
     let ranks = tcp_world(2, &o);
     let opts = OpOptions::with_timeout(Duration::from_secs(60));
     let pages_decide = online_cpus().is_some_and(|n| n >= 2) && cross_memory_available();
-    let half = LEN / 8;
     let mut inputs = Buffers::new(Advice::NoHugePage, value);
     assert_eq!(inputs.huge_bytes(), 0, "advised against huge pages");
     let ins: Vec<&[u8]> = inputs.split().into_iter().map(|b| &*b).collect();
     let start = by_reference(&ranks);
     for i in 0..6 {
-        let outs = on_all(&ranks, |b| {
-            let mut out = vec![0u8; LEN];
-            b.all_to_all(
-                BufRef::Host(ins[b.rank()]),
-                BufMut::Host(&mut out),
-                DType::F32,
-                &[half; 2],
-                &[half; 2],
-                &opts,
-            )
-            .unwrap();
-            out
-        });
-        expect_each(
-            &format!("all_to_all {i}"),
-            outs.iter().map(Vec::as_slice),
-            |r, i| value(i / half, r * half + i % half),
-        );
+        let outs = on_all(&ranks, |b| swap_halves(b, ins[b.rank()], &opts));
+        expect_swapped(&format!("all_to_all {i}"), &outs);
     }
     for i in 0..6 {
         let outs = on_all(&ranks, |b| {
