@@ -136,6 +136,15 @@ fn expect_swapped(what: &str, outs: &[Vec<u8>]) {
     });
 }
 
+/// Two ranks over shared-memory rings, with the pace of each way on or off (`adaptive`).
+fn shm_pair(adaptive: bool) -> Vec<GlooBackend> {
+    let mut o = GlooOptions::default();
+    o.mesh.transport = TransportMode::Shm;
+    o.mesh.timeout = Duration::from_secs(60);
+    o.mesh.adaptive_path = adaptive;
+    tcp_world(2, &o)
+}
+
 fn value(rank: usize, i: usize) -> f32 {
     (rank * 1_000_003 + i) as f32
 }
@@ -176,12 +185,8 @@ fn sent_since(ranks: &[GlooBackend], before: &[u64]) -> Vec<u64> {
 
 #[test]
 fn large_messages_go_by_reference_exactly_from_huge_pages() {
-    let mut o = GlooOptions::default();
-    o.mesh.transport = TransportMode::Shm;
-    o.mesh.timeout = Duration::from_secs(60);
     // The fixed rule alone: its choices, not what each way's pace teaches.
-    o.mesh.adaptive_path = false;
-    let ranks = tcp_world(2, &o);
+    let ranks = shm_pair(false);
     // With fewer CPUs than ranks every large message goes by reference: another rule.
     let pages_decide = online_cpus().is_some_and(|n| n >= 2) && cross_memory_available();
     let opts = OpOptions::with_timeout(Duration::from_secs(60));
@@ -393,10 +398,7 @@ fn buffers_at_different_page_offsets_arrive_whole_by_reference() {
 /// element by element, whichever way each went.
 #[test]
 fn large_messages_look_at_the_other_way_on_the_fifth_and_stay_right() {
-    let mut o = GlooOptions::default();
-    o.mesh.transport = TransportMode::Shm;
-    o.mesh.timeout = Duration::from_secs(60);
-    let ranks = tcp_world(2, &o);
+    let ranks = shm_pair(true);
     let opts = OpOptions::with_timeout(Duration::from_secs(60));
     let count = LEN / 4;
     let f32s = |r: usize, len: usize| -> Vec<u8> {
@@ -469,10 +471,7 @@ fn large_messages_look_at_the_other_way_on_the_fifth_and_stay_right() {
 /// other way on the fifth message of a step that only sends.
 #[test]
 fn exchanges_and_point_to_point_keep_the_fixed_rule_with_the_pace_on() {
-    let mut o = GlooOptions::default();
-    o.mesh.transport = TransportMode::Shm;
-    o.mesh.timeout = Duration::from_secs(60);
-    let ranks = tcp_world(2, &o);
+    let ranks = shm_pair(true);
     let opts = OpOptions::with_timeout(Duration::from_secs(60));
     let pages_decide = online_cpus().is_some_and(|n| n >= 2) && cross_memory_available();
     let mut inputs = Buffers::new(Advice::NoHugePage, value);
