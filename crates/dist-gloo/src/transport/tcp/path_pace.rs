@@ -5,7 +5,8 @@
 //! Why: a virtual machine's host places its vCPUs near each other (sharing a cache) or far
 //! apart, and moves them within seconds (`cargo xtask placement` times it: about 55 ns for a
 //! cache line's round trip near, 330 far). The rings pass every line from core to core, so
-//! far apart they slow 8-16x; a copy by reference streams from memory and slows 1-2x. 2 ranks,
+//! far apart they slow 7-14x; a copy by reference streams, and slows 5x at 1 MiB but at most
+//! 1.1x from 16 MiB. 2 ranks,
 //! broadcast from huge pages with each input rewritten before each call (`gloo_bench
 //! --fresh 1`), us: the rings near 27 / 665 / 3968 at 1 / 16 / 64 MiB, far 378 / 6876 /
 //! 27841; by reference 101 / 1190-1670 / 5041-6180 near, 541 / 1297 / 6181 far; Open MPI's
@@ -38,7 +39,8 @@ use std::time::Duration;
 
 /// A look at the other way switches to it when it took less than this fraction of the
 /// current way's time per byte: near even, the current way stays. Near, by reference takes
-/// about 1.6x the rings' time; far apart the rings take 3-8x by reference's.
+/// about 1.6x the rings' time; far apart the rings take 2x by reference's at 4 MiB, 4-5x from
+/// 16 MiB.
 const SWITCH_BELOW: f64 = 0.7;
 
 /// Messages on the current way before the first look at the other, and after a switch.
@@ -54,7 +56,7 @@ const CLASSES: usize = 8;
 
 /// The last times per byte (nanoseconds) of one way, whose median is taken as its pace: one
 /// message held up by something else (a peer late to the step, a core taken away for a
-/// while) moves the median of three no more than the fastest of them.
+/// while) does not move the median of three.
 #[derive(Clone, Copy, Debug, Default)]
 struct Recent {
     ns: [f64; 3],
