@@ -93,6 +93,15 @@ pub struct GlooOptions {
     /// turns it off; `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` sets it. Every rank must use the same
     /// value (checked when the group is built).
     pub area_all_to_all_bytes: Option<usize>,
+    /// all_to_all inputs of at least this many bytes that the group area cannot hold
+    /// (over [`GlooOptions::area_all_to_all_bytes`]) are lent to the peers by reference
+    /// through it, where every peer can read this rank's memory: the area carries the
+    /// words to read them, every rank copies its block straight out of the lender's input,
+    /// and a second arrival ends the operation (see `algo::alltoall::through_shared_memory`).
+    /// `None` picks [`GlooOptions::auto_lent_all_to_all_bytes`] once the mesh is built;
+    /// `usize::MAX` turns it off; `DIST_GLOO_LENT_ALL_TO_ALL_BYTES` sets it. Ranks may
+    /// differ: each chooses for its own input and its peers follow.
+    pub lent_all_to_all_bytes: Option<usize>,
 }
 
 /// all_reduce buffers up to this size never run recursive halving and doubling: its 2·log2 n
@@ -254,6 +263,24 @@ impl GlooOptions {
         if cores_shared { 32 << 10 } else { 4 << 10 }
     }
 
+    /// The default of [`GlooOptions::lent_all_to_all_bytes`]: never (`usize::MAX`), on any
+    /// host, until a way to tell when it pays is found.
+    ///
+    /// Measured with gloo_bench on a 2-core VM, lent from 64 KiB against off, alternated, with
+    /// a cache line's round trip between the two vCPUs probed before each pair (near: about 55
+    /// ns; far apart: about 320), paired medians of off's time over lent's. 4 ranks on 2
+    /// cores, inputs as left by the last call: near, 128 KiB to 512 KiB 1.21-1.27x, 1 to 16
+    /// MiB 1.06-1.12x, but 64 KiB 0.65x; far, 0.92-1.13x. The same with every input rewritten
+    /// before each call (`--fresh 1`, as a training step leaves them): near, 64 KiB to 512 KiB
+    /// 0.73-0.86x, from 1 MiB 0.99-1.04x. 2 ranks on 2 cores, fresh inputs: near 0.67x at
+    /// 64 KiB, 0.81-0.95x from 256 KiB; far apart 1.50x at 64 KiB, 2.33-2.57x at 256 KiB and
+    /// 1 MiB, 1.18x at 4 MiB, 1.79x at 16 MiB. So it pays where the ranks' cores share no
+    /// cache (far apart, or, untried here, on two sockets), which a rank cannot see for
+    /// itself on a host that moves its vCPUs; a user who knows sets it.
+    pub fn auto_lent_all_to_all_bytes(_cores_shared: bool) -> usize {
+        usize::MAX
+    }
+
     /// The default of [`GlooOptions::area_broadcast_min_bytes`]: 512 KiB where the group's
     /// ranks outnumber the host's CPUs, as for [`GlooOptions::auto_area_all_reduce_bytes`],
     /// else never (`usize::MAX`). Measured at 4 ranks on 2 cores
@@ -288,8 +315,9 @@ impl GlooOptions {
     /// `DIST_GLOO_ALLTOALL_PAIRWISE_BYTES` ([`GlooOptions::all_to_all_pairwise_bytes`]),
     /// `DIST_GLOO_AREA_ALL_REDUCE_BYTES` ([`GlooOptions::area_all_reduce_bytes`]),
     /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` ([`GlooOptions::area_all_gather_bytes`]),
-    /// `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` ([`GlooOptions::area_broadcast_min_bytes`]) and
-    /// `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` ([`GlooOptions::area_all_to_all_bytes`]).
+    /// `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` ([`GlooOptions::area_broadcast_min_bytes`]),
+    /// `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` ([`GlooOptions::area_all_to_all_bytes`]) and
+    /// `DIST_GLOO_LENT_ALL_TO_ALL_BYTES` ([`GlooOptions::lent_all_to_all_bytes`]).
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -305,6 +333,7 @@ impl GlooOptions {
             area_all_gather_bytes: var("DIST_GLOO_AREA_ALL_GATHER_BYTES"),
             area_broadcast_min_bytes: var("DIST_GLOO_AREA_BROADCAST_MIN_BYTES"),
             area_all_to_all_bytes: var("DIST_GLOO_AREA_ALL_TO_ALL_BYTES"),
+            lent_all_to_all_bytes: var("DIST_GLOO_LENT_ALL_TO_ALL_BYTES"),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {

@@ -604,6 +604,71 @@ fn all_reduce_all_gather_broadcast_and_all_to_all_through_the_group_area() {
     }
 }
 
+/// all_to_all with inputs lent by reference through the group area
+/// (`GlooOptions::lent_all_to_all_bytes`), on 2 to 5 ranks: every input lent, with blocks of
+/// every size and some empty; one rank's input in the area and the others' lent; and one
+/// rank's input under the lending threshold and over the area's limit, so that it announces
+/// and every rank goes on by messages. Each checked against the reference, and the way it
+/// went by the area's exchanges (two for a lent operation, one otherwise) and the messages by
+/// reference (none where lent). Where this host forbids reading another process's memory, no
+/// rank can lend: every call goes by messages, and only the data is checked.
+#[test]
+fn all_to_all_lends_large_inputs_through_the_group_area() {
+    /// Elements rank s sends rank r.
+    type Split = dyn Fn(usize, usize) -> usize + Sync;
+    let lends = cross_memory_available();
+    let d = DType::F32;
+    let mut o = gloo_opts();
+    o.area_all_to_all_bytes = Some(4 << 10);
+    o.lent_all_to_all_bytes = Some(64 << 10);
+    for n in 2..=5 {
+        let ranks = world(shm_rings_transports, n, &o);
+        let count = |ranks: &[GlooBackend]| -> Vec<(u64, u64)> {
+            ranks
+                .iter()
+                .map(|b| (b.shared_memory_exchanges(), b.messages_by_reference()))
+                .collect()
+        };
+        // Blocks of 0 to about 1 MiB, every input over the lending threshold.
+        let every_lent = |s: usize, r: usize| match (s + 2 * r) % 4 {
+            0 => 0,
+            1 => 3,
+            2 => 20_000 + s,
+            _ => 250_001 + r,
+        };
+        // Rank 0's input fits the area (6 + 4 r bytes per block); the others' are lent.
+        let first_inline = |s: usize, r: usize| if s == 0 { 1 + r } else { 17_000 + s + r };
+        // Rank 1's input (4.7 KiB to 12 KiB) is over the area's limit and under the
+        // threshold: it announces, and the whole group goes by messages.
+        let one_announces = |s: usize, r: usize| match s {
+            1 => 600 + r,
+            _ => 17_000 + s + r,
+        };
+        let cases: [(&str, &Split, bool); 3] = [
+            ("every input lent", &every_lent, lends),
+            ("rank 0 in the area, the others lent", &first_inline, lends),
+            ("rank 1 announces", &one_announces, false),
+        ];
+        for (what, split, lent) in cases {
+            let before = count(&ranks);
+            check_all_to_all(&ranks, d, split, &opts(), what);
+            for (r, (a, b)) in count(&ranks).into_iter().zip(before).enumerate() {
+                let exchanges = if lent { 2 } else { 1 };
+                assert_eq!(a.0 - b.0, exchanges, "ws {n} {what}: rank {r}'s exchanges");
+                if lent {
+                    assert_eq!(
+                        a.1, b.1,
+                        "ws {n} {what}: rank {r} sent messages by reference"
+                    );
+                }
+            }
+        }
+        // Twice more in a row, so that every slot of the area is written again.
+        check_all_to_all(&ranks, d, every_lent, &opts(), "lent again");
+        check_all_to_all(&ranks, d, first_inline, &opts(), "mixed again");
+    }
+}
+
 /// `probe` answers without blocking: false until the tagged message starts to arrive, true once
 /// it has (before the `recv`), and true for a peer that is gone (its `recv` would fail at once).
 #[test]

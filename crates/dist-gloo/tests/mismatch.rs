@@ -476,12 +476,20 @@ fn broadcast_area_disagreement_fails_on_every_rank_at_once() {
 /// element more than rank 2 expects from it: every rank reads every rank's table of counts,
 /// so every rank fails at once, naming the same pair with both counts, even the ranks whose
 /// own blocks agree. The same counts where rank 1's input is too large for the area (so that
-/// the ranks go on by messages after the tables) fail the same way.
+/// the ranks go on by messages after the tables, or, where it lends its input by reference,
+/// read it after them) fail the same way.
 #[test]
 fn all_to_all_counts_that_disagree_fail_every_rank_through_the_area() {
-    for (n, big) in [(3, 0), (4, 0), (3, 2 << 20)] {
+    for (n, big, lent) in [
+        (3, 0, None),
+        (4, 0, None),
+        (3, 2 << 20, None),
+        (3, 2 << 20, Some(0)),
+        (4, 2 << 20, Some(0)),
+    ] {
         let base = GlooOptions {
             area_all_to_all_bytes: Some(usize::MAX),
+            lent_all_to_all_bytes: lent,
             ..GlooOptions::default()
         };
         let ranks = with_odd_last(shm_rings_transports(n, &base), &base, |_| {});
@@ -505,7 +513,7 @@ fn all_to_all_counts_that_disagree_fail_every_rank_through_the_area() {
             assert_eq!(
                 (ours.rank, ours.count, theirs.rank, theirs.count),
                 (2, 2, 1, 3),
-                "n={n}, big={big}: rank {r}: {e}"
+                "n={n}, big={big}, lent={lent:?}: rank {r}: {e}"
             );
         }
     }

@@ -5,7 +5,7 @@ use dist_backend::{Error, OpDesc, Result};
 
 use super::{Op, blocks_of, split_blocks, tags};
 use crate::output_copy::copy_into_output;
-use crate::transport::StepCtx;
+use crate::transport::{LentWords, StepCtx};
 
 /// Every rank's blocks to every other through memory the whole group maps
 /// ([`crate::transport::Transport::shared_memory_exchange`]): each rank publishes a table of
@@ -13,18 +13,31 @@ use crate::transport::StepCtx;
 /// rank's publication. One arrival per rank instead of a message to and from every other, as
 /// for the all_gather ([`super::allgather::through_shared_memory`]).
 ///
+/// A rank whose input is larger than `max_input` or than the area but at least `lend_from`
+/// bytes lends it instead ([`crate::transport::Transport::shared_memory_lend`]) where every
+/// peer can read its memory: it publishes the three words a peer needs to read it by
+/// reference, every rank copies its block straight out of that rank's input, and a second
+/// arrival in the area, once every rank is done reading, ends the operation. So one
+/// all_to_all of large blocks costs two arrivals and one copy of each block, where by
+/// messages every block's offer and acknowledgement cost a frame each way, or each block is
+/// copied twice through a ring. It pays where the ranks' cores share no cache, and is off by
+/// default ([`GlooOptions::auto_lent_all_to_all_bytes`](crate::GlooOptions::auto_lent_all_to_all_bytes)
+/// has the figures).
+/// Each rank chooses for its own input (the first word of its table says which), and every
+/// reader follows each publication as it finds it, so ranks may differ.
+///
 /// Every rank takes this path where `max_input` is not 0 and the area can hold the table
-/// (those agree on every rank), whatever its own input. A rank whose input is larger than
-/// `max_input` or than the area announces its table alone
+/// (those agree on every rank), whatever its own input. A rank whose input neither fits nor
+/// is lent announces its table alone
 /// ([`crate::transport::Transport::shared_memory_announce`]) and returns `None` at once, so
 /// that the caller runs the operation by messages: a group whose every input is too large
-/// pays no wait. The others, waiting in the area, find that table without data and return
-/// `None` too; every one of them reads every table, so they agree. The tables also let every
-/// rank that waited compare every pair's counts (what q sends p against what p expects from
-/// q), so that counts that disagree fail each of them alike, naming the first such pair, as a
-/// mismatch; a rank that went on by messages hears of it from their abort notices, or finds
-/// its own pair's counts in the frames' headers. `None` without an exchange where the
-/// transport has no area, or on one rank.
+/// pays no wait. The others, waiting in the area, find that table and return `None` too
+/// before reading anything lent; every one of them reads every table, so they agree. The
+/// tables also let every rank that waited compare every pair's counts (what q sends p
+/// against what p expects from q), so that counts that disagree fail each of them alike,
+/// naming the first such pair, as a mismatch; a rank that went on by messages hears of it
+/// from their abort notices, or finds its own pair's counts in the frames' headers. `None`
+/// without an exchange where the transport has no area, or on one rank.
 ///
 /// Why: where the ranks outnumber the cores every message costs a wait for a peer's turn on
 /// a core, and small all_to_alls take about two thirds of the time this way (4 ranks on 2
@@ -32,6 +45,10 @@ use crate::transport::StepCtx;
 /// smallest (2 ranks: 4 B 0.7 against 1.2). `GlooOptions::auto_area_all_to_all_bytes` has
 /// the figures. `scratch` holds the tables, so that a call allocates nothing but the list of
 /// output blocks.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the backend's all_to_all arguments and its two resolved limits"
+)]
 pub(crate) fn through_shared_memory(
     o: &Op<'_>,
     input: &[u8],
@@ -39,19 +56,34 @@ pub(crate) fn through_shared_memory(
     send_counts: &[usize],
     recv_counts: &[usize],
     max_input: usize,
+    lend_from: usize,
     scratch: &mut Vec<u64>,
 ) -> Option<Result<()>> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
-    let words = 2 * n;
+    let words = table_words(n);
     let room = o.t.shared_memory_bytes();
-    if n == 1 || max_input == 0 || room < 8 * words {
+    if n == 1 || max_input == 0 || room < 8 * (words + LENT_WORDS) {
         return None;
     }
-    // This rank's table, then every rank's as it is read.
+    // This rank's table, then every rank's as it is read, then every lender's words.
     scratch.clear();
-    scratch.resize(words * (n + 1), 0);
-    let (mine, tables) = scratch.split_at_mut(words);
-    for (word, &c) in mine.iter_mut().zip(send_counts.iter().chain(recv_counts)) {
+    scratch.resize(words * (n + 1) + LENT_WORDS * n, 0);
+    let (mine, rest) = scratch.split_at_mut(words);
+    let (tables, lenders) = rest.split_at_mut(words * n);
+    let inline = input.len() <= max_input && input.len() <= room - 8 * words;
+    let lent = (!inline && input.len() >= lend_from)
+        .then(|| o.t.shared_memory_lend(input))
+        .flatten();
+    let kind = match (inline, &lent) {
+        (true, _) => Held::Inline,
+        (false, Some(_)) => Held::Lent,
+        (false, None) => Held::Announced,
+    };
+    mine[0] = (kind as u64).to_le();
+    for (word, &c) in mine[1..]
+        .iter_mut()
+        .zip(send_counts.iter().chain(recv_counts))
+    {
         *word = (c as u64).to_le();
     }
     let table: &[u8] = bytemuck::cast_slice(mine);
@@ -61,35 +93,51 @@ pub(crate) fn through_shared_memory(
         area_then_messages: true,
         ..o.ctx
     };
-    if input.len() > max_input || input.len() > room - table.len() {
+    if kind == Held::Announced {
         let announced = o.t.shared_memory_announce(&ctx, 0, &[table]);
         // The ranks waiting in the area would wait out their timeout for a table not there.
         debug_assert!(announced, "a table fits the area: `room` was checked above");
         return None;
     }
+    let lent_words = lent.as_ref().map(|l| l.words.to_le()).unwrap_or_default();
+    let data: &[u8] = match kind {
+        Held::Lent => bytemuck::cast_slice(&lent_words),
+        _ => input,
+    };
     let rb = blocks_of(recv_counts, elem);
     let mut parts: Vec<&mut [u8]> = split_blocks(output, &rb);
     let mut all_fit = true;
+    let mut any_lent = false;
     let exchanged =
-        o.t.shared_memory_exchange(&ctx, 0, &[table, input], &mut |p, theirs| {
+        o.t.shared_memory_exchange(&ctx, 0, &[table, data], &mut |p, theirs| {
             let counts = &mut tables[p * words..(p + 1) * words];
             let data = read_table(o, p, theirs, counts)?;
-            let sends = &counts[..n];
+            let sends = &counts[1..=n];
             let total = sends.iter().try_fold(0usize, |acc, &c| {
                 usize::try_from(c)
                     .ok()
                     .and_then(|c| c.checked_mul(elem))
                     .and_then(|b| acc.checked_add(b))
             });
-            match total {
-                Some(_) if data.is_empty() => all_fit &= sends.iter().all(|&c| c == 0),
-                Some(t) if t == data.len() => {
-                    // Counts of this pair that disagree are reported below, from the tables.
+            match (Held::from_word(counts[0]), total) {
+                (Some(Held::Announced), Some(_)) if data.is_empty() => all_fit = false,
+                (Some(Held::Inline), Some(t)) if t == data.len() => {
+                    // Counts of this pair that disagree are reported below, from the tables;
+                    // this rank's own block is copied from its input below.
                     let at: usize = sends[..r].iter().map(|&c| c as usize * elem).sum();
                     let theirs_to_me = &data[at..at + sends[r] as usize * elem];
-                    if all_fit && theirs_to_me.len() == parts[p].len() {
+                    if p != r && all_fit && theirs_to_me.len() == parts[p].len() {
                         parts[p].copy_from_slice(theirs_to_me);
                     }
+                }
+                (Some(Held::Lent), Some(_)) if data.len() == 8 * LENT_WORDS => {
+                    // Read once every table is in, so that none is read where some rank
+                    // announced and the whole group goes on by messages.
+                    let words = &mut lenders[p * LENT_WORDS..(p + 1) * LENT_WORDS];
+                    for (word, bytes) in words.iter_mut().zip(data.chunks_exact(8)) {
+                        *word = bytemuck::pod_read_unaligned::<u64>(bytes);
+                    }
+                    any_lent = true;
                 }
                 _ => return Err(corrupt(o, p, data.len())),
             }
@@ -101,12 +149,70 @@ pub(crate) fn through_shared_memory(
     if let Some(e) = disagreeing_pair(o, tables) {
         return Some(Err(o.t.fail_with(&o.ctx, e)));
     }
-    all_fit.then_some(Ok(()))
+    if !all_fit {
+        return None;
+    }
+    let sb = blocks_of(send_counts, elem);
+    parts[r].copy_from_slice(&input[sb[r].clone()]);
+    if !any_lent {
+        return Some(Ok(()));
+    }
+    for (p, part) in parts.iter_mut().enumerate() {
+        let counts = &tables[p * words..(p + 1) * words];
+        if p == r || Held::from_word(counts[0]) != Some(Held::Lent) {
+            continue;
+        }
+        let words: [u64; LENT_WORDS] = lenders[p * LENT_WORDS..(p + 1) * LENT_WORDS]
+            .try_into()
+            .expect("LENT_WORDS words per rank");
+        let at: usize = counts[1..=r].iter().map(|&c| c as usize * elem).sum();
+        if let Err(e) =
+            o.t.shared_memory_read(&o.ctx, p, LentWords::from_le(words), at, part)
+        {
+            return Some(Err(e));
+        }
+    }
+    // No rank may take its input back (dropping `lent`) before every rank is done reading
+    // it: a second arrival, which every rank makes, as every one read the same tables.
+    let done =
+        o.t.shared_memory_exchange(&o.ctx, 0, &[], &mut |_, _| Ok(()));
+    drop(lent);
+    Some(done.unwrap_or(Ok(())))
 }
 
-/// Rank `p`'s publication split: its table of counts, what it sends each rank then what it
-/// expects from each, into `counts`, and its data, returned. The table is checked for length
-/// only; its values come from another process and are checked where used.
+/// Words of a rank's table: how it holds its input ([`Held`]), what it sends each of `n`
+/// ranks, then what it expects from each.
+fn table_words(n: usize) -> usize {
+    1 + 2 * n
+}
+
+/// Words a lender publishes after its table ([`LentWords`]).
+const LENT_WORDS: usize = 3;
+
+/// How a rank's publication holds its input: the first word of its table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+enum Held {
+    /// After the table, in the area.
+    Inline = 0,
+    /// In the rank's own memory, lent by reference: after the table, the words to read it.
+    Lent = 1,
+    /// Nowhere: the rank goes on by messages, and so does every rank.
+    Announced = 2,
+}
+
+impl Held {
+    /// The kind a table's first word (from another process) names, if any.
+    fn from_word(word: u64) -> Option<Self> {
+        [Self::Inline, Self::Lent, Self::Announced]
+            .into_iter()
+            .find(|k| *k as u64 == word)
+    }
+}
+
+/// Rank `p`'s publication split: its table (how it holds its input, what it sends each rank
+/// then what it expects from each) into `counts`, and the rest, returned. The table is
+/// checked for length only; its values come from another process and are checked where used.
 fn read_table<'d>(o: &Op<'_>, p: usize, theirs: &'d [u8], counts: &mut [u64]) -> Result<&'d [u8]> {
     let len = 8 * counts.len();
     if theirs.len() < len {
@@ -134,8 +240,8 @@ fn corrupt(o: &Op<'_>, p: usize, len: usize) -> Error {
 
 /// The first pair, in order of sender then receiver, whose sender's count for the receiver
 /// differs from the receiver's count for the sender, as a mismatch between the two. `tables`
-/// holds every rank's counts in rank order (what it sends each rank, then what it expects
-/// from each). Every rank reads the same tables, so every rank names the same pair.
+/// holds every rank's table in rank order (how it holds its input, what it sends each rank,
+/// then what it expects from each). Every rank reads the same tables, so every rank names the same pair.
 fn disagreeing_pair(o: &Op<'_>, tables: &[u64]) -> Option<Error> {
     let n = o.n();
     let desc = |rank: usize, count: u64| OpDesc {
@@ -143,9 +249,10 @@ fn disagreeing_pair(o: &Op<'_>, tables: &[u64]) -> Option<Error> {
         count,
         ..o.ctx.desc(0)
     };
-    for (q, sender) in tables.chunks_exact(2 * n).enumerate() {
-        for (p, receiver) in tables.chunks_exact(2 * n).enumerate() {
-            let (sent, expected) = (sender[p], receiver[n + q]);
+    let words = table_words(n);
+    for (q, sender) in tables.chunks_exact(words).enumerate() {
+        for (p, receiver) in tables.chunks_exact(words).enumerate() {
+            let (sent, expected) = (sender[1 + p], receiver[1 + n + q]);
             if sent != expected {
                 return Some(Error::Mismatch {
                     ours: desc(p, expected),

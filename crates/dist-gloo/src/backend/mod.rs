@@ -52,6 +52,8 @@ pub struct GlooBackend {
     area_broadcast_min_bytes: usize,
     /// [`GlooOptions::area_all_to_all_bytes`], resolved.
     area_all_to_all_bytes: usize,
+    /// [`GlooOptions::lent_all_to_all_bytes`], resolved. Purely local: ranks may differ.
+    lent_all_to_all_bytes: usize,
     /// The output size from which this rank's and the other local ranks' outputs together
     /// exceed the host's last-level cache, so that own blocks are copied into outputs with
     /// stores that bypass it (`output_copy`). Purely local: ranks may differ.
@@ -244,6 +246,9 @@ impl GlooBackend {
             area_all_to_all_bytes: opts
                 .area_all_to_all_bytes
                 .unwrap_or_else(|| GlooOptions::auto_area_all_to_all_bytes(cores_shared)),
+            lent_all_to_all_bytes: opts
+                .lent_all_to_all_bytes
+                .unwrap_or_else(|| GlooOptions::auto_lent_all_to_all_bytes(cores_shared)),
             output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts

@@ -295,6 +295,7 @@ impl Backend for GlooBackend {
                 send_counts,
                 recv_counts,
                 self.area_all_to_all_bytes,
+                self.lent_all_to_all_bytes,
                 scratch,
             ) {
                 return done;

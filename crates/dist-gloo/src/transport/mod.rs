@@ -258,6 +258,64 @@ impl Incoming<'_> {
     }
 }
 
+/// What a peer needs to read the bytes a rank lent ([`Transport::shared_memory_lend`]):
+/// where they lie in the lender's memory, how many, and the offer id the lender publishes
+/// while they stand. Three words, for the lender to publish in the group area.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LentWords {
+    /// Address of the first byte, in the lender's memory.
+    pub addr: u64,
+    /// Bytes lent.
+    pub len: u64,
+    /// The offer id the lender publishes to every peer until it withdraws.
+    pub offer: u64,
+}
+
+impl LentWords {
+    /// The words as published: `[addr, len, offer]`, little-endian.
+    pub fn to_le(self) -> [u64; 3] {
+        [self.addr.to_le(), self.len.to_le(), self.offer.to_le()]
+    }
+
+    /// The words from `[addr, len, offer]` as published ([`LentWords::to_le`]).
+    pub fn from_le(words: [u64; 3]) -> Self {
+        let [addr, len, offer] = words.map(u64::from_le);
+        Self { addr, len, offer }
+    }
+}
+
+/// Bytes a rank lends its peers ([`Transport::shared_memory_lend`]): the words to publish,
+/// and, held inside, the guard that withdraws the offer when this drops. It borrows the lent
+/// bytes, so they cannot change while peers may read them.
+pub struct Lent<'a> {
+    /// What a peer passes to [`Transport::shared_memory_read`].
+    pub words: LentWords,
+    /// Withdraws the offer when dropped.
+    _withdraw: Box<dyn std::any::Any + Send>,
+    _bytes: std::marker::PhantomData<&'a [u8]>,
+}
+
+impl<'a> Lent<'a> {
+    /// Bytes lent as `words`, withdrawn when `withdraw` drops.
+    pub(crate) fn new(
+        _bytes: &'a [u8],
+        words: LentWords,
+        withdraw: Box<dyn std::any::Any + Send>,
+    ) -> Self {
+        Self {
+            words,
+            _withdraw: withdraw,
+            _bytes: std::marker::PhantomData,
+        }
+    }
+}
+
+impl std::fmt::Debug for Lent<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lent").field("words", &self.words).finish()
+    }
+}
+
 /// Called as each received frame lands: index of the [`Incoming`], the byte range of the frame
 /// within its buffer, and those bytes, which the callback may rewrite in place (a reduction
 /// that receives a peer's partial result where its own result goes combines it there, with
@@ -335,6 +393,31 @@ pub trait Transport: Send + Sync {
     /// to go on by messages, and a group whose every input is too large pays no wait.
     fn shared_memory_announce(&self, _ctx: &StepCtx, _count: u64, _mine: &[&[u8]]) -> bool {
         false
+    }
+    /// Lends `bytes` to every peer of the group for reading by reference
+    /// ([`Transport::shared_memory_read`]) until the returned [`Lent`] drops. `None` where the
+    /// transport has no group area or some peer cannot read this rank's memory. The caller
+    /// publishes [`Lent::words`] in the area, and must not drop the `Lent` before every peer
+    /// is done reading (a second operation through the area): a read that races with the
+    /// withdrawal fails instead of copying bytes the caller may overwrite.
+    fn shared_memory_lend<'a>(&self, _bytes: &'a [u8]) -> Option<Lent<'a>> {
+        None
+    }
+    /// Copies bytes `at..at + dst.len()` of what `peer` lent ([`Transport::shared_memory_lend`],
+    /// its `words` as published) into `dst`. Fails with the peer lost where the read fails or
+    /// the peer withdrew its offer meanwhile, or where the range lies outside what it lent.
+    fn shared_memory_read(
+        &self,
+        ctx: &StepCtx,
+        peer: usize,
+        _words: LentWords,
+        _at: usize,
+        _dst: &mut [u8],
+    ) -> Result<()> {
+        Err(ctx.peer_lost(
+            peer,
+            "it lent a buffer by reference, which this transport cannot read",
+        ))
     }
     /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the peer
     /// is gone. Never blocks: reads ahead what has arrived from `peer` into the stash.

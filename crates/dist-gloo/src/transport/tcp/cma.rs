@@ -39,6 +39,7 @@ use dist_wire::{CollectiveOp, PayloadRef};
 
 use super::read_helper::{ReadHelper, SPLIT_MIN_BYTES};
 use crate::proto::CopyIn;
+use crate::transport::LentWords;
 
 /// Where to read one peer's memory.
 #[derive(Clone, Copy, Debug)]
@@ -217,6 +218,78 @@ impl Cma {
     /// unwinds.
     pub(super) fn withdrawal(&self) -> Withdrawal {
         Withdrawal(self.offers.clone())
+    }
+
+    /// Lends `bytes` to every peer at once: publishes one new offer to each and returns what
+    /// a peer needs to read them ([`LentWords`], to be published in the group area) with the
+    /// guard that withdraws the offer. `None` unless every peer can read this rank's memory.
+    pub(super) fn lend(&self, bytes: &[u8]) -> Option<(LentWords, Withdrawal)> {
+        let all_read = (0..self.readers.len()).all(|p| p == self.rank || self.readers[p]);
+        if !all_read {
+            return None;
+        }
+        // The guard first: an offer is never published without one that withdraws it.
+        let guard = self.withdrawal();
+        let offer = Self::next_step_offer();
+        for peer in (0..self.offers.len()).filter(|&p| p != self.rank) {
+            self.publish(peer, offer);
+        }
+        Some((
+            LentWords {
+                addr: bytes.as_ptr() as u64,
+                len: bytes.len() as u64,
+                offer,
+            },
+            guard,
+        ))
+    }
+
+    /// Copies bytes `at..at + dst.len()` of what `peer` lent ([`Cma::lend`]) into `dst`, then
+    /// checks the offer still stands. The words come from another process: a range outside
+    /// what they say was lent is refused, and a wrong address can only fail the read or read
+    /// the peer's own memory, never this rank's. The error says why, for a `PeerLost`.
+    pub(super) fn read_lent(
+        &self,
+        peer: usize,
+        lent: LentWords,
+        at: usize,
+        dst: &mut [u8],
+    ) -> std::result::Result<(), String> {
+        let within = (at as u64)
+            .checked_add(dst.len() as u64)
+            .is_some_and(|end| end <= lent.len);
+        if !within {
+            return Err(format!(
+                "this rank asked for bytes {at}..{} of the {} it lent",
+                at + dst.len(),
+                lent.len
+            ));
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let Some(Some(src)) = self.sources.get(peer) else {
+            return Err("it lent a buffer by reference, which this rank cannot read".into());
+        };
+        let now = read_remote_then_word(
+            src.pid,
+            lent.addr.wrapping_add(at as u64),
+            dst,
+            src.offer_word,
+        )
+        .map_err(|e| {
+            format!(
+                "copying {} bytes of what it lent and then its offer word: {e}",
+                dst.len()
+            )
+        })?;
+        if now != lent.offer {
+            return Err(format!(
+                "it withdrew its offer {} (now {now}) while this rank copied it: it gave up on the operation",
+                lent.offer
+            ));
+        }
+        Ok(())
     }
 }
 

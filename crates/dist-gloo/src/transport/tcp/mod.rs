@@ -38,7 +38,7 @@ pub use dist_backend::net::{local_ip, local_ip_with};
 pub use mesh::MeshOptions;
 pub(crate) use mesh::group_id;
 
-use super::{Incoming, OnFrame, Outgoing, StepCtx, Transport, shm};
+use super::{Incoming, Lent, LentWords, OnFrame, Outgoing, StepCtx, Transport, shm};
 use crate::proto::Core;
 use by_reference::{OverRings, SingleCopyRule};
 use engine::Engine;
@@ -258,6 +258,35 @@ impl Transport for TcpTransport {
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         eng.arrive_in_area(ctx, area, count, mine);
         true
+    }
+
+    fn shared_memory_lend<'a>(&self, bytes: &'a [u8]) -> Option<Lent<'a>> {
+        self.group_area.as_ref()?;
+        let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        let (words, withdraw) = eng.cma.as_ref()?.lend(bytes)?;
+        Some(Lent::new(bytes, words, Box::new(withdraw)))
+    }
+
+    fn shared_memory_read(
+        &self,
+        ctx: &StepCtx,
+        peer: usize,
+        words: LentWords,
+        at: usize,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        // The copy runs outside the engine's lock: it reads another process, not the links.
+        let cma = self
+            .engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .cma
+            .clone();
+        let read = match cma {
+            Some(cma) => cma.read_lent(peer, words, at, dst),
+            None => Err("it lent a buffer by reference, which this rank cannot read".into()),
+        };
+        read.map_err(|reason| self.fail_with(ctx, ctx.peer_lost(peer, reason)))
     }
 
     fn look(&self, ctx: &StepCtx, count: u64, run_from: Option<u64>) -> Result<()> {
