@@ -59,6 +59,7 @@ mod algo;
 mod backend;
 mod options;
 mod output_copy;
+mod path_pace;
 pub mod proto;
 pub mod transport;
 

@@ -98,7 +98,8 @@ pub struct GlooOptions {
     /// through it, where every peer can read this rank's memory: the area carries the
     /// words to read them, every rank copies its block straight out of the lender's input,
     /// and a second arrival ends the operation (see `algo::alltoall::through_shared_memory`).
-    /// `None` picks [`GlooOptions::auto_lent_all_to_all_bytes`] once the mesh is built;
+    /// `None` picks [`GlooOptions::auto_lent_all_to_all_bytes`] once the mesh is built, and
+    /// rank 0 then chooses by pace which calls lend; a value set lends every such input;
     /// `usize::MAX` turns it off; `DIST_GLOO_LENT_ALL_TO_ALL_BYTES` sets it. Ranks may
     /// differ: each chooses for its own input and its peers follow.
     pub lent_all_to_all_bytes: Option<usize>,
@@ -263,22 +264,28 @@ impl GlooOptions {
         if cores_shared { 32 << 10 } else { 4 << 10 }
     }
 
-    /// The default of [`GlooOptions::lent_all_to_all_bytes`]: never (`usize::MAX`), on any
-    /// host, until a way to tell when it pays is found.
+    /// The default of [`GlooOptions::lent_all_to_all_bytes`]: 256 KiB where the group's ranks
+    /// fit the host's CPUs, with rank 0 choosing by the pace of its calls each way
+    /// (`path_pace`: it lends every so often, and goes on lending once a lent call took
+    /// under 0.7x its calls by messages); never (`usize::MAX`) where they outnumber them.
     ///
-    /// Measured with gloo_bench on a 2-core VM, lent from 64 KiB against off, alternated, with
-    /// a cache line's round trip between the two vCPUs probed before each pair (near: about 55
-    /// ns; far apart: about 320), paired medians of off's time over lent's. 4 ranks on 2
-    /// cores, inputs as left by the last call: near, 128 KiB to 512 KiB 1.21-1.27x, 1 to 16
-    /// MiB 1.06-1.12x, but 64 KiB 0.65x; far, 0.92-1.13x. The same with every input rewritten
-    /// before each call (`--fresh 1`, as a training step leaves them): near, 64 KiB to 512 KiB
-    /// 0.73-0.86x, from 1 MiB 0.99-1.04x. 2 ranks on 2 cores, fresh inputs: near 0.67x at
-    /// 64 KiB, 0.81-0.95x from 256 KiB; far apart 1.50x at 64 KiB, 2.33-2.57x at 256 KiB and
-    /// 1 MiB, 1.18x at 4 MiB, 1.79x at 16 MiB. So it pays where the ranks' cores share no
-    /// cache (far apart, or, untried here, on two sockets), which a rank cannot see for
-    /// itself on a host that moves its vCPUs; a user who knows sets it.
-    pub fn auto_lent_all_to_all_bytes(_cores_shared: bool) -> usize {
-        usize::MAX
+    /// Measured with gloo_bench on a 2-core VM, lending from 64 KiB always against never,
+    /// alternated, with a cache line's round trip between the two vCPUs probed before each
+    /// pair (near: about 55 ns; far apart: about 320), paired medians of never's time over
+    /// always's. 2 ranks, every input rewritten before each call (`--fresh 1`, as a training
+    /// step leaves them): near 0.67x at 64 KiB, 0.81-0.95x from 256 KiB; far apart 1.50x at 64
+    /// KiB, 2.33-2.57x at 256 KiB and 1 MiB, 1.18x at 4 MiB, 1.79x at 16 MiB. No fixed
+    /// choice wins in both placements, hence the pace. 4 ranks on 2 cores, inputs as left by
+    /// the last call: near, 128 KiB to 512 KiB 1.21-1.27x, 1 to 16 MiB 1.06-1.12x, but 64 KiB
+    /// 0.65x; far, 0.92-1.13x; with fresh inputs near, 64 KiB to 512 KiB 0.73-0.86x, from 1
+    /// MiB 0.99-1.04x: no gain worth a rule.
+    ///
+    /// With the pace from 1 MiB, 2 ranks, fresh inputs, against never, 14 pairs: near 0.93-1.02x
+    /// by the paired median at 1, 4 and 16 MiB (the others wait in the area for rank 0's
+    /// choice before going by messages); in the pairs the host moved far apart, 3.4-4.0x. Not
+    /// from 64 KiB, where a lent call took 1.5x near and the wait weighs most.
+    pub fn auto_lent_all_to_all_bytes(cores_shared: bool) -> usize {
+        if cores_shared { usize::MAX } else { 256 << 10 }
     }
 
     /// The default of [`GlooOptions::area_broadcast_min_bytes`]: 512 KiB where the group's

@@ -669,6 +669,29 @@ fn all_to_all_lends_large_inputs_through_the_group_area() {
     }
 }
 
+/// all_to_all with lending left to rank 0's pace (`lent_all_to_all_bytes` unset) on 2 ranks
+/// whose host has a CPU for each: the first four calls of 1 MiB go by messages (rank 0
+/// announces, the other follows), the fifth is rank 0's look at lending, whatever the times;
+/// every call's data checked. Where the ranks outnumber the CPUs or memory cannot be read
+/// across, nothing is lent.
+#[test]
+fn rank_zero_paces_all_to_all_lending_and_looks_at_the_fifth_call() {
+    let mut o = gloo_opts();
+    o.area_all_to_all_bytes = Some(4 << 10);
+    o.lent_all_to_all_bytes = None;
+    let ranks = world(shm_rings_transports, 2, &o);
+    let paced = cross_memory_available()
+        && std::thread::available_parallelism().is_ok_and(|c| c.get() >= 2);
+    let split = |s: usize, r: usize| (1 << 17) + 3 * s + r;
+    let exchanges = |ranks: &[GlooBackend]| ranks[0].shared_memory_exchanges();
+    for call in 1..=5 {
+        let before = exchanges(&ranks);
+        check_all_to_all(&ranks, DType::F32, split, &opts(), &format!("call {call}"));
+        let want = if paced && call == 5 { 2 } else { 1 };
+        assert_eq!(exchanges(&ranks) - before, want, "call {call}: exchanges");
+    }
+}
+
 /// `probe` answers without blocking: false until the tagged message starts to arrive, true once
 /// it has (before the `recv`), and true for a peer that is gone (its `recv` would fail at once).
 #[test]

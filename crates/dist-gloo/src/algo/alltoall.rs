@@ -58,7 +58,7 @@ pub(crate) fn through_shared_memory(
     max_input: usize,
     lend_from: usize,
     scratch: &mut Vec<u64>,
-) -> Option<Result<()>> {
+) -> Option<Result<bool>> {
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
     let words = table_words(n);
     let room = o.t.shared_memory_bytes();
@@ -155,7 +155,7 @@ pub(crate) fn through_shared_memory(
     let sb = blocks_of(send_counts, elem);
     parts[r].copy_from_slice(&input[sb[r].clone()]);
     if !any_lent {
-        return Some(Ok(()));
+        return Some(Ok(false));
     }
     for (p, part) in parts.iter_mut().enumerate() {
         let counts = &tables[p * words..(p + 1) * words];
@@ -177,7 +177,7 @@ pub(crate) fn through_shared_memory(
     let done =
         o.t.shared_memory_exchange(&o.ctx, 0, &[], &mut |_, _| Ok(()));
     drop(lent);
-    Some(done.unwrap_or(Ok(())))
+    Some(done.unwrap_or(Ok(())).map(|()| true))
 }
 
 /// Words of a rank's table: how it holds its input ([`Held`]), what it sends each of `n`

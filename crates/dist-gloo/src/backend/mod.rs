@@ -18,6 +18,7 @@ use crate::algo::{
 };
 use crate::options::{FUSED_AGREEMENT_MAX_RANKS, GlooOptions};
 use crate::output_copy::{copy_into_output, output_leaves_cache_bytes};
+use crate::path_pace::{Paced, PathPace};
 use crate::transport::mem::MemTransport;
 #[cfg(doc)]
 use crate::transport::tcp::MeshOptions;
@@ -54,6 +55,11 @@ pub struct GlooBackend {
     area_all_to_all_bytes: usize,
     /// [`GlooOptions::lent_all_to_all_bytes`], resolved. Purely local: ranks may differ.
     lent_all_to_all_bytes: usize,
+    /// On rank 0 where the option is unset and lending is on: which all_to_alls it lends,
+    /// learnt from how long its calls took each way (`path_pace`). Its choice carries the
+    /// group: the others lend whenever their inputs allow, and where rank 0 announces
+    /// instead, they follow it by messages (`algo::alltoall::through_shared_memory`).
+    all_to_all_pace: Option<Mutex<PathPace>>,
     /// The output size from which this rank's and the other local ranks' outputs together
     /// exceed the host's last-level cache, so that own blocks are copied into outputs with
     /// stores that bypass it (`output_copy`). Purely local: ranks may differ.
@@ -199,6 +205,10 @@ impl GlooBackend {
         let one_host = transport.one_host();
         let memory_shared = transport.memory_shared_in_group();
         let cores_shared = transport.cores_shared();
+        let rank = transport.rank();
+        let lent_all_to_all_bytes = opts
+            .lent_all_to_all_bytes
+            .unwrap_or_else(|| GlooOptions::auto_lent_all_to_all_bytes(cores_shared));
         let local_ranks = 1 + transport
             .shared_memory_peers()
             .iter()
@@ -246,9 +256,11 @@ impl GlooBackend {
             area_all_to_all_bytes: opts
                 .area_all_to_all_bytes
                 .unwrap_or_else(|| GlooOptions::auto_area_all_to_all_bytes(cores_shared)),
-            lent_all_to_all_bytes: opts
-                .lent_all_to_all_bytes
-                .unwrap_or_else(|| GlooOptions::auto_lent_all_to_all_bytes(cores_shared)),
+            lent_all_to_all_bytes,
+            all_to_all_pace: (rank == 0
+                && opts.lent_all_to_all_bytes.is_none()
+                && lent_all_to_all_bytes != usize::MAX)
+                .then(|| Mutex::new(PathPace::with_min_bytes(1, lent_all_to_all_bytes))),
             output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts

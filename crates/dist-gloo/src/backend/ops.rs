@@ -287,6 +287,22 @@ impl Backend for GlooBackend {
                 ),
             ));
         }
+        // Rank 0, where it paces lending, decides for the group (the others lend whenever
+        // their inputs allow, and follow its announcement by messages).
+        let pace = self.all_to_all_pace.as_ref();
+        let lend_from = match pace {
+            Some(p)
+                if !p
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .choose(0, input.len(), false) =>
+            {
+                usize::MAX
+            }
+            _ => self.lent_all_to_all_bytes,
+        };
+        let start = Instant::now();
+        let mut lent = false;
         self.run(name, dtype, 0, None, None, None, opts, |o, scratch| {
             if let Some(done) = alltoall::through_shared_memory(
                 o,
@@ -295,10 +311,11 @@ impl Backend for GlooBackend {
                 send_counts,
                 recv_counts,
                 self.area_all_to_all_bytes,
-                self.lent_all_to_all_bytes,
+                lend_from,
                 scratch,
             ) {
-                return done;
+                lent = matches!(done, Ok(true));
+                return done.map(|_| ());
             }
             let pairwise_from = self.all_to_all_pairwise_bytes;
             alltoall::by_messages(
@@ -310,7 +327,17 @@ impl Backend for GlooBackend {
                 pairwise_from,
                 self.output_leaves_cache_bytes,
             )
-        })
+        })?;
+        if let Some(p) = pace {
+            p.lock().unwrap_or_else(|e| e.into_inner()).record(&Paced {
+                peer: 0,
+                len: input.len(),
+                rule_by_ref: false,
+                by_ref: lent,
+                took: Some(start.elapsed()),
+            });
+        }
+        Ok(())
     }
 
     fn gather(

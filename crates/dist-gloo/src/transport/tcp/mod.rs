@@ -25,7 +25,6 @@ mod huge_pages {
 mod linger;
 mod link;
 mod mesh;
-mod path_pace;
 mod read_helper;
 
 use std::sync::{Arc, Mutex};
@@ -157,7 +156,7 @@ impl TcpTransport {
             && local_ranks > 1)
             .then(|| {
                 let ring = shm::ring_capacity(opts.shm_ring_bytes).unwrap_or(opts.shm_ring_bytes);
-                path_pace::PathPace::new(world_size, ring)
+                crate::path_pace::PathPace::new(world_size, ring)
             });
         let mut core = Core::new(rank, world_size, opts.segment_bytes);
         if let Some(cma) = &cma {

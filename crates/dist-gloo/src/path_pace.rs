@@ -34,6 +34,10 @@
 //! ops timed, and only messages of at least two ring-fulls are timed, so that it is at most
 //! half. Only steps that send alone are timed (see the engine): in an exchange, a send's time
 //! hangs on the peer's own sends.
+//!
+//! The same rule, kept by rank 0 over its own calls (one "peer"), picks which all_to_alls
+//! lend their inputs by reference through the group area (`algo::alltoall`): its choice
+//! carries the group, which follows it in the area.
 
 use std::time::Duration;
 
@@ -118,7 +122,7 @@ struct ClassPace {
 
 /// What each rank has learnt of each way's pace to each peer, by size class.
 #[derive(Debug)]
-pub(super) struct PathPace {
+pub(crate) struct PathPace {
     /// The smallest message timed: twice a ring's data bytes.
     min_bytes: usize,
     /// Indexed by peer, then size class; a peer's classes are made at its first timed
@@ -130,32 +134,37 @@ pub(super) struct PathPace {
 /// What a step sends one peer, whose way [`PathPace`] chose, until its time is recorded: a
 /// message, or a chain's chunks, counted as one.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Paced {
+pub(crate) struct Paced {
     /// The peer it goes to.
-    pub(super) peer: usize,
+    pub(crate) peer: usize,
     /// Its bytes.
-    pub(super) len: usize,
+    pub(crate) len: usize,
     /// The fixed rule's way for it.
-    pub(super) rule_by_ref: bool,
+    pub(crate) rule_by_ref: bool,
     /// The way it went.
-    pub(super) by_ref: bool,
+    pub(crate) by_ref: bool,
     /// How long after the step's start all of it was written and, by reference,
     /// acknowledged.
-    pub(super) took: Option<Duration>,
+    pub(crate) took: Option<Duration>,
 }
 
 impl PathPace {
     /// Learning for `peers` peers whose rings hold `ring_bytes` data bytes each.
-    pub(super) fn new(peers: usize, ring_bytes: usize) -> Self {
-        PathPace {
-            min_bytes: ring_bytes.saturating_mul(2).max(1),
-            classes: vec![None; peers],
-        }
+    pub(crate) fn new(peers: usize, ring_bytes: usize) -> Self {
+        PathPace::with_min_bytes(peers, ring_bytes.saturating_mul(2))
     }
 
     /// Whether a message of `len` bytes is timed and its way chosen here.
-    pub(super) fn times(&self, len: usize) -> bool {
+    pub(crate) fn times(&self, len: usize) -> bool {
         len >= self.min_bytes
+    }
+
+    /// Learning for `peers` peers, timing messages from `min_bytes`.
+    pub(crate) fn with_min_bytes(peers: usize, min_bytes: usize) -> Self {
+        PathPace {
+            min_bytes: min_bytes.max(1),
+            classes: vec![None; peers],
+        }
     }
 
     fn class(&self, len: usize) -> usize {
@@ -171,7 +180,7 @@ impl PathPace {
     /// The way (true: by reference) of the next message of `len` bytes to `peer`, which the
     /// fixed rule sends by reference when `rule_by_ref`: the current way, or the other when a
     /// look is due. Changes nothing: [`PathPace::record`] counts the message.
-    pub(super) fn choose(&self, peer: usize, len: usize, rule_by_ref: bool) -> bool {
+    pub(crate) fn choose(&self, peer: usize, len: usize, rule_by_ref: bool) -> bool {
         let Some(c) = self.at(peer, len).filter(|_| self.times(len)) else {
             return rule_by_ref;
         };
@@ -184,7 +193,7 @@ impl PathPace {
     }
 
     /// Learns from message `m`, sent whole in a step that succeeded.
-    pub(super) fn record(&mut self, m: &Paced) {
+    pub(crate) fn record(&mut self, m: &Paced) {
         let Some(took) = m.took else { return };
         if !self.times(m.len) {
             return;
