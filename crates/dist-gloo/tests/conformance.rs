@@ -33,8 +33,8 @@ fn opts() -> OpOptions {
 /// segment pipeline is exercised; the small-message switch is kept at its default. The ring
 /// all_reduce runs the big count in pieces of a size that divides nothing evenly. all_reduce
 /// and all_gather go over messages beyond the 4 KiB the group area always takes, and
-/// broadcast always, whatever the host's CPUs (their defaults follow them):
-/// [`through_the_area`] has the other way.
+/// broadcast always, whatever the host's CPUs (their defaults follow them), and no input is
+/// lent through it: [`through_the_area`] has the other way, and the tests of lending their own.
 fn gloo_opts() -> GlooOptions {
     let mut o = GlooOptions::default();
     o.mesh.segment_bytes = 256 << 10;
@@ -43,6 +43,8 @@ fn gloo_opts() -> GlooOptions {
     o.area_all_gather_bytes = Some(0);
     o.area_broadcast_min_bytes = Some(usize::MAX);
     o.area_all_to_all_bytes = Some(0);
+    o.lent_all_to_all_bytes = Some(usize::MAX);
+    o.lent_all_gather_bytes = Some(usize::MAX);
     o
 }
 
@@ -604,6 +606,14 @@ fn all_reduce_all_gather_broadcast_and_all_to_all_through_the_group_area() {
     }
 }
 
+/// Each rank's exchanges through the group area and messages sent by reference so far.
+fn area_and_references(ranks: &[GlooBackend]) -> Vec<(u64, u64)> {
+    ranks
+        .iter()
+        .map(|b| (b.shared_memory_exchanges(), b.messages_by_reference()))
+        .collect()
+}
+
 /// all_to_all with inputs lent by reference through the group area
 /// (`GlooOptions::lent_all_to_all_bytes`), on 2 to 5 ranks: every input lent, with blocks of
 /// every size and some empty; one rank's input in the area and the others' lent; and one
@@ -623,12 +633,6 @@ fn all_to_all_lends_large_inputs_through_the_group_area() {
     o.lent_all_to_all_bytes = Some(64 << 10);
     for n in 2..=5 {
         let ranks = world(shm_rings_transports, n, &o);
-        let count = |ranks: &[GlooBackend]| -> Vec<(u64, u64)> {
-            ranks
-                .iter()
-                .map(|b| (b.shared_memory_exchanges(), b.messages_by_reference()))
-                .collect()
-        };
         // Blocks of 0 to about 1 MiB, every input over the lending threshold.
         let every_lent = |s: usize, r: usize| match (s + 2 * r) % 4 {
             0 => 0,
@@ -650,9 +654,13 @@ fn all_to_all_lends_large_inputs_through_the_group_area() {
             ("rank 1 announces", &one_announces, false),
         ];
         for (what, split, lent) in cases {
-            let before = count(&ranks);
+            let before = area_and_references(&ranks);
             check_all_to_all(&ranks, d, split, &opts(), what);
-            for (r, (a, b)) in count(&ranks).into_iter().zip(before).enumerate() {
+            for (r, (a, b)) in area_and_references(&ranks)
+                .into_iter()
+                .zip(before)
+                .enumerate()
+            {
                 let exchanges = if lent { 2 } else { 1 };
                 assert_eq!(a.0 - b.0, exchanges, "ws {n} {what}: rank {r}'s exchanges");
                 if lent {
@@ -689,6 +697,76 @@ fn rank_zero_paces_all_to_all_lending_and_looks_at_the_fifth_call() {
         check_all_to_all(&ranks, DType::F32, split, &opts(), &format!("call {call}"));
         let want = if paced && call == 5 { 2 } else { 1 };
         assert_eq!(exchanges(&ranks) - before, want, "call {call}: exchanges");
+    }
+}
+
+/// all_gather with every rank's input lent by reference through the group area
+/// (`GlooOptions::lent_all_gather_bytes`), on 2 to 5 ranks: blocks of uneven sizes, some
+/// empty, then again so that every slot of the area is written again; each checked against
+/// the reference, and the way it went by the area's exchanges (two per call) and the messages
+/// by reference (none). Under the threshold, by messages and no exchange. Where this host
+/// forbids reading another process's memory, every rank announces and the calls go by
+/// messages (one exchange each): only the data is checked for the way.
+#[test]
+fn all_gather_lends_inputs_through_the_group_area() {
+    let lends = cross_memory_available();
+    let d = DType::F32;
+    let mut o = gloo_opts();
+    o.lent_all_gather_bytes = Some(256 << 10);
+    for n in 2..=5 {
+        let ranks = world(shm_rings_transports, n, &o);
+        let uneven: Vec<usize> = (0..n)
+            .map(|r| if r == 1 { 0 } else { 70_001 + 13 * r })
+            .collect();
+        let small: Vec<usize> = (0..n).map(|r| 2_000 + r).collect();
+        for (what, counts, exchanges) in [
+            ("lent", &uneven, if lends { 2 } else { 1 }),
+            ("lent again", &uneven, if lends { 2 } else { 1 }),
+            ("under the threshold", &small, 0),
+        ] {
+            let before = area_and_references(&ranks);
+            check_one_all_gather(&ranks, d, counts);
+            for (r, (a, b)) in area_and_references(&ranks)
+                .into_iter()
+                .zip(before)
+                .enumerate()
+            {
+                assert_eq!(a.0 - b.0, exchanges, "ws {n} {what}: rank {r}'s exchanges");
+                if lends && exchanges == 2 {
+                    assert_eq!(
+                        a.1, b.1,
+                        "ws {n} {what}: rank {r} sent messages by reference"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// all_gather with lending left to rank 0's pace on 2 ranks whose host has a CPU for each:
+/// the first four calls of 1 MiB go by messages after one exchange (rank 0 announces, the
+/// other follows), the fifth is rank 0's look at lending (two), whatever the times.
+#[test]
+fn rank_zero_paces_all_gather_lending_and_looks_at_the_fifth_call() {
+    let mut o = gloo_opts();
+    o.lent_all_gather_bytes = None;
+    let ranks = world(shm_rings_transports, 2, &o);
+    let paced = cross_memory_available()
+        && std::thread::available_parallelism().is_ok_and(|c| c.get() >= 2);
+    let counts = [1 << 17, (1 << 17) + 5];
+    for call in 1..=5 {
+        let before = ranks[1].shared_memory_exchanges();
+        check_one_all_gather(&ranks, DType::F32, &counts);
+        let want = if paced && call == 5 {
+            2
+        } else {
+            u64::from(paced)
+        };
+        assert_eq!(
+            ranks[1].shared_memory_exchanges() - before,
+            want,
+            "call {call}: exchanges"
+        );
     }
 }
 

@@ -9,9 +9,11 @@ use std::ops::Range;
 
 use dist_backend::Result;
 
+use super::lent::{Held, LENT_WORDS, corrupt, read_then_close, words_of};
 use super::{
     AREA_ONE_SHOT_BYTES, Op, piece_first_step, pieces_of, ring, split_blocks, split_pair, tags,
 };
+use crate::transport::{LentWords, StepCtx};
 
 /// Every rank's `input` into its block of `output` through memory the whole group maps
 /// ([`crate::transport::Transport::shared_memory_exchange`]): each rank publishes its block
@@ -48,6 +50,79 @@ pub(crate) fn through_shared_memory(
         }
         Ok(())
     })
+}
+
+/// Every rank's `input` into its block of every rank's `output`, each read by reference
+/// straight out of its rank's input: every rank lends its input
+/// ([`crate::transport::Transport::shared_memory_lend`]) and publishes the words to read it in
+/// the group area; once every rank has, each copies every other's block into place, and a
+/// second arrival ends the call (`lent::read_then_close`). One copy of each block and two
+/// arrivals, where through the rings every block is copied twice, each line passing from core
+/// to core: far apart, that is what the rings pay most for (the figures are at
+/// [`GlooOptions::auto_lent_all_gather_bytes`](crate::GlooOptions::auto_lent_all_gather_bytes)).
+///
+/// Every rank whose output is at least the agreed threshold calls this (the caller's test,
+/// alike on every rank). A rank that does not `lend` (rank 0 where its pace says messages), or
+/// cannot (some peer cannot read its memory), announces so without waiting and returns `None`;
+/// the others, finding its announcement, return `None` too, before reading anything, and the
+/// caller goes on by messages. The blocks this rank's own output already holds are left alone.
+pub(crate) fn lent_through_shared_memory(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    blocks: &[Range<usize>],
+    lend: bool,
+) -> Option<Result<()>> {
+    let (n, me) = (o.n(), o.rank());
+    if n == 1 || o.t.shared_memory_bytes() < 8 * (1 + LENT_WORDS) {
+        return None;
+    }
+    // A rank that announces goes on by messages at once, while others may still wait in the
+    // area for the last arrival: their wait keeps its frames.
+    let ctx = StepCtx {
+        area_then_messages: true,
+        ..o.ctx
+    };
+    let Some(lent) = lend.then(|| o.t.shared_memory_lend(input)).flatten() else {
+        let announced = [(Held::Announced as u64).to_le()];
+        o.t.shared_memory_announce(&ctx, o.count, &[bytemuck::cast_slice(&announced)]);
+        return None;
+    };
+    let [addr, len, offer] = lent.words.to_le();
+    let mine = [(Held::Lent as u64).to_le(), addr, len, offer];
+    let mut lenders = vec![LentWords::default(); n];
+    let mut all_lent = true;
+    let exchanged = o.t.shared_memory_exchange(
+        &ctx,
+        o.count,
+        &[bytemuck::cast_slice(&mine)],
+        &mut |p, theirs| {
+            let kind = theirs
+                .get(..8)
+                .map(|w| u64::from_le(bytemuck::pod_read_unaligned::<u64>(w)))
+                .and_then(Held::from_word);
+            match (kind, words_of(theirs.get(8..).unwrap_or_default())) {
+                (Some(Held::Announced), _) if theirs.len() == 8 => all_lent = false,
+                (Some(Held::Lent), Some(words)) => lenders[p] = words,
+                _ => return Err(corrupt(o, p, theirs.len())),
+            }
+            Ok(())
+        },
+    )?;
+    if let Err(e) = exchanged {
+        return Some(Err(e));
+    }
+    if !all_lent {
+        return None;
+    }
+    let reads = split_blocks(output, blocks)
+        .into_iter()
+        .enumerate()
+        .filter(|&(p, _)| p != me)
+        .map(|(p, part)| (p, lenders[p], 0, part));
+    let done = read_then_close(o, reads);
+    drop(lent);
+    Some(done)
 }
 
 /// Given that every rank holds its own block `rank` of `data`, fills in every other block in

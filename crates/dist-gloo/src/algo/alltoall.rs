@@ -3,6 +3,7 @@
 
 use dist_backend::{Error, OpDesc, Result};
 
+use super::lent::{Held, LENT_WORDS, read_then_close, words_of};
 use super::{Op, blocks_of, split_blocks, tags};
 use crate::output_copy::copy_into_output;
 use crate::transport::{LentWords, StepCtx};
@@ -67,9 +68,10 @@ pub(crate) fn through_shared_memory(
     }
     // This rank's table, then every rank's as it is read, then every lender's words.
     scratch.clear();
-    scratch.resize(words * (n + 1) + LENT_WORDS * n, 0);
-    let (mine, rest) = scratch.split_at_mut(words);
-    let (tables, lenders) = rest.split_at_mut(words * n);
+    scratch.resize(words * (n + 1), 0);
+    let (mine, tables) = scratch.split_at_mut(words);
+    // Allocated at the first lender, so that a call of small inputs allocates nothing more.
+    let mut lenders: Vec<LentWords> = Vec::new();
     let inline = input.len() <= max_input && input.len() <= room - 8 * words;
     let lent = (!inline && input.len() >= lend_from)
         .then(|| o.t.shared_memory_lend(input))
@@ -130,13 +132,11 @@ pub(crate) fn through_shared_memory(
                         parts[p].copy_from_slice(theirs_to_me);
                     }
                 }
-                (Some(Held::Lent), Some(_)) if data.len() == 8 * LENT_WORDS => {
+                (Some(Held::Lent), Some(_)) if words_of(data).is_some() => {
                     // Read once every table is in, so that none is read where some rank
                     // announced and the whole group goes on by messages.
-                    let words = &mut lenders[p * LENT_WORDS..(p + 1) * LENT_WORDS];
-                    for (word, bytes) in words.iter_mut().zip(data.chunks_exact(8)) {
-                        *word = bytemuck::pod_read_unaligned::<u64>(bytes);
-                    }
+                    lenders.resize(n, LentWords::default());
+                    lenders[p] = words_of(data).unwrap_or_default();
                     any_lent = true;
                 }
                 _ => return Err(corrupt(o, p, data.len())),
@@ -157,57 +157,21 @@ pub(crate) fn through_shared_memory(
     if !any_lent {
         return Some(Ok(false));
     }
-    for (p, part) in parts.iter_mut().enumerate() {
+    let reads = parts.iter_mut().enumerate().filter_map(|(p, part)| {
         let counts = &tables[p * words..(p + 1) * words];
-        if p == r || Held::from_word(counts[0]) != Some(Held::Lent) {
-            continue;
-        }
-        let words: [u64; LENT_WORDS] = lenders[p * LENT_WORDS..(p + 1) * LENT_WORDS]
-            .try_into()
-            .expect("LENT_WORDS words per rank");
+        let lender = p != r && Held::from_word(counts[0]) == Some(Held::Lent);
         let at: usize = counts[1..=r].iter().map(|&c| c as usize * elem).sum();
-        if let Err(e) =
-            o.t.shared_memory_read(&o.ctx, p, LentWords::from_le(words), at, part)
-        {
-            return Some(Err(e));
-        }
-    }
-    // No rank may take its input back (dropping `lent`) before every rank is done reading
-    // it: a second arrival, which every rank makes, as every one read the same tables.
-    let done =
-        o.t.shared_memory_exchange(&o.ctx, 0, &[], &mut |_, _| Ok(()));
+        lender.then(|| (p, lenders[p], at, &mut **part))
+    });
+    let done = read_then_close(o, reads);
     drop(lent);
-    Some(done.unwrap_or(Ok(())).map(|()| true))
+    Some(done.map(|()| true))
 }
 
 /// Words of a rank's table: how it holds its input ([`Held`]), what it sends each of `n`
 /// ranks, then what it expects from each.
 fn table_words(n: usize) -> usize {
     1 + 2 * n
-}
-
-/// Words a lender publishes after its table ([`LentWords`]).
-const LENT_WORDS: usize = 3;
-
-/// How a rank's publication holds its input: the first word of its table.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u64)]
-enum Held {
-    /// After the table, in the area.
-    Inline = 0,
-    /// In the rank's own memory, lent by reference: after the table, the words to read it.
-    Lent = 1,
-    /// Nowhere: the rank goes on by messages, and so does every rank.
-    Announced = 2,
-}
-
-impl Held {
-    /// The kind a table's first word (from another process) names, if any.
-    fn from_word(word: u64) -> Option<Self> {
-        [Self::Inline, Self::Lent, Self::Announced]
-            .into_iter()
-            .find(|k| *k as u64 == word)
-    }
 }
 
 /// Rank `p`'s publication split: its table (how it holds its input, what it sends each rank

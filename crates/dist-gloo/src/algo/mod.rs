@@ -18,6 +18,7 @@ pub(crate) mod allreduce;
 pub(crate) mod alltoall;
 pub(crate) mod bcast;
 pub(crate) mod choice;
+pub(crate) mod lent;
 pub(crate) mod reducescatter;
 pub(crate) mod ring;
 pub(crate) mod rooted;

@@ -24,6 +24,7 @@ use crate::transport::mem::MemTransport;
 use crate::transport::tcp::MeshOptions;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{DeferredSeqs, StepCtx, Transport};
+use std::time::Duration;
 
 mod ops;
 mod validate;
@@ -59,7 +60,11 @@ pub struct GlooBackend {
     /// learnt from how long its calls took each way (`path_pace`). Its choice carries the
     /// group: the others lend whenever their inputs allow, and where rank 0 announces
     /// instead, they follow it by messages (`algo::alltoall::through_shared_memory`).
-    all_to_all_pace: Option<Mutex<PathPace>>,
+    all_to_all_pace: Option<LendPace>,
+    /// [`GlooOptions::lent_all_gather_bytes`], resolved.
+    lent_all_gather_bytes: usize,
+    /// As `all_to_all_pace`, for all_gather's lending.
+    all_gather_pace: Option<LendPace>,
     /// The output size from which this rank's and the other local ranks' outputs together
     /// exceed the host's last-level cache, so that own blocks are copied into outputs with
     /// stores that bypass it (`output_copy`). Purely local: ranks may differ.
@@ -193,6 +198,7 @@ impl GlooBackend {
             ("area_all_gather_bytes", v(self.area_all_gather_bytes)),
             ("area_broadcast_min_bytes", v(self.area_broadcast_min_bytes)),
             ("area_all_to_all_bytes", v(self.area_all_to_all_bytes)),
+            ("lent_all_gather_bytes", v(self.lent_all_gather_bytes)),
             // Not an algorithm, but whether a repeated broadcast's receivers send their root an
             // agreement frame (`agree::repeats_silently`), which an eager root waits for.
             ("lazy_root_verification", self.lazy_root.to_string()),
@@ -209,6 +215,9 @@ impl GlooBackend {
         let lent_all_to_all_bytes = opts
             .lent_all_to_all_bytes
             .unwrap_or_else(|| GlooOptions::auto_lent_all_to_all_bytes(cores_shared));
+        let lent_all_gather_bytes = opts
+            .lent_all_gather_bytes
+            .unwrap_or_else(|| GlooOptions::auto_lent_all_gather_bytes(cores_shared));
         let local_ranks = 1 + transport
             .shared_memory_peers()
             .iter()
@@ -260,7 +269,12 @@ impl GlooBackend {
             all_to_all_pace: (rank == 0
                 && opts.lent_all_to_all_bytes.is_none()
                 && lent_all_to_all_bytes != usize::MAX)
-                .then(|| Mutex::new(PathPace::with_min_bytes(1, lent_all_to_all_bytes))),
+                .then(|| LendPace::from(lent_all_to_all_bytes)),
+            lent_all_gather_bytes,
+            all_gather_pace: (rank == 0
+                && opts.lent_all_gather_bytes.is_none()
+                && lent_all_gather_bytes != usize::MAX)
+                .then(|| LendPace::from(lent_all_gather_bytes)),
             output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts
@@ -603,5 +617,39 @@ mod tests {
         };
         let b = backend(2, &set);
         assert_eq!((b.ring_piece_bytes, b.reduce_piece_bytes), (12345, 12345));
+    }
+}
+
+/// Rank 0's learning of which calls of one operation lend their inputs through the group area
+/// (`path_pace`, over its own calls as one "peer"): its choice carries the group.
+#[derive(Debug)]
+pub(crate) struct LendPace(Mutex<PathPace>);
+
+impl LendPace {
+    /// Learning for calls of at least `min_bytes`.
+    fn from(min_bytes: usize) -> Self {
+        LendPace(Mutex::new(PathPace::with_min_bytes(1, min_bytes)))
+    }
+
+    /// Whether the next call of `len` bytes lends.
+    pub(crate) fn lends(&self, len: usize) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .choose(0, len, false)
+    }
+
+    /// Learns from a call of `len` bytes that succeeded in `took`, lent or by messages.
+    pub(crate) fn record(&self, len: usize, lent: bool, took: Duration) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(&Paced {
+                peer: 0,
+                len,
+                rule_by_ref: false,
+                by_ref: lent,
+                took: Some(took),
+            });
     }
 }

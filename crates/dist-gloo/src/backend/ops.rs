@@ -159,6 +159,12 @@ impl Backend for GlooBackend {
         let total = self.check_counts(name, "counts", counts)?;
         self.check_len(name, "the input", input.len(), dtype, counts[self.rank])?;
         self.check_len(name, "the output", output.len(), dtype, total)?;
+        // Rank 0, where it paces lending, decides for the group (the others lend whenever
+        // they can, and follow its announcement by messages).
+        let pace = self.all_gather_pace.as_ref();
+        let lend = pace.is_none_or(|p| p.lends(output.len()));
+        let start = Instant::now();
+        let mut lent = false;
         self.run(
             name,
             dtype,
@@ -179,6 +185,12 @@ impl Backend for GlooBackend {
                     self.area_all_gather_bytes,
                 ) {
                     done
+                } else if let Some(done) = (output.len() >= self.lent_all_gather_bytes)
+                    .then(|| allgather::lent_through_shared_memory(o, input, output, &blocks, lend))
+                    .flatten()
+                {
+                    lent = done.is_ok();
+                    done
                 } else if output.len() <= self.small_bytes
                     && takes_star(self.world_size, output.len(), STAR_MAX_BYTES)
                 {
@@ -191,7 +203,11 @@ impl Backend for GlooBackend {
                     allgather::ring_in_pieces(o, output, &blocks, self.all_gather_piece_bytes)
                 }
             },
-        )
+        )?;
+        if let Some(p) = pace {
+            p.record(output.len(), lent, start.elapsed());
+        }
+        Ok(())
     }
 
     fn reduce_scatter(
@@ -291,14 +307,7 @@ impl Backend for GlooBackend {
         // their inputs allow, and follow its announcement by messages).
         let pace = self.all_to_all_pace.as_ref();
         let lend_from = match pace {
-            Some(p)
-                if !p
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .choose(0, input.len(), false) =>
-            {
-                usize::MAX
-            }
+            Some(p) if !p.lends(input.len()) => usize::MAX,
             _ => self.lent_all_to_all_bytes,
         };
         let start = Instant::now();
@@ -329,13 +338,7 @@ impl Backend for GlooBackend {
             )
         })?;
         if let Some(p) = pace {
-            p.lock().unwrap_or_else(|e| e.into_inner()).record(&Paced {
-                peer: 0,
-                len: input.len(),
-                rule_by_ref: false,
-                by_ref: lent,
-                took: Some(start.elapsed()),
-            });
+            p.record(input.len(), lent, start.elapsed());
         }
         Ok(())
     }

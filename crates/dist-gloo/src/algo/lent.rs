@@ -1,0 +1,74 @@
+//! What the operations that lend their inputs by reference through the group area share
+//! (`alltoall::through_shared_memory`, `allgather::lent_through_shared_memory`): the words a
+//! lender publishes, how its publication says how it holds its input, and the reads that
+//! follow once every publication is in, closed by a second arrival.
+
+use dist_backend::{Error, Result};
+
+use super::Op;
+use crate::transport::LentWords;
+
+/// Words a lender publishes after its kind word ([`LentWords`]).
+pub(crate) const LENT_WORDS: usize = 3;
+
+/// How a rank's publication holds its input: the first word of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub(crate) enum Held {
+    /// In the area, after the rank's table.
+    Inline = 0,
+    /// In the rank's own memory, lent by reference: the words to read it follow.
+    Lent = 1,
+    /// Nowhere: the rank goes on by messages, and so does every rank.
+    Announced = 2,
+}
+
+impl Held {
+    /// The kind a publication's first word (from another process) names, if any.
+    pub(crate) fn from_word(word: u64) -> Option<Self> {
+        [Self::Inline, Self::Lent, Self::Announced]
+            .into_iter()
+            .find(|k| *k as u64 == word)
+    }
+}
+
+/// The lender's words from the `8 * LENT_WORDS` bytes of its publication that hold them
+/// (little-endian, as [`LentWords::to_le`] wrote them); `None` for any other length.
+pub(crate) fn words_of(data: &[u8]) -> Option<LentWords> {
+    if data.len() != 8 * LENT_WORDS {
+        return None;
+    }
+    let mut words = [0u64; LENT_WORDS];
+    for (word, bytes) in words.iter_mut().zip(data.chunks_exact(8)) {
+        *word = bytemuck::pod_read_unaligned::<u64>(bytes);
+    }
+    Some(LentWords::from_le(words))
+}
+
+/// Copies each of `reads` (a lender, its words, where its bytes for this rank start, and where
+/// they go), then arrives in the area a second time: no rank may take its input back before
+/// every rank is done reading it. Every rank that read the same publications calls this
+/// alike, lender or not, so the second arrival is made by all.
+pub(crate) fn read_then_close<'d>(
+    o: &Op<'_>,
+    reads: impl IntoIterator<Item = (usize, LentWords, usize, &'d mut [u8])>,
+) -> Result<()> {
+    for (p, words, at, dst) in reads {
+        o.t.shared_memory_read(&o.ctx, p, words, at, dst)?;
+    }
+    o.t.shared_memory_exchange(&o.ctx, o.count, &[], &mut |_, _| Ok(()))
+        .unwrap_or(Ok(()))
+}
+
+/// Rank `p`'s publication of `len` bytes does not say how it holds its input, or not in a
+/// form this rank reads: a corrupt area, reported rather than used.
+pub(crate) fn corrupt(o: &Op<'_>, p: usize, len: usize) -> Error {
+    Error::invalid(
+        o.rank(),
+        o.ctx.op.name(),
+        format!(
+            "rank {p} published {len} bytes in the shared-memory group area, which do not say \
+             how it holds its input"
+        ),
+    )
+}
