@@ -112,6 +112,16 @@ pub struct GlooOptions {
     /// it off; `DIST_GLOO_LENT_ALL_GATHER_BYTES` sets it. Every rank must use the same value
     /// (checked when the group is built).
     pub lent_all_gather_bytes: Option<usize>,
+    /// all_reduces of buffers of at least this many bytes, and that the group area does not
+    /// take ([`GlooOptions::area_all_reduce_bytes`]), run by reference through it, where every
+    /// rank can read every other's memory: every rank lends its buffer, reduces its own block
+    /// from every rank's, and copies the others' reduced blocks (see
+    /// `algo::allreduce::lent_in_two_shots`). `None` picks
+    /// [`GlooOptions::auto_lent_all_reduce_bytes`] once the mesh is built, and rank 0 then
+    /// chooses by pace which calls lend; a value set lends every such call; `usize::MAX` turns
+    /// it off; `DIST_GLOO_LENT_ALL_REDUCE_BYTES` sets it. Every rank must use the same value
+    /// (checked when the group is built).
+    pub lent_all_reduce_bytes: Option<usize>,
 }
 
 /// all_reduce buffers up to this size never run recursive halving and doubling: its 2·log2 n
@@ -313,6 +323,24 @@ impl GlooOptions {
         if cores_shared { usize::MAX } else { 256 << 10 }
     }
 
+    /// The default of [`GlooOptions::lent_all_reduce_bytes`]: buffers of 4 MiB where the
+    /// group's ranks fit the host's CPUs, with rank 0 choosing by the pace of its calls each
+    /// way, as for [`GlooOptions::auto_lent_all_to_all_bytes`]; never where they outnumber
+    /// them (not measured there).
+    ///
+    /// Measured with gloo_bench on a 2-core VM, 2 ranks, every input rewritten before each
+    /// call, alternated with lending off, a cache line's round trip probed before each pair,
+    /// paired medians of off's time over this one's. Lending always, buffers in 4 KiB pages:
+    /// far apart 1.22x at 1 MiB, 1.38x at 4 MiB, 1.83x at 16 MiB, 2.19x at 64 MiB (15.8 ms
+    /// against 34.1); near it lost (0.52-0.56x before it reduced in place, not remeasured
+    /// since). In 2 MiB pages: near 0.99x at 4 MiB, 0.84-0.87x at 16 and 64 MiB; far 1.05x,
+    /// 1.49x, 3.84x (64 MiB 8.9 ms against 32.6). Paced from 4 MiB, 6 pairs: near 0.99-1.03x
+    /// at 4, 16 and 64 MiB; far 1.42x at 4 MiB, 1.04x at 16, 2.04x at 64. Not from 1 MiB: far
+    /// apart lending gains less there than the pace's margin to switch.
+    pub fn auto_lent_all_reduce_bytes(cores_shared: bool) -> usize {
+        if cores_shared { usize::MAX } else { 4 << 20 }
+    }
+
     /// The default of [`GlooOptions::area_broadcast_min_bytes`]: 512 KiB where the group's
     /// ranks outnumber the host's CPUs, as for [`GlooOptions::auto_area_all_reduce_bytes`],
     /// else never (`usize::MAX`). Measured at 4 ranks on 2 cores
@@ -349,8 +377,9 @@ impl GlooOptions {
     /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` ([`GlooOptions::area_all_gather_bytes`]),
     /// `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` ([`GlooOptions::area_broadcast_min_bytes`]),
     /// `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` ([`GlooOptions::area_all_to_all_bytes`]),
-    /// `DIST_GLOO_LENT_ALL_TO_ALL_BYTES` ([`GlooOptions::lent_all_to_all_bytes`]) and
-    /// `DIST_GLOO_LENT_ALL_GATHER_BYTES` ([`GlooOptions::lent_all_gather_bytes`]).
+    /// `DIST_GLOO_LENT_ALL_TO_ALL_BYTES` ([`GlooOptions::lent_all_to_all_bytes`]),
+    /// `DIST_GLOO_LENT_ALL_GATHER_BYTES` ([`GlooOptions::lent_all_gather_bytes`]) and
+    /// `DIST_GLOO_LENT_ALL_REDUCE_BYTES` ([`GlooOptions::lent_all_reduce_bytes`]).
     pub fn from_env() -> Self {
         fn var(name: &str) -> Option<usize> {
             std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -368,6 +397,7 @@ impl GlooOptions {
             area_all_to_all_bytes: var("DIST_GLOO_AREA_ALL_TO_ALL_BYTES"),
             lent_all_to_all_bytes: var("DIST_GLOO_LENT_ALL_TO_ALL_BYTES"),
             lent_all_gather_bytes: var("DIST_GLOO_LENT_ALL_GATHER_BYTES"),
+            lent_all_reduce_bytes: var("DIST_GLOO_LENT_ALL_REDUCE_BYTES"),
             ..Default::default()
         };
         if let Some(v) = var("DIST_GLOO_SPIN_US") {

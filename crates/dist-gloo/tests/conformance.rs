@@ -45,6 +45,7 @@ fn gloo_opts() -> GlooOptions {
     o.area_all_to_all_bytes = Some(0);
     o.lent_all_to_all_bytes = Some(usize::MAX);
     o.lent_all_gather_bytes = Some(usize::MAX);
+    o.lent_all_reduce_bytes = Some(usize::MAX);
     o
 }
 
@@ -754,18 +755,81 @@ fn rank_zero_paces_all_gather_lending_and_looks_at_the_fifth_call() {
     let paced = cross_memory_available()
         && std::thread::available_parallelism().is_ok_and(|c| c.get() >= 2);
     let counts = [1 << 17, (1 << 17) + 5];
-    for call in 1..=5 {
-        let before = ranks[1].shared_memory_exchanges();
+    fifth_call_looks(&ranks, paced, 2, || {
         check_one_all_gather(&ranks, DType::F32, &counts);
-        let want = if paced && call == 5 {
-            2
+    });
+}
+
+/// all_reduce by reference through the group area (`GlooOptions::lent_all_reduce_bytes`), on 2
+/// to 5 ranks: every type of each width and kind with the ops whose kernels differ most, at a
+/// count that no rank count divides and over several of the pieces each rank reduces at a
+/// time, every rank bitwise alike and close to the reference; three exchanges per call where
+/// lent (one where memory cannot be read across: then by messages), none under the threshold.
+#[test]
+fn all_reduce_by_reference_through_the_group_area() {
+    let lends = cross_memory_available();
+    let mut o = gloo_opts();
+    o.lent_all_reduce_bytes = Some(64 << 10);
+    let count = (1 << 20) / 4 + 7;
+    for n in 2..=5 {
+        let ranks = world(shm_rings_transports, n, &o);
+        for d in [DType::U8, DType::BF16, DType::F32, DType::I64] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                if op.check(d).is_err() {
+                    continue;
+                }
+                let len = count / d.size() * 4;
+                let before = area_and_references(&ranks);
+                check_one_all_reduce(&ranks, d, op, len);
+                // 8 KiB: over the area's one shot, under the threshold: by messages.
+                check_one_all_reduce(&ranks, d, op, 8192 / d.size());
+                for (r, (a, b)) in area_and_references(&ranks)
+                    .into_iter()
+                    .zip(before)
+                    .enumerate()
+                {
+                    let want = if lends { 3 } else { 1 };
+                    assert_eq!(a.0 - b.0, want, "ws {n} {d} {op}: rank {r}'s exchanges");
+                    if lends {
+                        assert_eq!(a.1, b.1, "ws {n} {d} {op}: rank {r} sent by reference");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// all_reduce with lending left to rank 0's pace on 2 ranks whose host has a CPU for each:
+/// the first four calls of 4 MiB go by messages after one exchange, the fifth is rank 0's look
+/// at lending (three), whatever the times.
+#[test]
+fn rank_zero_paces_all_reduce_lending_and_looks_at_the_fifth_call() {
+    let mut o = gloo_opts();
+    o.lent_all_reduce_bytes = None;
+    let ranks = world(shm_rings_transports, 2, &o);
+    let paced = cross_memory_available()
+        && std::thread::available_parallelism().is_ok_and(|c| c.get() >= 2);
+    fifth_call_looks(&ranks, paced, 3, || {
+        check_one_all_reduce(&ranks, DType::F32, ReduceOp::Sum, 1 << 20);
+    });
+}
+
+/// Makes five calls with `call` (each checks its data) on 2 ranks whose rank 0 paces lending:
+/// rank 1's exchanges through the area are one per call (rank 0's announcement) where `paced`,
+/// then `lent` on the fifth, rank 0's first look; none where not paced.
+fn fifth_call_looks(ranks: &[GlooBackend], paced: bool, lent: u64, call: impl Fn()) {
+    for n in 1..=5 {
+        let before = ranks[1].shared_memory_exchanges();
+        call();
+        let want = if paced && n == 5 {
+            lent
         } else {
             u64::from(paced)
         };
         assert_eq!(
             ranks[1].shared_memory_exchanges() - before,
             want,
-            "call {call}: exchanges"
+            "call {n}: exchanges"
         );
     }
 }

@@ -238,7 +238,7 @@ fn the_dissemination_agreement_of_large_groups_also_names_both_roots() {
 fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_rank() {
     type Tweak = fn(&mut GlooOptions);
     // Values that no default resolves to: what is compared is the resolved value.
-    let cases: [(&str, Tweak); 11] = [
+    let cases: [(&str, Tweak); 12] = [
         ("small_bytes=12345", |o| o.small_bytes = Some(12345)),
         ("segment_bytes=65536", |o| o.mesh.segment_bytes = 64 << 10),
         ("fused_agreement_max_ranks=1", |o| {
@@ -264,6 +264,9 @@ fn ranks_that_would_choose_different_algorithms_are_refused_at_connect_on_every_
         }),
         ("lent_all_gather_bytes=12345", |o| {
             o.lent_all_gather_bytes = Some(12345);
+        }),
+        ("lent_all_reduce_bytes=12345", |o| {
+            o.lent_all_reduce_bytes = Some(12345);
         }),
         // Lazy roots are owed no frames for repeated small broadcasts; an eager one is.
         ("lazy_root_verification=false", |o| {

@@ -9,11 +9,10 @@ use std::ops::Range;
 
 use dist_backend::Result;
 
-use super::lent::{Held, LENT_WORDS, corrupt, read_then_close, words_of};
+use super::lent::{LENT_WORDS, publish_all, read_then_close};
 use super::{
     AREA_ONE_SHOT_BYTES, Op, piece_first_step, pieces_of, ring, split_blocks, split_pair, tags,
 };
-use crate::transport::{LentWords, StepCtx};
 
 /// Every rank's `input` into its block of `output` through memory the whole group maps
 /// ([`crate::transport::Transport::shared_memory_exchange`]): each rank publishes its block
@@ -77,44 +76,11 @@ pub(crate) fn lent_through_shared_memory(
     if n == 1 || o.t.shared_memory_bytes() < 8 * (1 + LENT_WORDS) {
         return None;
     }
-    // A rank that announces goes on by messages at once, while others may still wait in the
-    // area for the last arrival: their wait keeps its frames.
-    let ctx = StepCtx {
-        area_then_messages: true,
-        ..o.ctx
+    let lent = lend.then(|| o.t.shared_memory_lend(input)).flatten();
+    let lenders = match publish_all(o, lent.as_ref().map(|l| l.words))? {
+        Ok(lenders) => lenders,
+        Err(e) => return Some(Err(e)),
     };
-    let Some(lent) = lend.then(|| o.t.shared_memory_lend(input)).flatten() else {
-        let announced = [(Held::Announced as u64).to_le()];
-        o.t.shared_memory_announce(&ctx, o.count, &[bytemuck::cast_slice(&announced)]);
-        return None;
-    };
-    let [addr, len, offer] = lent.words.to_le();
-    let mine = [(Held::Lent as u64).to_le(), addr, len, offer];
-    let mut lenders = vec![LentWords::default(); n];
-    let mut all_lent = true;
-    let exchanged = o.t.shared_memory_exchange(
-        &ctx,
-        o.count,
-        &[bytemuck::cast_slice(&mine)],
-        &mut |p, theirs| {
-            let kind = theirs
-                .get(..8)
-                .map(|w| u64::from_le(bytemuck::pod_read_unaligned::<u64>(w)))
-                .and_then(Held::from_word);
-            match (kind, words_of(theirs.get(8..).unwrap_or_default())) {
-                (Some(Held::Announced), _) if theirs.len() == 8 => all_lent = false,
-                (Some(Held::Lent), Some(words)) => lenders[p] = words,
-                _ => return Err(corrupt(o, p, theirs.len())),
-            }
-            Ok(())
-        },
-    )?;
-    if let Err(e) = exchanged {
-        return Some(Err(e));
-    }
-    if !all_lent {
-        return None;
-    }
     let reads = split_blocks(output, blocks)
         .into_iter()
         .enumerate()

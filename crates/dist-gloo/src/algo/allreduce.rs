@@ -6,7 +6,11 @@
 use dist_backend::Result;
 use dist_wire::ReduceOp;
 
-use super::{AREA_ONE_SHOT_BYTES, Op, even_blocks, piece_first_step, ring, ring_pieces, tags};
+use super::lent::{LENT_WORDS, publish_all, read_then_close};
+use super::{
+    AREA_ONE_SHOT_BYTES, Op, even_blocks, piece_first_step, ring, ring_pieces, split_blocks, tags,
+};
+use crate::transport::LentWords;
 
 /// Reduces `data` in place across all ranks through memory the whole group maps
 /// ([`crate::transport::Transport::shared_memory_exchange`]): every rank publishes its buffer
@@ -107,6 +111,98 @@ fn two_shots(o: &Op<'_>, piece: &mut [u8], op: ReduceOp, scratch: &mut Vec<u64>)
     super::unwrap_area(o, gathered)?;
     dist_simd::copy::bulk(&mut piece[mine], acc);
     Ok(())
+}
+
+/// Reduces `data` in place across all ranks, each reading the others' buffers by reference
+/// ([`crate::transport::Transport::shared_memory_lend_mut`]): every rank lends its buffer
+/// and publishes the words to read it in the group area; once every rank has, each reduces
+/// its own block (of [`even_blocks`]) in place from every rank's buffer, a piece of
+/// [`LENT_PIECE_BYTES`] at a time; after a second arrival each copies
+/// every other rank's reduced block into place; a third ends the call, so that no rank takes
+/// its buffer back while a peer reads it. One rank reduces each block, so all end with
+/// identical bits. Each rank writes only its own block while the others read theirs, and the
+/// others' blocks only once every rank is done with them.
+///
+/// Every rank whose buffer is at least the agreed threshold calls this (the caller's test,
+/// alike everywhere). A rank that does not `lend` (rank 0 where its pace says messages) or
+/// cannot (a peer cannot read its memory) announces so without waiting and returns `None`;
+/// the others, finding its announcement, return `None` before reading anything, and the
+/// caller goes on by messages, `data` untouched.
+///
+/// Why: each block crosses from core to core once each way, in the kernel's streaming copy,
+/// where the ring passes every line through a ring buffer twice; far apart (vCPUs that share
+/// no cache) that is what the rings pay most for. The figures are at
+/// [`GlooOptions::auto_lent_all_reduce_bytes`](crate::GlooOptions::auto_lent_all_reduce_bytes).
+pub(crate) fn lent_in_two_shots(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+    lend: bool,
+) -> Option<Result<()>> {
+    let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
+    if n == 1 || o.t.shared_memory_bytes() < 8 * (1 + LENT_WORDS) {
+        return None;
+    }
+    let lent = if lend {
+        o.t.shared_memory_lend_mut(data)
+    } else {
+        None
+    };
+    let (lent, data) = match lent {
+        Some((lent, data)) => (Some(lent), data),
+        None => (None, &mut [][..]),
+    };
+    let lenders = match publish_all(o, lent.as_ref().map(|l| l.words))? {
+        Ok(lenders) => lenders,
+        Err(e) => return Some(Err(e)),
+    };
+    let done = reduce_lent(o, data, op, scratch, &lenders).and_then(|()| {
+        let blocks = even_blocks(data.len() / elem, n, elem);
+        let reads = split_blocks(data, &blocks)
+            .into_iter()
+            .enumerate()
+            .filter(|&(p, _)| p != r)
+            .map(|(p, part)| (p, lenders[p], blocks[p].start, part));
+        read_then_close(o, reads)
+    });
+    drop(lent);
+    Some(done)
+}
+
+/// Bytes of this rank's block reduced at a time by [`lent_in_two_shots`]: each peer's piece is
+/// read into a buffer that stays in the core's L2 while it is combined.
+pub(crate) const LENT_PIECE_BYTES: usize = 256 << 10;
+
+/// The first shot of [`lent_in_two_shots`]: this rank's block reduced in place from every
+/// rank's buffer (`lenders`' words), its own first, then the others' in rank order, then the
+/// second arrival, after which every rank's block is reduced. Only this rank reduces its
+/// block, so any fixed order gives every rank the same bits; own first spares a copy.
+fn reduce_lent(
+    o: &Op<'_>,
+    data: &mut [u8],
+    op: ReduceOp,
+    scratch: &mut Vec<u64>,
+    lenders: &[LentWords],
+) -> Result<()> {
+    let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
+    let mine = even_blocks(data.len() / elem, n, elem)[r].clone();
+    let piece_bytes = (LENT_PIECE_BYTES / elem).max(1) * elem;
+    let theirs = super::scratch_bytes(scratch, piece_bytes.min(mine.len()));
+    let mut at = mine.start;
+    while at < mine.end {
+        let len = piece_bytes.min(mine.end - at);
+        let (acc, theirs) = (&mut data[at..at + len], &mut theirs[..len]);
+        for (p, words) in lenders.iter().enumerate().filter(|&(p, _)| p != r) {
+            o.t.shared_memory_read(&o.ctx, p, *words, at, theirs)?;
+            o.combine(op, acc, theirs)?;
+        }
+        at += len;
+    }
+    super::unwrap_area(
+        o,
+        o.t.shared_memory_exchange(&o.ctx, o.count, &[], &mut |_, _| Ok(())),
+    )
 }
 
 /// Reduces `data` in place through rank 0: every other rank sends it its buffer, rank 0

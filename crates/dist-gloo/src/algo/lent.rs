@@ -6,7 +6,7 @@
 use dist_backend::{Error, Result};
 
 use super::Op;
-use crate::transport::LentWords;
+use crate::transport::{LentWords, StepCtx};
 
 /// Words a lender publishes after its kind word ([`LentWords`]).
 pub(crate) const LENT_WORDS: usize = 3;
@@ -43,6 +43,60 @@ pub(crate) fn words_of(data: &[u8]) -> Option<LentWords> {
         *word = bytemuck::pod_read_unaligned::<u64>(bytes);
     }
     Some(LentWords::from_le(words))
+}
+
+/// A publication that holds nothing but its kind word, and the lender's words after it where
+/// lent (all_gather's and all_reduce's): `None` for any other form.
+pub(crate) fn publication(theirs: &[u8]) -> Option<(Held, Option<LentWords>)> {
+    let kind = theirs
+        .get(..8)
+        .map(|w| u64::from_le(bytemuck::pod_read_unaligned::<u64>(w)))
+        .and_then(Held::from_word)?;
+    match kind {
+        Held::Announced if theirs.len() == 8 => Some((kind, None)),
+        Held::Lent => Some((kind, Some(words_of(&theirs[8..])?))),
+        _ => None,
+    }
+}
+
+/// The first arrival of an operation whose every rank lends its whole input (all_gather's,
+/// all_reduce's): publishes `lent`'s words, or, with none (this rank does not or cannot
+/// lend), announces so without waiting and returns `None`. Once every rank has published,
+/// every rank's words in rank order, or `None` where some rank announced: every rank read the
+/// same publications, so all go on by messages alike, having read nothing lent.
+pub(crate) fn publish_all(o: &Op<'_>, lent: Option<LentWords>) -> Option<Result<Vec<LentWords>>> {
+    // A rank that announces goes on by messages at once, while others may still wait in the
+    // area for the last arrival: their wait keeps its frames.
+    let ctx = StepCtx {
+        area_then_messages: true,
+        ..o.ctx
+    };
+    let Some(words) = lent else {
+        let announced = [(Held::Announced as u64).to_le()];
+        o.t.shared_memory_announce(&ctx, o.count, &[bytemuck::cast_slice(&announced)]);
+        return None;
+    };
+    let [addr, len, offer] = words.to_le();
+    let mine = [(Held::Lent as u64).to_le(), addr, len, offer];
+    let mut lenders = vec![LentWords::default(); o.n()];
+    let mut all_lent = true;
+    let exchanged = o.t.shared_memory_exchange(
+        &ctx,
+        o.count,
+        &[bytemuck::cast_slice(&mine)],
+        &mut |p, theirs| {
+            match publication(theirs) {
+                Some((Held::Announced, None)) => all_lent = false,
+                Some((Held::Lent, Some(words))) => lenders[p] = words,
+                _ => return Err(corrupt(o, p, theirs.len())),
+            }
+            Ok(())
+        },
+    )?;
+    match exchanged {
+        Err(e) => Some(Err(e)),
+        Ok(()) => all_lent.then_some(Ok(lenders)),
+    }
 }
 
 /// Copies each of `reads` (a lender, its words, where its bytes for this rank start, and where

@@ -65,6 +65,10 @@ pub struct GlooBackend {
     lent_all_gather_bytes: usize,
     /// As `all_to_all_pace`, for all_gather's lending.
     all_gather_pace: Option<LendPace>,
+    /// [`GlooOptions::lent_all_reduce_bytes`], resolved.
+    lent_all_reduce_bytes: usize,
+    /// As `all_to_all_pace`, for all_reduce's lending.
+    all_reduce_pace: Option<LendPace>,
     /// The output size from which this rank's and the other local ranks' outputs together
     /// exceed the host's last-level cache, so that own blocks are copied into outputs with
     /// stores that bypass it (`output_copy`). Purely local: ranks may differ.
@@ -199,6 +203,7 @@ impl GlooBackend {
             ("area_broadcast_min_bytes", v(self.area_broadcast_min_bytes)),
             ("area_all_to_all_bytes", v(self.area_all_to_all_bytes)),
             ("lent_all_gather_bytes", v(self.lent_all_gather_bytes)),
+            ("lent_all_reduce_bytes", v(self.lent_all_reduce_bytes)),
             // Not an algorithm, but whether a repeated broadcast's receivers send their root an
             // agreement frame (`agree::repeats_silently`), which an eager root waits for.
             ("lazy_root_verification", self.lazy_root.to_string()),
@@ -218,6 +223,9 @@ impl GlooBackend {
         let lent_all_gather_bytes = opts
             .lent_all_gather_bytes
             .unwrap_or_else(|| GlooOptions::auto_lent_all_gather_bytes(cores_shared));
+        let lent_all_reduce_bytes = opts
+            .lent_all_reduce_bytes
+            .unwrap_or_else(|| GlooOptions::auto_lent_all_reduce_bytes(cores_shared));
         let local_ranks = 1 + transport
             .shared_memory_peers()
             .iter()
@@ -275,6 +283,11 @@ impl GlooBackend {
                 && opts.lent_all_gather_bytes.is_none()
                 && lent_all_gather_bytes != usize::MAX)
                 .then(|| LendPace::from(lent_all_gather_bytes)),
+            lent_all_reduce_bytes,
+            all_reduce_pace: (rank == 0
+                && opts.lent_all_reduce_bytes.is_none()
+                && lent_all_reduce_bytes != usize::MAX)
+                .then(|| LendPace::from(lent_all_reduce_bytes)),
             output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts

@@ -32,6 +32,13 @@ impl Backend for GlooBackend {
         let data = self.host(name, buf)?;
         let count = self.check_whole(name, "the buffer", data.len(), dtype)?;
         self.check_reduce(name, op, dtype)?;
+        // Rank 0, where it paces lending, decides for the group (the others lend whenever
+        // they can, and follow its announcement by messages).
+        let len = data.len();
+        let pace = self.all_reduce_pace.as_ref();
+        let lend = pace.is_none_or(|p| p.lends(len));
+        let start = Instant::now();
+        let mut lent = false;
         self.run(
             name,
             dtype,
@@ -49,6 +56,13 @@ impl Backend for GlooBackend {
                 {
                     done?;
                     self.finalize(o, op, data)
+                } else if let Some(done) = (len >= self.lent_all_reduce_bytes)
+                    .then(|| allreduce::lent_in_two_shots(o, data, op, scratch, lend))
+                    .flatten()
+                {
+                    done?;
+                    lent = true;
+                    self.finalize(o, op, data)
                 } else if data.len() > HALVING_DOUBLING_MIN_BYTES
                     && data.len() <= self.halving_doubling_bytes
                     && count >= self.world_size
@@ -65,7 +79,11 @@ impl Backend for GlooBackend {
                     allreduce::ring(o, data, op, scratch, self.ring_piece_bytes)
                 }
             },
-        )
+        )?;
+        if let Some(p) = pace {
+            p.record(len, lent, start.elapsed());
+        }
+        Ok(())
     }
 
     fn broadcast(

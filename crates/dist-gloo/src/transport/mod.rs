@@ -291,22 +291,26 @@ pub struct Lent<'a> {
     /// What a peer passes to [`Transport::shared_memory_read`].
     pub words: LentWords,
     /// Withdraws the offer when dropped.
-    _withdraw: Box<dyn std::any::Any + Send>,
+    withdraw: Box<dyn std::any::Any + Send>,
     _bytes: std::marker::PhantomData<&'a [u8]>,
 }
 
-impl<'a> Lent<'a> {
-    /// Bytes lent as `words`, withdrawn when `withdraw` drops.
-    pub(crate) fn new(
-        _bytes: &'a [u8],
-        words: LentWords,
-        withdraw: Box<dyn std::any::Any + Send>,
-    ) -> Self {
+impl Lent<'_> {
+    /// Bytes lent as `words`, withdrawn when `withdraw` drops; the caller's signature ties the
+    /// lifetime to the bytes' borrow.
+    pub(crate) fn new(words: LentWords, withdraw: Box<dyn std::any::Any + Send>) -> Self {
         Self {
             words,
-            _withdraw: withdraw,
+            withdraw,
             _bytes: std::marker::PhantomData,
         }
+    }
+}
+
+impl Lent<'_> {
+    /// The guard alone, to be held by a `Lent` of another lifetime.
+    pub(crate) fn into_guard(self) -> Box<dyn std::any::Any + Send> {
+        self.withdraw
     }
 }
 
@@ -401,6 +405,15 @@ pub trait Transport: Send + Sync {
     /// is done reading (a second operation through the area): a read that races with the
     /// withdrawal fails instead of copying bytes the caller may overwrite.
     fn shared_memory_lend<'a>(&self, _bytes: &'a [u8]) -> Option<Lent<'a>> {
+        None
+    }
+    /// [`Transport::shared_memory_lend`] for a buffer this rank goes on writing while it is
+    /// lent, given back with the [`Lent`] for as long as the borrow lasts. The caller's
+    /// protocol must keep every peer's reads off the bytes this rank writes meanwhile (the
+    /// all_reduce by reference writes only its own block while the peers read theirs, and
+    /// theirs once every rank has arrived again): a peer's copy is another process's, so
+    /// nothing here can make it wait.
+    fn shared_memory_lend_mut<'a>(&self, _bytes: &'a mut [u8]) -> Option<(Lent<'a>, &'a mut [u8])> {
         None
     }
     /// Copies bytes `at..at + dst.len()` of what `peer` lent ([`Transport::shared_memory_lend`],

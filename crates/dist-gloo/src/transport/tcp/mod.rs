@@ -263,7 +263,14 @@ impl Transport for TcpTransport {
         self.group_area.as_ref()?;
         let eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         let (words, withdraw) = eng.cma.as_ref()?.lend(bytes)?;
-        Some(Lent::new(bytes, words, Box::new(withdraw)))
+        Some(Lent::new(words, Box::new(withdraw)))
+    }
+
+    fn shared_memory_lend_mut<'a>(&self, bytes: &'a mut [u8]) -> Option<(Lent<'a>, &'a mut [u8])> {
+        let lent = self.shared_memory_lend(bytes)?;
+        // Only its words and guard: no borrow of the bytes lives on in the `Lent`.
+        let lent = Lent::new(lent.words, lent.into_guard());
+        Some((lent, bytes))
     }
 
     fn shared_memory_read(
