@@ -101,7 +101,8 @@ pub struct GlooOptions {
     /// `None` picks [`GlooOptions::auto_lent_all_to_all_bytes`] once the mesh is built, and
     /// rank 0 then chooses by pace which calls lend; a value set lends every such input;
     /// `usize::MAX` turns it off; `DIST_GLOO_LENT_ALL_TO_ALL_BYTES` sets it. Ranks may
-    /// differ: each chooses for its own input and its peers follow.
+    /// differ: each chooses for its own input and its peers follow. `area_all_to_all_bytes`
+    /// of 0 turns it off too (the tables go through the area).
     pub lent_all_to_all_bytes: Option<usize>,
     /// all_gathers whose output is at least this many bytes, and that the group area does not
     /// take whole ([`GlooOptions::area_all_gather_bytes`]), lend every rank's input by
@@ -120,7 +121,10 @@ pub struct GlooOptions {
     /// [`GlooOptions::auto_lent_all_reduce_bytes`] once the mesh is built, and rank 0 then
     /// chooses by pace which calls lend; a value set lends every such call; `usize::MAX` turns
     /// it off; `DIST_GLOO_LENT_ALL_REDUCE_BYTES` sets it. Every rank must use the same value
-    /// (checked when the group is built).
+    /// (checked when the group is built). On more than two ranks a floating-point sum adds
+    /// each block's terms in another order than the ring does, so a buffer's bits depend on
+    /// which way its call went (every rank still ends with the same bits): set on such a
+    /// group, some calls lend and others not.
     pub lent_all_reduce_bytes: Option<usize>,
 }
 
@@ -301,8 +305,9 @@ impl GlooOptions {
     ///
     /// With the pace from 1 MiB, 2 ranks, fresh inputs, against never, 14 pairs: near 0.93-1.02x
     /// by the paired median at 1, 4 and 16 MiB (the others wait in the area for rank 0's
-    /// choice before going by messages); in the pairs the host moved far apart, 3.4-4.0x. Not
-    /// from 64 KiB, where a lent call took 1.5x near and the wait weighs most.
+    /// choice before going by messages); in the pairs the host moved far apart, 3.4-4.0x. From
+    /// 256 KiB, 8 pairs near: 0.96x at 256 KiB, 0.97x at 512 KiB, 0.98x at 1 MiB. Not from 64
+    /// KiB, where a lent call took 1.5x near and the wait weighs most.
     pub fn auto_lent_all_to_all_bytes(cores_shared: bool) -> usize {
         if cores_shared { usize::MAX } else { 256 << 10 }
     }
@@ -323,10 +328,12 @@ impl GlooOptions {
         if cores_shared { usize::MAX } else { 256 << 10 }
     }
 
-    /// The default of [`GlooOptions::lent_all_reduce_bytes`]: buffers of 4 MiB where the
-    /// group's ranks fit the host's CPUs, with rank 0 choosing by the pace of its calls each
-    /// way, as for [`GlooOptions::auto_lent_all_to_all_bytes`]; never where they outnumber
-    /// them (not measured there).
+    /// The default of [`GlooOptions::lent_all_reduce_bytes`]: buffers of 4 MiB on two ranks
+    /// that fit the host's CPUs, with rank 0 choosing by the pace of its calls each way, as for
+    /// [`GlooOptions::auto_lent_all_to_all_bytes`]; never where the ranks outnumber the CPUs
+    /// (not measured there) nor on more than two ranks, where the two ways add a block's terms
+    /// in different orders and the pace would make a float sum's bits vary from call to call.
+    /// On two ranks each block is the sum of two terms, whose order does not change it.
     ///
     /// Measured with gloo_bench on a 2-core VM, 2 ranks, every input rewritten before each
     /// call, alternated with lending off, a cache line's round trip probed before each pair,
@@ -337,8 +344,12 @@ impl GlooOptions {
     /// 1.49x, 3.84x (64 MiB 8.9 ms against 32.6). Paced from 4 MiB, 6 pairs: near 0.99-1.03x
     /// at 4, 16 and 64 MiB; far 1.42x at 4 MiB, 1.04x at 16, 2.04x at 64. Not from 1 MiB: far
     /// apart lending gains less there than the pace's margin to switch.
-    pub fn auto_lent_all_reduce_bytes(cores_shared: bool) -> usize {
-        if cores_shared { usize::MAX } else { 4 << 20 }
+    pub fn auto_lent_all_reduce_bytes(world_size: usize, cores_shared: bool) -> usize {
+        if cores_shared || world_size != 2 {
+            usize::MAX
+        } else {
+            4 << 20
+        }
     }
 
     /// The default of [`GlooOptions::area_broadcast_min_bytes`]: 512 KiB where the group's

@@ -35,9 +35,10 @@
 //! half. Only steps that send alone are timed (see the engine): in an exchange, a send's time
 //! hangs on the peer's own sends.
 //!
-//! The same rule, kept by rank 0 over its own calls (one "peer"), picks which all_to_alls
-//! lend their inputs by reference through the group area (`algo::alltoall`): its choice
-//! carries the group, which follows it in the area.
+//! The same rule, kept by rank 0 over its own calls (one "peer"), picks which all_to_alls,
+//! all_gathers and all_reduces lend their inputs by reference through the group area
+//! (`algo::lent`, `backend::LendPace`): its choice carries the group, which follows it in the
+//! area.
 
 use std::time::Duration;
 

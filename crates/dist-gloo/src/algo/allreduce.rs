@@ -195,10 +195,15 @@ fn reduce_lent(
         let (acc, theirs) = (&mut data[at..at + len], &mut theirs[..len]);
         for (p, words) in lenders.iter().enumerate().filter(|&(p, _)| p != r) {
             o.t.shared_memory_read(&o.ctx, p, *words, at, theirs)?;
-            o.combine(op, acc, theirs)?;
+            // The others wait at the next arrival: tell them.
+            o.combine(op, acc, theirs)
+                .map_err(|e| o.t.fail_with(&o.ctx, e))?;
         }
         at += len;
     }
+    // The peers read this block by reference once they pass the next arrival, which sees no
+    // pointer to it: the writes must all be in memory before it, not sunk past it.
+    std::hint::black_box(&mut data[mine]);
     super::unwrap_area(
         o,
         o.t.shared_memory_exchange(&o.ctx, o.count, &[], &mut |_, _| Ok(())),

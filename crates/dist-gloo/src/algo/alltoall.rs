@@ -21,8 +21,9 @@ use crate::transport::{LentWords, StepCtx};
 /// arrival in the area, once every rank is done reading, ends the operation. So one
 /// all_to_all of large blocks costs two arrivals and one copy of each block, where by
 /// messages every block's offer and acknowledgement cost a frame each way, or each block is
-/// copied twice through a ring. It pays where the ranks' cores share no cache, and is off by
-/// default ([`GlooOptions::auto_lent_all_to_all_bytes`](crate::GlooOptions::auto_lent_all_to_all_bytes)
+/// copied twice through a ring. It pays where the ranks' cores share no cache, and loses
+/// near, so by default rank 0 chooses by its pace and the others follow
+/// ([`GlooOptions::auto_lent_all_to_all_bytes`](crate::GlooOptions::auto_lent_all_to_all_bytes)
 /// has the figures).
 /// Each rank chooses for its own input (the first word of its table says which), and every
 /// reader follows each publication as it finds it, so ranks may differ.

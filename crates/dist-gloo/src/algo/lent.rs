@@ -1,7 +1,8 @@
 //! What the operations that lend their inputs by reference through the group area share
-//! (`alltoall::through_shared_memory`, `allgather::lent_through_shared_memory`): the words a
-//! lender publishes, how its publication says how it holds its input, and the reads that
-//! follow once every publication is in, closed by a second arrival.
+//! (`alltoall::through_shared_memory`, `allgather::lent_through_shared_memory`,
+//! `allreduce::lent_in_two_shots`): the words a lender publishes, how its publication says
+//! how it holds its input, the first arrival, and the reads that follow once every
+//! publication is in, closed by a last arrival (the second; all_reduce's third).
 
 use dist_backend::{Error, Result};
 
@@ -80,6 +81,7 @@ pub(crate) fn publish_all(o: &Op<'_>, lent: Option<LentWords>) -> Option<Result<
     let mine = [(Held::Lent as u64).to_le(), addr, len, offer];
     let mut lenders = vec![LentWords::default(); o.n()];
     let mut all_lent = true;
+    let mut corrupt_seen = false;
     let exchanged = o.t.shared_memory_exchange(
         &ctx,
         o.count,
@@ -88,12 +90,18 @@ pub(crate) fn publish_all(o: &Op<'_>, lent: Option<LentWords>) -> Option<Result<
             match publication(theirs) {
                 Some((Held::Announced, None)) => all_lent = false,
                 Some((Held::Lent, Some(words))) => lenders[p] = words,
-                _ => return Err(corrupt(o, p, theirs.len())),
+                _ => {
+                    corrupt_seen = true;
+                    return Err(corrupt(o, p, theirs.len()));
+                }
             }
             Ok(())
         },
     )?;
     match exchanged {
+        // A rank that announced went on by messages and waits for frames: the abort notice
+        // tells it (the engine's failures have told it already).
+        Err(e) if corrupt_seen => Some(Err(o.t.fail_with(&o.ctx, e))),
         Err(e) => Some(Err(e)),
         Ok(()) => all_lent.then_some(Ok(lenders)),
     }
@@ -110,8 +118,11 @@ pub(crate) fn read_then_close<'d>(
     for (p, words, at, dst) in reads {
         o.t.shared_memory_read(&o.ctx, p, words, at, dst)?;
     }
-    o.t.shared_memory_exchange(&o.ctx, o.count, &[], &mut |_, _| Ok(()))
-        .unwrap_or(Ok(()))
+    // Refused, this rank would take its input back while the others read it: fail loudly.
+    super::unwrap_area(
+        o,
+        o.t.shared_memory_exchange(&o.ctx, o.count, &[], &mut |_, _| Ok(())),
+    )
 }
 
 /// Rank `p`'s publication of `len` bytes does not say how it holds its input, or not in a

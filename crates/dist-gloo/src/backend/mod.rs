@@ -225,7 +225,7 @@ impl GlooBackend {
             .unwrap_or_else(|| GlooOptions::auto_lent_all_gather_bytes(cores_shared));
         let lent_all_reduce_bytes = opts
             .lent_all_reduce_bytes
-            .unwrap_or_else(|| GlooOptions::auto_lent_all_reduce_bytes(cores_shared));
+            .unwrap_or_else(|| GlooOptions::auto_lent_all_reduce_bytes(world_size, cores_shared));
         let local_ranks = 1 + transport
             .shared_memory_peers()
             .iter()

@@ -61,8 +61,9 @@ pub struct StepCtx {
     /// frame of any of them is judged against that call.
     pub last_rooted_from: u64,
     /// The operation may go on over messages after an exchange through the group area, on
-    /// what every rank read there alike (an all_to_all some rank's input did not fit, see
-    /// `algo::alltoall`): the area's wait then keeps a frame of this very operation for the
+    /// what every rank read there alike (an all_to_all some rank's input did not fit, or an
+    /// operation some rank did not lend its input to, see `algo::alltoall` and `algo::lent`):
+    /// the area's wait then keeps a frame of this very operation for the
     /// steps to come instead of taking it for a peer that runs the operation over messages.
     pub area_then_messages: bool,
     /// The earlier operations whose agreement frames this rank, a lazy root, has left unread
@@ -286,7 +287,9 @@ impl LentWords {
 
 /// Bytes a rank lends its peers ([`Transport::shared_memory_lend`]): the words to publish,
 /// and, held inside, the guard that withdraws the offer when this drops. It borrows the lent
-/// bytes, so they cannot change while peers may read them.
+/// bytes for as long as it lives: shared from [`Transport::shared_memory_lend`], so that they
+/// cannot change while peers may read them; from [`Transport::shared_memory_lend_mut`] the
+/// caller gets the bytes back to write, and its protocol keeps the peers off what it writes.
 pub struct Lent<'a> {
     /// What a peer passes to [`Transport::shared_memory_read`].
     pub words: LentWords,
