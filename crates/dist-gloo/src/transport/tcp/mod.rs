@@ -292,7 +292,16 @@ impl Transport for TcpTransport {
             Some(cma) => cma.read_lent(peer, words, at, dst),
             None => Err("it lent a buffer by reference, which this rank cannot read".into()),
         };
-        read.map_err(|reason| self.fail_with(ctx, ctx.peer_lost(peer, reason)))
+        read.map_err(|reason| {
+            let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+            // A lender that gave up aborted the group before it withdrew its offer: its notice
+            // is on the link now and names the rank it lost, which this rank reports too,
+            // rather than the lender.
+            match eng.look(ctx, 0, None) {
+                Err(noticed) => noticed,
+                Ok(()) => eng.fail_with(ctx, ctx.peer_lost(peer, reason)),
+            }
+        })
     }
 
     fn look(&self, ctx: &StepCtx, count: u64, run_from: Option<u64>) -> Result<()> {
