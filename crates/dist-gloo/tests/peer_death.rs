@@ -1,5 +1,6 @@
 //! A real peer process killed mid-collective: every other rank fails with `PeerLost` naming it
-//! within one second. The test binary re-runs itself as the worker ranks.
+//! within one second, over messages and with every all_reduce lent by reference through the
+//! group area. The test binary re-runs itself as the worker ranks.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -16,7 +17,7 @@ const VICTIM: usize = 2;
 
 /// Worker entry: runs only when the parent test starts this binary with `DIST_TEST_WORKER`.
 #[test]
-#[ignore = "a worker rank started by a_killed_peer_is_peer_lost_on_every_other_rank_within_one_second"]
+#[ignore = "a worker rank started by killed_peer_is_lost_everywhere"]
 fn worker() {
     let Ok(spec) = std::env::var("DIST_TEST_WORKER") else {
         return;
@@ -24,10 +25,20 @@ fn worker() {
     let mut it = spec
         .split(',')
         .map(|s| s.parse::<usize>().expect("numeric worker spec"));
-    let (rank, port) = (it.next().unwrap(), it.next().unwrap() as u16);
+    let (rank, port, lent) = (
+        it.next().unwrap(),
+        it.next().unwrap() as u16,
+        it.next().unwrap() == 1,
+    );
     let store = TcpStore::connect("127.0.0.1", port, Duration::from_secs(20)).expect("store");
-    let b =
-        GlooBackend::connect(&store, "death", rank, WORLD, &GlooOptions::default()).expect("mesh");
+    let mut o = GlooOptions::default();
+    if lent {
+        // Every all_reduce by reference through the area (where the area is, and memory can
+        // be read across), none of it in two shots through the area's slots.
+        o.lent_all_reduce_bytes = Some(0);
+        o.area_all_reduce_bytes = Some(0);
+    }
+    let b = GlooBackend::connect(&store, "death", rank, WORLD, &o).expect("mesh");
     let mut v = vec![1.0f32; 1 << 20];
     let opts = OpOptions::with_timeout(Duration::from_secs(30));
     for i in 0.. {
@@ -72,6 +83,20 @@ impl Drop for Workers {
 
 #[test]
 fn a_killed_peer_is_peer_lost_on_every_other_rank_within_one_second() {
+    killed_peer_is_lost_everywhere(false);
+}
+
+/// The same with every all_reduce lent: the kill lands while ranks copy out of each other's
+/// buffers between the area's arrivals, and a rank that copies from a survivor that gave up
+/// first must still name the victim, from that survivor's abort notice.
+#[test]
+fn a_killed_peer_mid_lent_all_reduce_is_peer_lost_on_every_other_rank() {
+    killed_peer_is_lost_everywhere(true);
+}
+
+/// Starts `WORLD` worker processes (lending every all_reduce where `lent`), kills `VICTIM` once
+/// all run, and checks that every other rank reports it lost within a second.
+fn killed_peer_is_lost_everywhere(lent: bool) {
     let server = TcpStoreServer::start(0).expect("store server");
     let exe = std::env::current_exe().expect("test binary path");
     let (tx, rx) = mpsc::channel::<(usize, String, Instant)>();
@@ -86,7 +111,10 @@ fn a_killed_peer_is_peer_lost_on_every_other_rank_within_one_second() {
                         "--nocapture",
                         "--test-threads=1",
                     ])
-                    .env("DIST_TEST_WORKER", format!("{rank},{}", server.port()))
+                    .env(
+                        "DIST_TEST_WORKER",
+                        format!("{rank},{},{}", server.port(), u8::from(lent)),
+                    )
                     .stdout(Stdio::piped())
                     .stderr(Stdio::null())
                     .spawn()
