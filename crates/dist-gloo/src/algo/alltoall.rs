@@ -206,7 +206,8 @@ fn corrupt(o: &Op<'_>, p: usize, len: usize) -> Error {
 /// The first pair, in order of sender then receiver, whose sender's count for the receiver
 /// differs from the receiver's count for the sender, as a mismatch between the two. `tables`
 /// holds every rank's table in rank order (how it holds its input, what it sends each rank,
-/// then what it expects from each). Every rank reads the same tables, so every rank names the same pair.
+/// then what it expects from each). Every rank reads the same tables, so every rank names the
+/// same pair.
 fn disagreeing_pair(o: &Op<'_>, tables: &[u64]) -> Option<Error> {
     let n = o.n();
     let desc = |rank: usize, count: u64| OpDesc {
