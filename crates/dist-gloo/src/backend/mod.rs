@@ -274,20 +274,23 @@ impl GlooBackend {
                 .area_all_to_all_bytes
                 .unwrap_or_else(|| GlooOptions::auto_area_all_to_all_bytes(cores_shared)),
             lent_all_to_all_bytes,
-            all_to_all_pace: (rank == 0
-                && opts.lent_all_to_all_bytes.is_none()
-                && lent_all_to_all_bytes != usize::MAX)
-                .then(|| LendPace::from(lent_all_to_all_bytes)),
+            all_to_all_pace: LendPace::on_rank_zero(
+                rank,
+                opts.lent_all_to_all_bytes,
+                lent_all_to_all_bytes,
+            ),
             lent_all_gather_bytes,
-            all_gather_pace: (rank == 0
-                && opts.lent_all_gather_bytes.is_none()
-                && lent_all_gather_bytes != usize::MAX)
-                .then(|| LendPace::from(lent_all_gather_bytes)),
+            all_gather_pace: LendPace::on_rank_zero(
+                rank,
+                opts.lent_all_gather_bytes,
+                lent_all_gather_bytes,
+            ),
             lent_all_reduce_bytes,
-            all_reduce_pace: (rank == 0
-                && opts.lent_all_reduce_bytes.is_none()
-                && lent_all_reduce_bytes != usize::MAX)
-                .then(|| LendPace::from(lent_all_reduce_bytes)),
+            all_reduce_pace: LendPace::on_rank_zero(
+                rank,
+                opts.lent_all_reduce_bytes,
+                lent_all_reduce_bytes,
+            ),
             output_leaves_cache_bytes: output_leaves_cache_bytes(local_ranks),
             pairs_over_sockets: !memory_shared && world_size > 2 && world_size.is_power_of_two(),
             fused_agreement_max_ranks: opts
@@ -639,9 +642,12 @@ mod tests {
 pub(crate) struct LendPace(Mutex<PathPace>);
 
 impl LendPace {
-    /// Learning for calls of at least `min_bytes`.
-    fn from(min_bytes: usize) -> Self {
-        LendPace(Mutex::new(PathPace::with_min_bytes(1, min_bytes)))
+    /// Rank 0's learning for calls of at least `resolved` bytes, where the user left the
+    /// threshold unset (`set`) and it resolved to lending at all; `None` elsewhere: other
+    /// ranks follow rank 0, and a threshold set lends every such call.
+    fn on_rank_zero(rank: usize, set: Option<usize>, resolved: usize) -> Option<Self> {
+        (rank == 0 && set.is_none() && resolved != usize::MAX)
+            .then(|| LendPace(Mutex::new(PathPace::with_min_bytes(1, resolved))))
     }
 
     /// Whether the next call of `len` bytes lends.
