@@ -93,6 +93,15 @@ pub struct GlooOptions {
     /// turns it off; `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` sets it. Every rank must use the same
     /// value (checked when the group is built).
     pub area_all_to_all_bytes: Option<usize>,
+    /// all_to_all inputs over [`GlooOptions::area_all_to_all_bytes`] and up to this many
+    /// bytes (and that fit the area) go through it or by messages as rank 0 finds faster from
+    /// its own calls; the others follow the choice it publishes in the area (see
+    /// `backend::area_pace`). `None` picks [`GlooOptions::auto_paced_area_all_to_all_bytes`]
+    /// once the mesh is built; 0 turns it off; `DIST_GLOO_PACED_AREA_ALL_TO_ALL_BYTES` sets
+    /// it. Only where lending all_to_all inputs is off
+    /// ([`GlooOptions::lent_all_to_all_bytes`] resolves to `usize::MAX`). Ranks may differ: a
+    /// rank that goes by messages takes the group with it.
+    pub paced_area_all_to_all_bytes: Option<usize>,
     /// all_to_all inputs of at least this many bytes that the group area cannot hold
     /// (over [`GlooOptions::area_all_to_all_bytes`]) are lent to the peers by reference
     /// through it, where every peer can read this rank's memory: the area carries the
@@ -287,6 +296,20 @@ impl GlooOptions {
         if cores_shared { 32 << 10 } else { 4 << 10 }
     }
 
+    /// The default of [`GlooOptions::paced_area_all_to_all_bytes`]: whatever the area holds
+    /// (`usize::MAX`) where the group's ranks outnumber the host's CPUs, else none (0).
+    ///
+    /// Measured with gloo_bench at 4 ranks on 2 cores, 256 KiB per rank, the area up to 1 MiB
+    /// alternated with messages, a cache line's round trip between the two vCPUs probed
+    /// before each pair (near about 55 ns, far apart 320), us: near the area took 50-67
+    /// against 68-91 (paired 1.25-1.96x), far apart 207-217 against 81-90 (0.41-0.71x); at 1
+    /// MiB per rank the input does not fit, and both went by messages. Where the ranks fit
+    /// the CPUs, lending paces the large inputs
+    /// ([`GlooOptions::auto_lent_all_to_all_bytes`]); the band between was not measured.
+    pub fn auto_paced_area_all_to_all_bytes(cores_shared: bool) -> usize {
+        if cores_shared { usize::MAX } else { 0 }
+    }
+
     /// The default of [`GlooOptions::lent_all_to_all_bytes`]: 256 KiB where the group's ranks
     /// fit the host's CPUs, with rank 0 choosing by the pace of its calls each way
     /// (`path_pace`: it lends every so often, and goes on lending once a lent call took
@@ -388,6 +411,7 @@ impl GlooOptions {
     /// `DIST_GLOO_AREA_ALL_GATHER_BYTES` ([`GlooOptions::area_all_gather_bytes`]),
     /// `DIST_GLOO_AREA_BROADCAST_MIN_BYTES` ([`GlooOptions::area_broadcast_min_bytes`]),
     /// `DIST_GLOO_AREA_ALL_TO_ALL_BYTES` ([`GlooOptions::area_all_to_all_bytes`]),
+    /// `DIST_GLOO_PACED_AREA_ALL_TO_ALL_BYTES` ([`GlooOptions::paced_area_all_to_all_bytes`]),
     /// `DIST_GLOO_LENT_ALL_TO_ALL_BYTES` ([`GlooOptions::lent_all_to_all_bytes`]),
     /// `DIST_GLOO_LENT_ALL_GATHER_BYTES` ([`GlooOptions::lent_all_gather_bytes`]) and
     /// `DIST_GLOO_LENT_ALL_REDUCE_BYTES` ([`GlooOptions::lent_all_reduce_bytes`]).
@@ -406,6 +430,7 @@ impl GlooOptions {
             area_all_gather_bytes: var("DIST_GLOO_AREA_ALL_GATHER_BYTES"),
             area_broadcast_min_bytes: var("DIST_GLOO_AREA_BROADCAST_MIN_BYTES"),
             area_all_to_all_bytes: var("DIST_GLOO_AREA_ALL_TO_ALL_BYTES"),
+            paced_area_all_to_all_bytes: var("DIST_GLOO_PACED_AREA_ALL_TO_ALL_BYTES"),
             lent_all_to_all_bytes: var("DIST_GLOO_LENT_ALL_TO_ALL_BYTES"),
             lent_all_gather_bytes: var("DIST_GLOO_LENT_ALL_GATHER_BYTES"),
             lent_all_reduce_bytes: var("DIST_GLOO_LENT_ALL_REDUCE_BYTES"),

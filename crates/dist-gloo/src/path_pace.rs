@@ -38,7 +38,8 @@
 //! The same rule, kept by rank 0 over its own calls (one "peer"), picks which all_to_alls,
 //! all_gathers and all_reduces lend their inputs by reference through the group area
 //! (`algo::lent`, `backend::LendPace`): its choice carries the group, which follows it in the
-//! area.
+//! area; and which all_to_alls over the group area's fixed limit go through it
+//! (`backend::area_pace`).
 
 use std::time::Duration;
 
@@ -176,6 +177,16 @@ impl PathPace {
     fn at(&self, peer: usize, len: usize) -> Option<&ClassPace> {
         let classes = self.classes.get(peer)?.as_deref()?;
         Some(&classes[self.class(len)])
+    }
+
+    /// The way (true: by reference) messages of `len` bytes to `peer` go now, which the fixed
+    /// rule sends by reference when `rule_by_ref`, looks aside: [`PathPace::choose`] less the
+    /// look.
+    pub(crate) fn current(&self, peer: usize, len: usize, rule_by_ref: bool) -> bool {
+        self.at(peer, len)
+            .filter(|_| self.times(len))
+            .and_then(|c| c.by_ref)
+            .unwrap_or(rule_by_ref)
     }
 
     /// The way (true: by reference) of the next message of `len` bytes to `peer`, which the

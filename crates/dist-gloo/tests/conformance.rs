@@ -11,7 +11,8 @@ mod common;
 
 use common::{
     DRIVERS, MakeTransports, assert_close, check_all_to_all, check_reduce_scatter, decode, encode,
-    on_all, reference, shm_rings_transports, tcp_world, tcp_world_with, value, world,
+    on_all, reference, shm_rings_transports, shm_transports, tcp_world, tcp_world_with, value,
+    world,
 };
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -698,6 +699,40 @@ fn rank_zero_paces_all_to_all_lending_and_looks_at_the_fifth_call() {
         check_all_to_all(&ranks, DType::F32, split, &opts(), &format!("call {call}"));
         let want = if paced && call == 5 { 2 } else { 1 };
         assert_eq!(exchanges(&ranks) - before, want, "call {call}: exchanges");
+    }
+}
+
+/// all_to_all over the area's fixed limit with rank 0 pacing the band above it
+/// (`GlooOptions::paced_area_all_to_all_bytes`), on 2 to 4 ranks: rank 0 prefers the area
+/// until it has looked at messages, and its first look, due after four calls, waits for the
+/// next call on which every rank goes to the area (every 16th), so the first 16 calls go
+/// through the area and the 17th by messages, whatever the times; every call's data checked,
+/// and the way by the messages sent by reference (single copy from one byte on: none through
+/// the area, some by messages where memory can be read across).
+#[test]
+fn rank_zero_paces_the_area_all_to_all_and_looks_on_a_scheduled_call() {
+    let mut o = gloo_opts();
+    o.area_all_to_all_bytes = Some(4 << 10);
+    o.paced_area_all_to_all_bytes = Some(usize::MAX);
+    o.mesh.cross_memory_min_bytes = Some(1);
+    let by_reference = cross_memory_available();
+    let references = |ranks: &[GlooBackend]| -> u64 {
+        ranks.iter().map(GlooBackend::messages_by_reference).sum()
+    };
+    for n in 2..=4 {
+        let ranks = world(shm_transports, n, &o);
+        let split = |s: usize, r: usize| 5_000 + 3 * s + r;
+        for call in 1..=17 {
+            let before = references(&ranks);
+            let what = format!("ws {n} call {call}");
+            check_all_to_all(&ranks, DType::F32, split, &opts(), &what);
+            let sent = references(&ranks) - before;
+            if call < 17 {
+                assert_eq!(sent, 0, "{what}: through the area, yet sent by reference");
+            } else if by_reference {
+                assert!(sent > 0, "{what}: rank 0's look went through the area");
+            }
+        }
     }
 }
 

@@ -28,6 +28,11 @@ use crate::transport::{LentWords, StepCtx};
 /// Each rank chooses for its own input (the first word of its table says which), and every
 /// reader follows each publication as it finds it, so ranks may differ.
 ///
+/// Rank 0 may publish in its table that it prefers the area for the calls to come
+/// (`area.area_preferred`), which a rank that reads its table returns in `rank_zero`: where it
+/// paces which inputs over the fixed limit go to the area, the others follow it
+/// (`backend::area_pace`).
+///
 /// Every rank takes this path where `max_input` is not 0 and the area can hold the table
 /// (those agree on every rank), whatever its own input. A rank whose input neither fits nor
 /// is lent announces its table alone
@@ -49,7 +54,7 @@ use crate::transport::{LentWords, StepCtx};
 /// output blocks.
 #[expect(
     clippy::too_many_arguments,
-    reason = "the backend's all_to_all arguments and its two resolved limits"
+    reason = "the backend's all_to_all arguments, its choice and what rank 0 said"
 )]
 pub(crate) fn through_shared_memory(
     o: &Op<'_>,
@@ -57,10 +62,15 @@ pub(crate) fn through_shared_memory(
     output: &mut [u8],
     send_counts: &[usize],
     recv_counts: &[usize],
-    max_input: usize,
-    lend_from: usize,
+    area: AreaChoice,
+    rank_zero: &mut Option<RankZeroSaid>,
     scratch: &mut Vec<u64>,
 ) -> Option<Result<bool>> {
+    let AreaChoice {
+        max_input,
+        lend_from,
+        area_preferred,
+    } = area;
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
     let words = table_words(n);
     let room = o.t.shared_memory_bytes();
@@ -73,7 +83,7 @@ pub(crate) fn through_shared_memory(
     let (mine, tables) = scratch.split_at_mut(words);
     // Allocated at the first lender, so that a call of small inputs allocates nothing more.
     let mut lenders: Vec<LentWords> = Vec::new();
-    let inline = input.len() <= max_input && input.len() <= room - 8 * words;
+    let inline = input.len() <= max_input && input.len() <= input_room(room, n);
     let lent = (!inline && input.len() >= lend_from)
         .then(|| o.t.shared_memory_lend(input))
         .flatten();
@@ -82,7 +92,8 @@ pub(crate) fn through_shared_memory(
         (false, Some(_)) => Held::Lent,
         (false, None) => Held::Announced,
     };
-    mine[0] = (kind as u64).to_le();
+    let preferred = if area_preferred { AREA_PREFERRED } else { 0 };
+    mine[0] = (kind as u64 | preferred).to_le();
     for (word, &c) in mine[1..]
         .iter_mut()
         .zip(send_counts.iter().chain(recv_counts))
@@ -115,6 +126,12 @@ pub(crate) fn through_shared_memory(
         o.t.shared_memory_exchange(&ctx, 0, &[table, data], &mut |p, theirs| {
             let counts = &mut tables[p * words..(p + 1) * words];
             let data = read_table(o, p, theirs, counts)?;
+            if p == 0 && r != 0 {
+                *rank_zero = Some(RankZeroSaid {
+                    inline: held(counts[0]) == Some(Held::Inline),
+                    area_preferred: counts[0] & AREA_PREFERRED != 0,
+                });
+            }
             let sends = &counts[1..=n];
             let total = sends.iter().try_fold(0usize, |acc, &c| {
                 usize::try_from(c)
@@ -122,7 +139,7 @@ pub(crate) fn through_shared_memory(
                     .and_then(|c| c.checked_mul(elem))
                     .and_then(|b| acc.checked_add(b))
             });
-            match (Held::from_word(counts[0]), total) {
+            match (held(counts[0]), total) {
                 (Some(Held::Announced), Some(_)) if data.is_empty() => all_fit = false,
                 (Some(Held::Inline), Some(t)) if t == data.len() => {
                     // Counts of this pair that disagree are reported below, from the tables;
@@ -160,13 +177,50 @@ pub(crate) fn through_shared_memory(
     }
     let reads = parts.iter_mut().enumerate().filter_map(|(p, part)| {
         let counts = &tables[p * words..(p + 1) * words];
-        let lender = p != r && Held::from_word(counts[0]) == Some(Held::Lent);
+        let lender = p != r && held(counts[0]) == Some(Held::Lent);
         let at: usize = counts[1..=r].iter().map(|&c| c as usize * elem).sum();
         lender.then(|| (p, lenders[p], at, &mut **part))
     });
     let done = read_then_close(o, reads);
     drop(lent);
     Some(done.map(|()| true))
+}
+
+/// What a rank's all_to_all puts in the group area, as its backend chose.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AreaChoice {
+    /// Inputs up to this many bytes (and that fit) go in the area; 0 keeps the operation out
+    /// of it.
+    pub(crate) max_input: usize,
+    /// Larger inputs of at least this many bytes are lent, where this rank can lend.
+    pub(crate) lend_from: usize,
+    /// Published in the table: rank 0's choice of the area for the calls to come
+    /// (`backend::area_pace`); false on the others.
+    pub(crate) area_preferred: bool,
+}
+
+/// What a rank read of rank 0's table in an all_to_all that went through the area.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RankZeroSaid {
+    /// Rank 0's input was in the area.
+    pub(crate) inline: bool,
+    /// Rank 0's published choice of the area for the calls to come.
+    pub(crate) area_preferred: bool,
+}
+
+/// The bit of a table's first word by which rank 0 publishes that it prefers the area
+/// ([`AreaChoice::area_preferred`]); how the rank holds its input ([`Held`]) is below it.
+const AREA_PREFERRED: u64 = 1 << 32;
+
+/// How a table's first word (from another process) says its rank holds its input.
+fn held(word: u64) -> Option<Held> {
+    Held::from_word(word & !AREA_PREFERRED)
+}
+
+/// The largest input of `n` ranks' all_to_all that an area of `room` bytes per rank holds
+/// after its table.
+pub(crate) fn input_room(room: usize, n: usize) -> usize {
+    room.saturating_sub(8 * table_words(n))
 }
 
 /// Words of a rank's table: how it holds its input ([`Held`]), what it sends each of `n`

@@ -26,7 +26,10 @@ use crate::transport::tcp::TcpTransport;
 use crate::transport::{DeferredSeqs, StepCtx, Transport};
 use std::time::Duration;
 
+mod area_pace;
 mod ops;
+
+use area_pace::AreaPace;
 mod validate;
 
 /// The pure-Rust CPU backend.
@@ -54,6 +57,10 @@ pub struct GlooBackend {
     area_broadcast_min_bytes: usize,
     /// [`GlooOptions::area_all_to_all_bytes`], resolved.
     area_all_to_all_bytes: usize,
+    /// Where inputs over `area_all_to_all_bytes` may go through the area too
+    /// ([`GlooOptions::paced_area_all_to_all_bytes`]): rank 0's pace of them, or a follower's
+    /// memory of rank 0's choice.
+    area_all_to_all_pace: Option<AreaPace>,
     /// [`GlooOptions::lent_all_to_all_bytes`], resolved. Purely local: ranks may differ.
     lent_all_to_all_bytes: usize,
     /// On rank 0 where the option is unset and lending is on: which all_to_alls it lends,
@@ -226,6 +233,22 @@ impl GlooBackend {
         let lent_all_reduce_bytes = opts
             .lent_all_reduce_bytes
             .unwrap_or_else(|| GlooOptions::auto_lent_all_reduce_bytes(world_size, cores_shared));
+        let area_all_to_all_bytes = opts
+            .area_all_to_all_bytes
+            .unwrap_or_else(|| GlooOptions::auto_area_all_to_all_bytes(cores_shared));
+        let paced_top = opts
+            .paced_area_all_to_all_bytes
+            .unwrap_or_else(|| GlooOptions::auto_paced_area_all_to_all_bytes(cores_shared))
+            .min(alltoall::input_room(
+                transport.shared_memory_bytes(),
+                world_size,
+            ));
+        // Lending, where on, takes the inputs the area does not, and paces them itself.
+        let area_all_to_all_pace = (world_size > 1
+            && area_all_to_all_bytes != 0
+            && paced_top > area_all_to_all_bytes
+            && lent_all_to_all_bytes == usize::MAX)
+            .then(|| AreaPace::new(rank, area_all_to_all_bytes, paced_top));
         let local_ranks = 1 + transport
             .shared_memory_peers()
             .iter()
@@ -270,9 +293,8 @@ impl GlooBackend {
             area_broadcast_min_bytes: opts
                 .area_broadcast_min_bytes
                 .unwrap_or_else(|| GlooOptions::auto_area_broadcast_min_bytes(cores_shared)),
-            area_all_to_all_bytes: opts
-                .area_all_to_all_bytes
-                .unwrap_or_else(|| GlooOptions::auto_area_all_to_all_bytes(cores_shared)),
+            area_all_to_all_bytes,
+            area_all_to_all_pace,
             lent_all_to_all_bytes,
             all_to_all_pace: LendPace::on_rank_zero(
                 rank,

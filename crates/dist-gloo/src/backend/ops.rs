@@ -2,6 +2,7 @@
 //! size and the group's shape choose (see the crate docs for which runs when).
 
 use super::*;
+use crate::algo::alltoall::AreaChoice;
 use crate::options::HALVING_DOUBLING_MIN_BYTES;
 
 impl Backend for GlooBackend {
@@ -328,8 +329,18 @@ impl Backend for GlooBackend {
             Some(p) if !p.lends(input.len()) => usize::MAX,
             _ => self.lent_all_to_all_bytes,
         };
+        // Every rank counts its calls for the area's pace, and rank 0 chooses for the group.
+        let area_call = self
+            .area_all_to_all_pace
+            .as_ref()
+            .map(|p| p.begin(input.len()));
+        let area = AreaChoice {
+            max_input: area_call.map_or(self.area_all_to_all_bytes, |c| c.max_input),
+            lend_from,
+            area_preferred: area_call.is_some_and(|c| c.area_preferred),
+        };
         let start = Instant::now();
-        let mut lent = false;
+        let (mut lent, mut through_area, mut rank_zero) = (false, false, None);
         self.run(name, dtype, 0, None, None, None, opts, |o, scratch| {
             if let Some(done) = alltoall::through_shared_memory(
                 o,
@@ -337,10 +348,11 @@ impl Backend for GlooBackend {
                 output,
                 send_counts,
                 recv_counts,
-                self.area_all_to_all_bytes,
-                lend_from,
+                area,
+                &mut rank_zero,
                 scratch,
             ) {
+                through_area = done.is_ok();
                 lent = matches!(done, Ok(true));
                 return done.map(|_| ());
             }
@@ -357,6 +369,9 @@ impl Backend for GlooBackend {
         })?;
         if let Some(p) = pace {
             p.record(input.len(), lent, start.elapsed());
+        }
+        if let (Some(p), Some(call)) = (&self.area_all_to_all_pace, area_call) {
+            p.end(call, through_area, rank_zero, start.elapsed());
         }
         Ok(())
     }
