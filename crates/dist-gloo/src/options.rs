@@ -302,10 +302,14 @@ impl GlooOptions {
     /// Measured with gloo_bench at 4 ranks on 2 cores, 256 KiB per rank, the area up to 1 MiB
     /// alternated with messages, a cache line's round trip between the two vCPUs probed
     /// before each pair (near about 55 ns, far apart 320), us: near the area took 50-67
-    /// against 68-91 (paired 1.25-1.96x), far apart 207-217 against 81-90 (0.41-0.71x); at 1
-    /// MiB per rank the input does not fit, and both went by messages. Where the ranks fit
-    /// the CPUs, lending paces the large inputs
-    /// ([`GlooOptions::auto_lent_all_to_all_bytes`]); the band between was not measured.
+    /// against 68-91 (paired 1.25-1.96x), far apart 207-217 against 81-90 (0.41-0.71x). With
+    /// rank 0's pace against this off (messages), every input rewritten before each call,
+    /// paired medians of off's time over the pace's: near (93 pairs) 1.07x at 64 KiB, 1.37x
+    /// at 256 KiB, 1.22x at 512 KiB; far apart (19 pairs) 0.92x at 256 KiB and 0.96x at 512
+    /// KiB, the looks' cost. At 1 MiB per rank the input does not fit the area, and with a
+    /// larger area it gained nothing (1.00x). Where the ranks fit the CPUs, lending paces the
+    /// large inputs ([`GlooOptions::auto_lent_all_to_all_bytes`]); the band between was not
+    /// measured.
     pub fn auto_paced_area_all_to_all_bytes(cores_shared: bool) -> usize {
         if cores_shared { usize::MAX } else { 0 }
     }

@@ -127,6 +127,9 @@ struct ClassPace {
 pub(crate) struct PathPace {
     /// The smallest message timed: twice a ring's data bytes.
     min_bytes: usize,
+    /// A look switches when it took under this fraction of the current way's time:
+    /// [`SWITCH_BELOW`] unless [`PathPace::switching_below`] says otherwise.
+    switch_below: f64,
     /// Indexed by peer, then size class; a peer's classes are made at its first timed
     /// message, so that a large group whose ranks are mostly on other hosts costs a pointer
     /// for each of those.
@@ -165,7 +168,17 @@ impl PathPace {
     pub(crate) fn with_min_bytes(peers: usize, min_bytes: usize) -> Self {
         PathPace {
             min_bytes: min_bytes.max(1),
+            switch_below: SWITCH_BELOW,
             classes: vec![None; peers],
+        }
+    }
+
+    /// This learning with looks that switch under `fraction` of the current way's time
+    /// rather than [`SWITCH_BELOW`]: for ways whose times differ by less in either placement.
+    pub(crate) fn switching_below(self, fraction: f64) -> Self {
+        PathPace {
+            switch_below: fraction,
+            ..self
         }
     }
 
@@ -228,7 +241,7 @@ impl PathPace {
             // The last two slower than the other way's pace by the margin that would switch:
             // the placement may have moved, look again at once.
             let other_pace = c.recent[other].pace();
-            if other_pace.is_some_and(|o| c.recent[mine].last_two_over(o / SWITCH_BELOW)) {
+            if other_pace.is_some_and(|o| c.recent[mine].last_two_over(o / self.switch_below)) {
                 c.until_look = 0;
             }
             return;
@@ -237,7 +250,7 @@ impl PathPace {
         c.recent[mine].only(ns);
         let faster = c.recent[other]
             .pace()
-            .is_none_or(|cur| ns < SWITCH_BELOW * cur);
+            .is_none_or(|cur| ns < self.switch_below * cur);
         if faster {
             c.by_ref = Some(m.by_ref);
             c.look_every = FIRST_LOOK;

@@ -1,6 +1,8 @@
 //! all_to_all: through the shared-memory group area where the options ask for it and every
 //! rank's input fits it, else by messages, every block in flight at once or pairwise.
 
+use std::time::Duration;
+
 use dist_backend::{Error, OpDesc, Result};
 
 use super::lent::{Held, LENT_WORDS, read_then_close, words_of};
@@ -28,10 +30,11 @@ use crate::transport::{LentWords, StepCtx};
 /// Each rank chooses for its own input (the first word of its table says which), and every
 /// reader follows each publication as it finds it, so ranks may differ.
 ///
-/// Rank 0 may publish in its table that it prefers the area for the calls to come
-/// (`area.area_preferred`), which a rank that reads its table returns in `rank_zero`: where it
-/// paces which inputs over the fixed limit go to the area, the others follow it
-/// (`backend::area_pace`).
+/// Each rank's table also carries how long its previous all_to_all took, and rank 0's the way
+/// of the group's next call ([`AreaChoice`]); what this rank reads of those goes into
+/// `heard`: where rank 0 paces which inputs over the fixed limit go to the area, it times the
+/// group's calls by them and the others follow its choice (`backend::area_pace`;
+/// [`hear_after_messages`] reads them after a call by messages).
 ///
 /// Every rank takes this path where `max_input` is not 0 and the area can hold the table
 /// (those agree on every rank), whatever its own input. A rank whose input neither fits nor
@@ -63,13 +66,14 @@ pub(crate) fn through_shared_memory(
     send_counts: &[usize],
     recv_counts: &[usize],
     area: AreaChoice,
-    rank_zero: &mut Option<RankZeroSaid>,
+    heard: &mut Heard,
     scratch: &mut Vec<u64>,
 ) -> Option<Result<bool>> {
     let AreaChoice {
         max_input,
         lend_from,
-        area_preferred,
+        next_in_area,
+        last_took,
     } = area;
     let (n, r, elem) = (o.n(), o.rank(), o.dtype().size());
     let words = table_words(n);
@@ -92,8 +96,7 @@ pub(crate) fn through_shared_memory(
         (false, Some(_)) => Held::Lent,
         (false, None) => Held::Announced,
     };
-    let preferred = if area_preferred { AREA_PREFERRED } else { 0 };
-    mine[0] = (kind as u64 | preferred).to_le();
+    mine[0] = first_word(kind, next_in_area, last_took).to_le();
     for (word, &c) in mine[1..]
         .iter_mut()
         .zip(send_counts.iter().chain(recv_counts))
@@ -126,11 +129,8 @@ pub(crate) fn through_shared_memory(
         o.t.shared_memory_exchange(&ctx, 0, &[table, data], &mut |p, theirs| {
             let counts = &mut tables[p * words..(p + 1) * words];
             let data = read_table(o, p, theirs, counts)?;
-            if p == 0 && r != 0 {
-                *rank_zero = Some(RankZeroSaid {
-                    inline: held(counts[0]) == Some(Held::Inline),
-                    area_preferred: counts[0] & AREA_PREFERRED != 0,
-                });
+            if p != r {
+                heard.note(p, counts[0]);
             }
             let sends = &counts[1..=n];
             let total = sends.iter().try_fold(0usize, |acc, &c| {
@@ -194,27 +194,79 @@ pub(crate) struct AreaChoice {
     pub(crate) max_input: usize,
     /// Larger inputs of at least this many bytes are lent, where this rank can lend.
     pub(crate) lend_from: usize,
-    /// Published in the table: rank 0's choice of the area for the calls to come
-    /// (`backend::area_pace`); false on the others.
-    pub(crate) area_preferred: bool,
+    /// Published in the table: the way of the group's next call, which rank 0 chooses for
+    /// all (`backend::area_pace`); false on the others.
+    pub(crate) next_in_area: bool,
+    /// Published in the table: how long this rank's previous all_to_all took (up to about 2
+    /// s; longer reads as that).
+    pub(crate) last_took: Duration,
 }
 
-/// What a rank read of rank 0's table in an all_to_all that went through the area.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RankZeroSaid {
-    /// Rank 0's input was in the area.
-    pub(crate) inline: bool,
-    /// Rank 0's published choice of the area for the calls to come.
-    pub(crate) area_preferred: bool,
+/// What a rank read of the others' tables in an all_to_all ([`AreaChoice`]'s words).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Heard {
+    /// The way of the group's next call that rank 0 published.
+    pub(crate) rank_zero_next_in_area: Option<bool>,
+    /// The longest of the other ranks' previous all_to_alls, as they published them.
+    pub(crate) slowest_last: Duration,
+    /// How many other ranks' tables were read.
+    pub(crate) ranks: usize,
 }
 
-/// The bit of a table's first word by which rank 0 publishes that it prefers the area
-/// ([`AreaChoice::area_preferred`]); how the rank holds its input ([`Held`]) is below it.
-const AREA_PREFERRED: u64 = 1 << 32;
+impl Heard {
+    /// Takes in the first word of rank `p`'s table, another rank's.
+    fn note(&mut self, p: usize, word: u64) {
+        if p == 0 {
+            self.rank_zero_next_in_area = Some(word & NEXT_IN_AREA != 0);
+        }
+        let took = Duration::from_nanos(word >> TOOK_SHIFT);
+        self.slowest_last = self.slowest_last.max(took);
+        self.ranks += 1;
+    }
+}
+
+/// The bit of a table's first word by which rank 0 publishes that the group's next call goes
+/// through the area ([`AreaChoice::next_in_area`]); how the rank holds its input ([`Held`])
+/// is in the bits below it, and the nanoseconds of its previous call
+/// ([`AreaChoice::last_took`]) in those above.
+const NEXT_IN_AREA: u64 = 1 << 32;
+
+/// Where the previous call's nanoseconds begin in a table's first word.
+const TOOK_SHIFT: u32 = 33;
+
+/// A table's first word: how the rank holds its input, rank 0's choice of the next call's
+/// way, and the rank's previous call's time.
+fn first_word(kind: Held, next_in_area: bool, last_took: Duration) -> u64 {
+    let took = u64::try_from(last_took.as_nanos())
+        .unwrap_or(u64::MAX)
+        .min(u64::MAX >> TOOK_SHIFT);
+    let next = if next_in_area { NEXT_IN_AREA } else { 0 };
+    kind as u64 | next | took << TOOK_SHIFT
+}
 
 /// How a table's first word (from another process) says its rank holds its input.
 fn held(word: u64) -> Option<Held> {
-    Held::from_word(word & !AREA_PREFERRED)
+    Held::from_word(word & (NEXT_IN_AREA - 1))
+}
+
+/// What a rank that went by messages without reading the tables hears of those it needs once
+/// its messages are done (`Transport::shared_memory_peek`): a follower rank 0's, rank 0 every
+/// other rank's. By then each of those ranks has published, since it publishes before it
+/// sends; one that has not (its table shows for another call, or not yet) goes unheard.
+pub(crate) fn hear_after_messages(o: &Op<'_>, heard: &mut Heard) {
+    // A rank that waited in the area read every table there.
+    if heard.ranks > 0 {
+        return;
+    }
+    let r = o.rank();
+    let from = if r == 0 { 1..o.n() } else { 0..1 };
+    for p in from {
+        o.t.shared_memory_peek(&o.ctx, p, &mut |theirs| {
+            if let Some(w) = theirs.get(..8) {
+                heard.note(p, u64::from_le(bytemuck::pod_read_unaligned::<u64>(w)));
+            }
+        });
+    }
 }
 
 /// The largest input of `n` ranks' all_to_all that an area of `room` bytes per rank holds

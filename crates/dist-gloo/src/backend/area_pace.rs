@@ -1,5 +1,6 @@
 //! Which all_to_alls between the group area's fixed limit and what it holds go through it,
-//! chosen by rank 0 from how fast its calls went each way and followed by the others.
+//! chosen by rank 0 from how fast its calls went each way, one call ahead, and followed by
+//! the others.
 //!
 //! Why: where the ranks outnumber the CPUs, the area beats messages near and loses badly far
 //! apart. 4 ranks on 2 cores, 256 KiB per rank, gloo_bench alternated with a cache line's
@@ -10,16 +11,23 @@
 //! in both placements, so rank 0 paces it (`path_pace`, its own calls as one "peer"), as it
 //! paces lending.
 //!
-//! Unlike lending, a follower cannot wait for rank 0's choice cheaply: to take part in an
-//! exchange through the area it must copy its input there first, and where rank 0 then goes
-//! by messages that copy is wasted (88.6 against 68.0 us near, 4 ranks, 256 KiB). So the
-//! followers follow rank 0's last published choice instead, which its table in the area
-//! carries ([`AreaPace::begin`]'s `area_preferred`), and every rank goes to the area on the
-//! same scheduled calls ([`LOOK_EVERY`]), the only ones on which rank 0 may look at the other
-//! way: a look at the area needs every rank there. On the call after a look rank 0 publishes
-//! what it learnt, and a follower that found rank 0 in the area on the look comes to the
-//! area again to read it. Near, every rank stays in the area and sees each publication;
-//! far, the followers copy in vain on two calls of [`LOOK_EVERY`] at most.
+//! Unlike lending's, these followers cannot wait in the area for rank 0's choice cheaply: to
+//! take part in an exchange there a rank copies its input in first, which is wasted where
+//! rank 0 then goes by messages (4 ranks, 256 KiB, near: 88.6 against 68.0 us), and far apart,
+//! where that copy is slowest, it would also spoil rank 0's timing of messages. So rank 0
+//! chooses one call ahead: its table in the area carries the way of the group's next call
+//! ([`AreaCall::next_in_area`]), looks included, and every rank takes that way. A follower reads
+//! it in the exchange where the call went through the area, and otherwise in rank 0's
+//! announcement once its own messages are done (`Transport::shared_memory_peek`: by then rank
+//! 0 has published, since it publishes before it sends). A follower that could not read it
+//! keeps its last view.
+//!
+//! Rank 0 times the group's calls, not its own: its own may end long before the others' (far
+//! apart at 256 KiB, its calls through the area took 152 us by the median while the slowest
+//! rank's took about 220). So every rank publishes in its table how long its previous call
+//! took, and rank 0 learns from the slowest of them, one call late: it reads the tables where
+//! the call went through the area, and otherwise once its messages are done, as the
+//! followers read its choice.
 //!
 //! Nothing here decides what data a rank gets: a rank whose input goes by messages says so in
 //! the area, and the whole group then follows it (`algo::alltoall::through_shared_memory`),
@@ -28,14 +36,20 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::algo::alltoall::RankZeroSaid;
+use crate::algo::alltoall::Heard;
 use crate::path_pace::{Paced, PathPace};
 
-/// Calls of all_to_all (counted alike on every rank) between two on which every rank goes to
-/// the area and rank 0 may look at the way it does not take: far apart, two of every
-/// `LOOK_EVERY` calls may cost the followers a copy in vain (about a third of a call each at
-/// 256 KiB, so 4% in all), and a move near is followed within `LOOK_EVERY` calls.
-pub(crate) const LOOK_EVERY: u64 = 16;
+/// Calls a look at the way rank 0 does not prefer lasts, of which only the last is timed: the
+/// first call the other way pays for the change (far apart at 256 KiB, 4 ranks, a single call
+/// by messages after calls through the area took 105-280 us against about 150 for those that
+/// follow each other).
+const LOOK_CALLS: u32 = 3;
+
+/// A look switches to the other way when its timed call took under this fraction of the
+/// preferred way's time. Higher than for the rings against by reference (`path_pace`): the
+/// two ways' times differ less here in either placement (near, the area 50-67 us against
+/// messages' 68-91; far apart, messages 81-90 against 207-217).
+const SWITCH_BELOW: f64 = 0.85;
 
 /// How one all_to_all's input goes, as [`AreaPace::begin`] chose it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,104 +61,143 @@ pub(crate) struct AreaCall {
     in_band: bool,
     /// Whether it goes to the area.
     inline: bool,
+    /// On rank 0, whether this call is part of a look at the way it does not prefer.
+    look: bool,
+    /// Whether this call is the look's last, the one timed.
+    timed_look: bool,
     /// The largest input that goes to the area on this call: the band's top where `inline`,
     /// else the fixed limit.
     pub(crate) max_input: usize,
-    /// What rank 0 publishes as its choice for the calls to come (others publish false).
-    pub(crate) area_preferred: bool,
+    /// What rank 0 publishes as the way of the group's next call (others publish false).
+    pub(crate) next_in_area: bool,
+    /// What this rank publishes as its previous call's time.
+    pub(crate) last_took: Duration,
 }
 
 /// The group's pace of the all_to_all area band, one per rank: rank 0's learning, or a
-/// follower's memory of rank 0's last choice.
+/// follower's memory of rank 0's choice.
 #[derive(Debug)]
 pub(crate) struct AreaPace {
     /// Inputs up to this many bytes go to the area whatever the pace.
     fixed: usize,
     /// Inputs over `fixed` and up to this many bytes are paced.
     top: usize,
+    /// The other ranks of the group.
+    peers: usize,
     state: Mutex<State>,
 }
 
 #[derive(Debug)]
 struct State {
-    /// all_to_all calls so far.
-    calls: u64,
     /// Rank 0's learning (true: the area); `None` on the others.
     pace: Option<PathPace>,
-    /// A follower's view of rank 0's choice: its last published preference, or that it went
-    /// to the area on a look (so that the call after, which publishes the look's outcome, is
-    /// read in the area too).
-    follow_area: bool,
+    /// The way of this rank's next call: on rank 0 what it published last, on the others
+    /// what they read of it. Every rank starts in the area.
+    next_in_area: bool,
+    /// On rank 0, whether its next call is part of a look, and its last.
+    next_is_look: (bool, bool),
+    /// On rank 0, the calls of the look under way after the next.
+    look_left: u32,
+    /// This rank's previous call's time.
+    last_took: Duration,
+    /// On rank 0, its previous call and whether it went through the area, to time once the
+    /// others' times for it are heard.
+    previous: Option<(AreaCall, bool)>,
 }
 
 impl AreaPace {
-    /// The pace of rank `rank` for inputs over `fixed` bytes and up to `top`.
-    pub(crate) fn new(rank: usize, fixed: usize, top: usize) -> Self {
+    /// The pace of rank `rank` of `world` for inputs over `fixed` bytes and up to `top`.
+    pub(crate) fn new(rank: usize, world: usize, fixed: usize, top: usize) -> Self {
         AreaPace {
             fixed,
             top,
+            peers: world.saturating_sub(1),
             state: Mutex::new(State {
-                calls: 0,
-                pace: (rank == 0).then(|| PathPace::with_min_bytes(1, fixed.saturating_add(1))),
-                follow_area: true,
+                pace: (rank == 0).then(|| {
+                    PathPace::with_min_bytes(1, fixed.saturating_add(1))
+                        .switching_below(SWITCH_BELOW)
+                }),
+                next_in_area: true,
+                next_is_look: (false, false),
+                look_left: 0,
+                last_took: Duration::ZERO,
+                previous: None,
             }),
         }
     }
 
-    /// How this rank's next all_to_all, with an input of `len` bytes, goes; every rank calls
-    /// this once per all_to_all, so that the calls are counted alike.
+    /// How this rank's next all_to_all, with an input of `len` bytes, goes, and on rank 0 the
+    /// way it publishes for the call after.
     pub(crate) fn begin(&self, len: usize) -> AreaCall {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let call = s.calls;
-        s.calls += 1;
-        let in_band = len > self.fixed && len <= self.top;
-        let scheduled = call.is_multiple_of(LOOK_EVERY);
-        match &s.pace {
-            Some(pace) => {
-                let current = pace.current(0, len, true);
-                let wanted = pace.choose(0, len, true);
-                // A look waits for the next scheduled call, when every rank is in the area.
-                let inline = if scheduled { wanted } else { current };
-                self.call(len, in_band, inline, current)
-            }
-            None => self.call(len, in_band, scheduled || s.follow_area, false),
+        let (inline, (look, timed_look)) = (s.next_in_area, s.next_is_look);
+        let mut next_in_area = false;
+        if let Some(pace) = &s.pace {
+            let current = pace.current(0, len, true);
+            // A look is learnt from a call after its last: until then the calls go the
+            // preferred way, rather than look again.
+            let unlearnt = look || s.previous.is_some_and(|(c, _)| c.look);
+            let (next, next_look) = if s.look_left > 0 {
+                s.look_left -= 1;
+                (!current, (true, s.look_left == 0))
+            } else if unlearnt {
+                (current, (false, false))
+            } else if pace.choose(0, len, true) != current {
+                s.look_left = LOOK_CALLS - 1;
+                (!current, (true, LOOK_CALLS == 1))
+            } else {
+                (current, (false, false))
+            };
+            next_in_area = next;
+            s.next_in_area = next;
+            s.next_is_look = next_look;
         }
-    }
-
-    fn call(&self, len: usize, in_band: bool, inline: bool, area_preferred: bool) -> AreaCall {
+        let in_band = len > self.fixed && len <= self.top;
         AreaCall {
             len,
             in_band,
-            inline: !in_band || inline,
+            inline,
+            look,
+            timed_look,
             max_input: if inline { self.top } else { self.fixed },
-            area_preferred,
+            next_in_area,
+            last_took: s.last_took,
         }
     }
 
-    /// Learns from a call `begin` chose as `call`, which succeeded in `took`: through the area
-    /// (`through_area`) or by messages, and, where this rank read it, what rank 0 published.
-    pub(crate) fn end(
-        &self,
-        call: AreaCall,
-        through_area: bool,
-        rank_zero: Option<RankZeroSaid>,
-        took: Duration,
-    ) {
+    /// Learns from a call `begin` chose as `call`, which succeeded in `took` on this rank,
+    /// through the area (`through_area`) or by messages, and what this rank `heard` of the
+    /// others' tables: a follower rank 0's choice of the next call's way, rank 0 the others'
+    /// times of the call before, which it learns from with its own.
+    pub(crate) fn end(&self, call: AreaCall, through_area: bool, heard: Heard, took: Duration) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(pace) = &mut s.pace {
-            // Only a call that went the way rank 0 chose times that way: one it took to the
-            // area while a follower went by messages times neither.
-            if call.in_band && through_area == call.inline {
-                pace.record(&Paced {
-                    peer: 0,
-                    len: call.len,
-                    rule_by_ref: true,
-                    by_ref: through_area,
-                    took: Some(took),
-                });
+        let mine_before = std::mem::replace(&mut s.last_took, took);
+        let previous = s.previous.replace((call, through_area));
+        let Some(pace) = &mut s.pace else {
+            if let Some(next) = heard.rank_zero_next_in_area {
+                s.next_in_area = next;
             }
-        } else if let Some(said) = rank_zero {
-            s.follow_area = said.area_preferred || said.inline;
+            return;
+        };
+        let Some((call, through_area)) = previous else {
+            return;
+        };
+        if heard.ranks < self.peers {
+            return;
+        }
+        // Only a call that went the way rank 0 chose times that way (not one it took to the
+        // area while a follower went by messages); of a look, only its last call; off a look,
+        // only the preferred way (the call right after a look that switched went the old way).
+        let chosen = call.in_band && through_area == call.inline;
+        let preferred = !call.look && call.inline == pace.current(0, call.len, true);
+        if chosen && (call.timed_look || preferred) {
+            pace.record(&Paced {
+                peer: 0,
+                len: call.len,
+                rule_by_ref: true,
+                by_ref: through_area,
+                took: Some(mine_before.max(heard.slowest_last)),
+            });
         }
     }
 }
@@ -158,15 +211,17 @@ mod tests {
     const LEN: usize = 256 << 10;
 
     /// Runs `calls` all_to_alls of `LEN` bytes on a group of rank 0 and one follower, the area
-    /// taking `area_us` and messages `msgs_us`; returns the calls that went through the area
-    /// and those on which the follower copied its input there in vain.
+    /// taking `area_us` and messages `msgs_us`, the follower reading rank 0's choice in each
+    /// call where `reads`; returns the calls that went through the area and those on which
+    /// the follower copied its input there in vain.
     fn run(
-        zero: &AreaPace,
-        follower: &AreaPace,
+        group: &(AreaPace, AreaPace),
         calls: usize,
         area_us: u64,
         msgs_us: u64,
+        reads: bool,
     ) -> (usize, usize) {
+        let (zero, follower) = group;
         let (mut area, mut vain) = (0, 0);
         for _ in 0..calls {
             let (a, b) = (zero.begin(LEN), follower.begin(LEN));
@@ -174,72 +229,85 @@ mod tests {
             area += usize::from(through);
             vain += usize::from(b.inline && !through);
             let took = Duration::from_micros(if through { area_us } else { msgs_us });
-            let said = RankZeroSaid {
-                inline: a.inline,
-                area_preferred: a.area_preferred,
+            let heard = |from: &AreaCall, next| Heard {
+                rank_zero_next_in_area: next,
+                slowest_last: from.last_took,
+                ranks: 1,
             };
-            // The follower reads rank 0's publication only where it went to the area.
-            zero.end(a, through, None, took);
-            follower.end(b, through, b.inline.then_some(said), took);
+            zero.end(a, through, heard(&b, None), took);
+            let next = reads.then_some(a.next_in_area);
+            follower.end(b, through, heard(&a, next), took);
         }
         (area, vain)
     }
 
-    fn pair() -> (AreaPace, AreaPace) {
-        (AreaPace::new(0, FIXED, TOP), AreaPace::new(1, FIXED, TOP))
+    fn group() -> (AreaPace, AreaPace) {
+        (
+            AreaPace::new(0, 2, FIXED, TOP),
+            AreaPace::new(1, 2, FIXED, TOP),
+        )
+    }
+
+    fn prefers_area(p: &AreaPace) -> Option<bool> {
+        let s = p.state.lock().unwrap();
+        s.pace.as_ref().map(|pace| pace.current(0, LEN, true))
     }
 
     #[test]
-    fn inputs_outside_the_band_keep_the_fixed_rule() {
-        let (zero, follower) = pair();
+    fn every_rank_starts_in_the_area_and_the_band_follows_the_limits() {
+        let (zero, follower) = group();
         for p in [&zero, &follower] {
-            assert!(p.begin(FIXED).inline, "under the fixed limit: the area");
-            assert!(
-                p.begin(TOP + 1).inline,
-                "over the band: the area's own check refuses it"
-            );
+            let first = p.begin(LEN);
+            assert!(first.inline && first.in_band);
+            assert_eq!(first.max_input, TOP);
+            assert!(!p.begin(FIXED).in_band);
             assert!(!p.begin(TOP + 1).in_band);
         }
     }
 
     #[test]
-    fn near_the_group_stays_in_the_area_and_looks_at_messages_on_scheduled_calls() {
-        let (zero, follower) = pair();
+    fn near_the_group_stays_in_the_area_and_looks_at_messages_together() {
+        let g = group();
         // Near: the area 50 us, messages 87.
-        let (area, vain) = run(&zero, &follower, 320, 50, 87);
-        // PathPace's looks come due after 4, 8, 16, 32, 64 calls, each taken at the next
-        // scheduled call: 5-7 looks by messages in 320 calls.
+        let (area, vain) = run(&g, 320, 50, 87, true);
+        // PathPace's looks after 4, 8, 16, 32, 64, 64... calls, each three calls long and
+        // learnt a call after its last: 6-9 looks, 18-27 calls by messages in 320.
         assert!(
-            (320 - 8..=320 - 4).contains(&area),
+            (320 - 27..=320 - 15).contains(&area),
             "{area} of 320 in the area"
         );
-        // The follower went to the area every time: in vain only on rank 0's looks.
-        assert_eq!(area + vain, 320, "the follower went by messages near");
+        assert_eq!(vain, 0, "the follower copied in vain");
+        assert_eq!(prefers_area(&g.0), Some(true));
     }
 
     #[test]
-    fn far_apart_the_group_goes_by_messages_and_the_follower_rarely_copies_in_vain() {
-        let (zero, follower) = pair();
-        run(&zero, &follower, 64, 50, 87);
+    fn far_apart_the_group_goes_by_messages_within_a_few_calls_and_back_near() {
+        let g = group();
+        run(&g, 64, 50, 87, true);
         // Far apart: the area 210 us, messages 90.
-        let (area, vain) = run(&zero, &follower, 320, 210, 90);
-        // Rank 0 switches within two scheduled calls (two slow calls bring its look forward),
-        // then looks at the area on one scheduled call of four at most.
-        assert!(area <= 24, "{area} of 320 in the area");
-        let scheduled = 320 / LOOK_EVERY as usize;
-        assert!(vain <= 2 * scheduled, "{vain} copies in vain");
-        let prefers = |p: &AreaPace| {
-            let s = p.state.lock().unwrap();
-            s.pace.as_ref().map(|pace| pace.current(0, LEN, true))
-        };
-        assert_eq!(
-            prefers(&zero),
-            Some(false),
-            "rank 0 prefers messages far apart"
-        );
-        // And back near: both go to the area again within a few scheduled calls.
-        run(&zero, &follower, 160, 50, 87);
-        let (area, _) = run(&zero, &follower, 32, 50, 87);
-        assert!(area >= 28, "{area} of 32 in the area once near again");
+        let (area, vain) = run(&g, 320, 210, 90, true);
+        // Two slow calls bring a look forward, which switches once learnt, a call after its
+        // three: about seven calls. Then looks at the area after 4, 8, 16, 32, 64, 64...
+        // calls, three calls each: about 24.
+        assert!(area <= 36, "{area} of 320 in the area");
+        assert_eq!(vain, 0, "the follower copied in vain");
+        assert_eq!(prefers_area(&g.0), Some(false), "rank 0 prefers messages");
+        // Back near: the next look at the area switches, within 65 calls.
+        run(&g, 66, 50, 87, true);
+        let (area, _) = run(&g, 32, 50, 87, true);
+        // Then looks at messages after 4 and 8 calls again, three calls each.
+        assert!(area >= 24, "{area} of 32 in the area once near again");
+    }
+
+    #[test]
+    fn a_follower_that_reads_nothing_keeps_its_last_view_and_data_stays_whole() {
+        let g = group();
+        // The follower never reads rank 0's choice: it stays in the area while rank 0 moves
+        // to messages far apart, so the calls go by messages (one announcement suffices)
+        // with the follower's copies in vain, and rank 0 times no call it chose the area for.
+        run(&g, 64, 50, 87, true);
+        let (area, _) = run(&g, 64, 210, 90, false);
+        assert!(area <= 16, "{area} of 64 in the area");
+        assert_eq!(prefers_area(&g.0), Some(false));
     }
 }

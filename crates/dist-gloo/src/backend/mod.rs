@@ -248,7 +248,7 @@ impl GlooBackend {
             && area_all_to_all_bytes != 0
             && paced_top > area_all_to_all_bytes
             && lent_all_to_all_bytes == usize::MAX)
-            .then(|| AreaPace::new(rank, area_all_to_all_bytes, paced_top));
+            .then(|| AreaPace::new(rank, world_size, area_all_to_all_bytes, paced_top));
         let local_ranks = 1 + transport
             .shared_memory_peers()
             .iter()

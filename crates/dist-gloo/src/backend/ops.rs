@@ -337,10 +337,12 @@ impl Backend for GlooBackend {
         let area = AreaChoice {
             max_input: area_call.map_or(self.area_all_to_all_bytes, |c| c.max_input),
             lend_from,
-            area_preferred: area_call.is_some_and(|c| c.area_preferred),
+            next_in_area: area_call.is_some_and(|c| c.next_in_area),
+            last_took: area_call.map_or(Duration::ZERO, |c| c.last_took),
         };
         let start = Instant::now();
-        let (mut lent, mut through_area, mut rank_zero) = (false, false, None);
+        let (mut lent, mut through_area) = (false, false);
+        let mut heard = alltoall::Heard::default();
         self.run(name, dtype, 0, None, None, None, opts, |o, scratch| {
             if let Some(done) = alltoall::through_shared_memory(
                 o,
@@ -349,7 +351,7 @@ impl Backend for GlooBackend {
                 send_counts,
                 recv_counts,
                 area,
-                &mut rank_zero,
+                &mut heard,
                 scratch,
             ) {
                 through_area = done.is_ok();
@@ -365,13 +367,18 @@ impl Backend for GlooBackend {
                 recv_counts,
                 pairwise_from,
                 self.output_leaves_cache_bytes,
-            )
+            )?;
+            // A rank that went by messages without reading the tables reads those it needs.
+            if area_call.is_some() {
+                alltoall::hear_after_messages(o, &mut heard);
+            }
+            Ok(())
         })?;
         if let Some(p) = pace {
             p.record(input.len(), lent, start.elapsed());
         }
         if let (Some(p), Some(call)) = (&self.area_all_to_all_pace, area_call) {
-            p.end(call, through_area, rank_zero, start.elapsed());
+            p.end(call, through_area, heard, start.elapsed());
         }
         Ok(())
     }

@@ -401,6 +401,19 @@ pub trait Transport: Send + Sync {
     fn shared_memory_announce(&self, _ctx: &StepCtx, _count: u64, _mine: &[&[u8]]) -> bool {
         false
     }
+    /// Hands `f` what rank `from` published in the group area for operation `ctx`, this
+    /// rank's last there, where `from` has arrived at it; returns whether it did (false where
+    /// the transport has no such memory, `from` has not arrived yet, or published for another
+    /// operation).
+    ///
+    /// Only from within operation `ctx`, after this rank announced it
+    /// ([`Transport::shared_memory_announce`]) and before it returns: `from` writes that slot
+    /// again only two operations on, which it reaches only once this rank has arrived at the
+    /// next one or sent it that one's frames. The all_to_all's ranks that went by messages
+    /// read rank 0's choice for the next call this way (`backend::area_pace`).
+    fn shared_memory_peek(&self, _ctx: &StepCtx, _from: usize, _f: &mut dyn FnMut(&[u8])) -> bool {
+        false
+    }
     /// Lends `bytes` to every peer of the group for reading by reference
     /// ([`Transport::shared_memory_read`]) until the returned [`Lent`] drops. `None` where the
     /// transport has no group area or some peer cannot read this rank's memory. The caller

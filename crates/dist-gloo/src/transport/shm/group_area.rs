@@ -264,6 +264,12 @@ impl GroupArea {
         );
     }
 
+    /// Whether `rank` has arrived at its operation `mark` (its publication for it is then in
+    /// its slot, acquire).
+    pub(crate) fn has_arrived(&self, rank: usize, mark: u64) -> bool {
+        self.arrived(rank).load(Ordering::Acquire) & COUNT >= mark
+    }
+
     /// Puts into `missing` the ranks that have not arrived at operation `mark`, and returns
     /// whether every rank is at exactly `mark` and arrived there through a barrier (a rank
     /// already past it says nothing of what `mark` was, so it counts as not).

@@ -31,6 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dist_backend::{Result, Store};
+use dist_wire::{FrameHeader, HEADER_LEN};
 
 pub use cma::cross_memory_available;
 pub use dist_backend::net::{local_ip, local_ip_with};
@@ -257,6 +258,30 @@ impl Transport for TcpTransport {
         let mut eng = self.engine.lock().unwrap_or_else(|e| e.into_inner());
         eng.arrive_in_area(ctx, area, count, mine);
         true
+    }
+
+    fn shared_memory_peek(&self, ctx: &StepCtx, from: usize, f: &mut dyn FnMut(&[u8])) -> bool {
+        let Some(area) = self.group_area.as_ref() else {
+            return false;
+        };
+        // This rank's last operation in the area, which `ctx` announced.
+        let mark = area.next_mark(self.rank) - 1;
+        if mark == 0 || from >= self.world_size || !area.has_arrived(from, mark) {
+            return false;
+        }
+        let mut theirs = [0u8; HEADER_LEN];
+        area.read_header(from, mark, &mut theirs);
+        match FrameHeader::decode(&theirs) {
+            Ok(h)
+                if h.seq == ctx.seq
+                    && h.op == ctx.op
+                    && h.payload_len as usize <= shm::group_area::AREA_DATA_BYTES =>
+            {
+                area.with_data(from, mark, h.payload_len as usize, |d| f(d));
+                true
+            }
+            _ => false,
+        }
     }
 
     fn shared_memory_lend<'a>(&self, bytes: &'a [u8]) -> Option<Lent<'a>> {
