@@ -1,6 +1,7 @@
 //! A real peer process killed mid-collective: every other rank fails with `PeerLost` naming it
-//! within one second, over messages and with every all_reduce lent by reference through the
-//! group area. The test binary re-runs itself as the worker ranks.
+//! within one second, over messages, with every all_reduce lent by reference through the
+//! group area, and with all_to_alls whose way rank 0 paces between the area and messages.
+//! The test binary re-runs itself as the worker ranks.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -8,7 +9,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use dist_backend::store::{TcpStore, TcpStoreServer};
-use dist_backend::{Backend, BufMut, OpOptions};
+use dist_backend::{Backend, BufMut, BufRef, OpOptions};
 use dist_gloo::{GlooBackend, GlooOptions};
 use dist_wire::{DType, ReduceOp};
 
@@ -25,29 +26,53 @@ fn worker() {
     let mut it = spec
         .split(',')
         .map(|s| s.parse::<usize>().expect("numeric worker spec"));
-    let (rank, port, lent) = (
+    let (rank, port, mode) = (
         it.next().unwrap(),
         it.next().unwrap() as u16,
-        it.next().unwrap() == 1,
+        Mode::ALL[it.next().unwrap()],
     );
     let store = TcpStore::connect("127.0.0.1", port, Duration::from_secs(20)).expect("store");
     let mut o = GlooOptions::default();
-    if lent {
-        // Every all_reduce by reference through the area (where the area is, and memory can
-        // be read across), none of it in two shots through the area's slots.
-        o.lent_all_reduce_bytes = Some(0);
-        o.area_all_reduce_bytes = Some(0);
+    match mode {
+        Mode::Messages => {}
+        Mode::LentAllReduce => {
+            // Every all_reduce by reference through the area (where the area is, and memory
+            // can be read across), none of it in two shots through the area's slots.
+            o.lent_all_reduce_bytes = Some(0);
+            o.area_all_reduce_bytes = Some(0);
+        }
+        Mode::PacedAllToAll => {
+            // Inputs of 240 KiB over the area's fixed limit: rank 0 paces them between the
+            // area and messages, and the others read its choice in the area or, after a
+            // call by messages, in its announcement.
+            o.area_all_to_all_bytes = Some(4 << 10);
+            o.paced_area_all_to_all_bytes = Some(usize::MAX);
+            o.lent_all_to_all_bytes = Some(usize::MAX);
+        }
     }
     let b = GlooBackend::connect(&store, "death", rank, WORLD, &o).expect("mesh");
     let mut v = vec![1.0f32; 1 << 20];
+    let input = vec![1.0f32; 3 * 20_480];
+    let counts = [20_480; WORLD];
     let opts = OpOptions::with_timeout(Duration::from_secs(30));
     for i in 0.. {
-        if let Err(e) = b.all_reduce(
-            BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
-            DType::F32,
-            ReduceOp::Max,
-            &opts,
-        ) {
+        let done = match mode {
+            Mode::PacedAllToAll => b.all_to_all(
+                BufRef::Host(bytemuck::cast_slice(&input)),
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v[..input.len()])),
+                DType::F32,
+                &counts,
+                &counts,
+                &opts,
+            ),
+            _ => b.all_reduce(
+                BufMut::Host(bytemuck::cast_slice_mut(&mut v)),
+                DType::F32,
+                ReduceOp::Max,
+                &opts,
+            ),
+        };
+        if let Err(e) = done {
             say(&format!("ERR {e}"));
             // Stay up a moment, as a program that logs its error would: the ranks that are
             // still finding out then hear this rank's abort notice naming the victim, not the
@@ -58,6 +83,30 @@ fn worker() {
         if i == 0 {
             // Whether the large messages went single-copy between these processes.
             say(&format!("READY by_ref={}", b.messages_by_reference() > 0));
+        }
+    }
+}
+
+/// What the workers run, and how.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// all_reduce by messages.
+    Messages,
+    /// all_reduce lent by reference through the group area.
+    LentAllReduce,
+    /// all_to_all through the area or by messages as rank 0 paces it.
+    PacedAllToAll,
+}
+
+impl Mode {
+    /// Every mode, indexed by the number a worker is passed.
+    const ALL: [Mode; 3] = [Mode::Messages, Mode::LentAllReduce, Mode::PacedAllToAll];
+
+    /// The collective the workers loop over.
+    fn op(self) -> &'static str {
+        match self {
+            Mode::PacedAllToAll => "all_to_all",
+            _ => "all_reduce",
         }
     }
 }
@@ -83,7 +132,7 @@ impl Drop for Workers {
 
 #[test]
 fn a_killed_peer_is_peer_lost_on_every_other_rank_within_one_second() {
-    killed_peer_is_lost_everywhere(false);
+    killed_peer_is_lost_everywhere(Mode::Messages);
 }
 
 /// The same with every all_reduce lent: the kill lands while ranks copy out of each other's
@@ -91,12 +140,19 @@ fn a_killed_peer_is_peer_lost_on_every_other_rank_within_one_second() {
 /// first must still name the victim, from that survivor's abort notice.
 #[test]
 fn a_killed_peer_mid_lent_all_reduce_is_peer_lost_on_every_other_rank() {
-    killed_peer_is_lost_everywhere(true);
+    killed_peer_is_lost_everywhere(Mode::LentAllReduce);
 }
 
-/// Starts `WORLD` worker processes (lending every all_reduce where `lent`), kills `VICTIM` once
-/// all run, and checks that every other rank reports it lost within a second.
-fn killed_peer_is_lost_everywhere(lent: bool) {
+/// The same with all_to_alls that rank 0 paces: the kill lands in calls through the area, in
+/// calls by messages, or in a survivor's read of another's table after its messages.
+#[test]
+fn a_killed_peer_mid_paced_all_to_all_is_peer_lost_on_every_other_rank() {
+    killed_peer_is_lost_everywhere(Mode::PacedAllToAll);
+}
+
+/// Starts `WORLD` worker processes running `mode`, kills `VICTIM` once all run, and checks
+/// that every other rank reports it lost within a second.
+fn killed_peer_is_lost_everywhere(mode: Mode) {
     let server = TcpStoreServer::start(0).expect("store server");
     let exe = std::env::current_exe().expect("test binary path");
     let (tx, rx) = mpsc::channel::<(usize, String, Instant)>();
@@ -113,7 +169,7 @@ fn killed_peer_is_lost_everywhere(lent: bool) {
                     ])
                     .env(
                         "DIST_TEST_WORKER",
-                        format!("{rank},{},{}", server.port(), u8::from(lent)),
+                        format!("{rank},{},{}", server.port(), mode as usize),
                     )
                     .stdout(Stdio::piped())
                     .stderr(Stdio::null())
@@ -164,7 +220,7 @@ fn killed_peer_is_lost_everywhere(lent: bool) {
     }
     for (rank, line, took) in &seen {
         assert!(
-            line.contains(&format!("peer rank {VICTIM} was lost during all_reduce")),
+            line.contains(&format!("peer rank {VICTIM} was lost during {}", mode.op())),
             "rank {rank}: {line}\nall: {seen:?}"
         );
         assert!(
