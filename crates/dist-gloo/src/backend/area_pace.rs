@@ -40,9 +40,10 @@ use crate::algo::alltoall::Heard;
 use crate::path_pace::{Paced, PathPace};
 
 /// Calls a look at the way rank 0 does not prefer lasts, of which only the last is timed: the
-/// first call the other way pays for the change (far apart at 256 KiB, 4 ranks, a single call
-/// by messages after calls through the area took 105-280 us against about 150 for those that
-/// follow each other).
+/// first calls the other way pay for the change. 4 ranks, 256 KiB, far apart, runs of 16
+/// calls each way alternated, the slowest rank's time by the median: the first call by
+/// messages after calls through the area 210 us, the ones after it 191-196; the first
+/// through the area after messages 319, the second 253, from the third 213-228.
 const LOOK_CALLS: u32 = 3;
 
 /// A look switches to the other way when its timed call took under this fraction of the
@@ -172,7 +173,10 @@ impl AreaPace {
     pub(crate) fn end(&self, call: AreaCall, through_area: bool, heard: Heard, took: Duration) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let mine_before = std::mem::replace(&mut s.last_took, took);
-        let previous = s.previous.replace((call, through_area));
+        let previous = match s.pace {
+            Some(_) => s.previous.replace((call, through_area)),
+            None => None,
+        };
         let Some(pace) = &mut s.pace else {
             if let Some(next) = heard.rank_zero_next_in_area {
                 s.next_in_area = next;
