@@ -95,8 +95,8 @@ pub struct GlooOptions {
     pub area_all_to_all_bytes: Option<usize>,
     /// all_to_all inputs over [`GlooOptions::area_all_to_all_bytes`] and up to this many
     /// bytes (and that fit the area) go through it or by messages as rank 0 finds faster from
-    /// its own calls; the others follow the choice it publishes in the area (see
-    /// `backend::area_pace`). `None` picks [`GlooOptions::auto_paced_area_all_to_all_bytes`]
+    /// the group's calls (the slowest rank's time); the others follow the choice it publishes
+    /// in the area a call ahead (see `backend::area_pace`). `None` picks [`GlooOptions::auto_paced_area_all_to_all_bytes`]
     /// once the mesh is built; 0 turns it off; `DIST_GLOO_PACED_AREA_ALL_TO_ALL_BYTES` sets
     /// it. Only where lending all_to_all inputs is off
     /// ([`GlooOptions::lent_all_to_all_bytes`] resolves to `usize::MAX`). Ranks may differ: a

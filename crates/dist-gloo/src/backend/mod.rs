@@ -28,9 +28,9 @@ use std::time::Duration;
 
 mod area_pace;
 mod ops;
+mod validate;
 
 use area_pace::AreaPace;
-mod validate;
 
 /// The pure-Rust CPU backend.
 pub struct GlooBackend {

@@ -410,7 +410,8 @@ pub trait Transport: Send + Sync {
     /// ([`Transport::shared_memory_announce`]) and before it returns: `from` writes that slot
     /// again only two operations on, which it reaches only once this rank has arrived at the
     /// next one or sent it that one's frames. The all_to_all's ranks that went by messages
-    /// read rank 0's choice for the next call this way (`backend::area_pace`).
+    /// read this way rank 0's choice for the next call, and rank 0 the others' times
+    /// (`backend::area_pace`).
     fn shared_memory_peek(&self, _ctx: &StepCtx, _from: usize, _f: &mut dyn FnMut(&[u8])) -> bool {
         false
     }

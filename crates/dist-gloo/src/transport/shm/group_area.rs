@@ -32,7 +32,10 @@
 //! without waiting: the rank of an all_to_all whose input is too large for the area publishes
 //! its table of counts and goes on by messages
 //! ([`crate::transport::Transport::shared_memory_announce`]). It then receives a frame of
-//! k + 1 from every rank, each sent once its sender was done with k. A rank that found the
+//! k + 1 from every rank, each sent once its sender was done with k; and until it is done with
+//! k itself (no rank writes its slot of k again before this rank arrives at k + 1 or sends it
+//! frames of k + 1), it may read another rank's publication of k once that rank has arrived
+//! there ([`GroupArea::has_arrived`], `Transport::shared_memory_peek`). A rank that found the
 //! others missing for its whole spin raises its `sleeping` flag, looks once more, and sleeps in
 //! the poller over its links; a rank that arrives rings the doorbell of every rank whose flag
 //! is up. Both sides store, issue a `SeqCst` fence, then load what the other stored (as the
