@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use dist_backend::{Error, OpDesc, Result};
 
-use super::lent::{Held, LENT_WORDS, read_then_close, words_of};
+use super::lent::{Held, LENT_WORDS, leading_word, read_then_close, words_of};
 use super::{Op, blocks_of, split_blocks, tags};
 use crate::output_copy::copy_into_output;
 use crate::transport::{LentWords, StepCtx};
@@ -262,8 +262,8 @@ pub(crate) fn hear_after_messages(o: &Op<'_>, heard: &mut Heard) {
     let from = if r == 0 { 1..o.n() } else { 0..1 };
     for p in from {
         o.t.shared_memory_peek(&o.ctx, p, &mut |theirs| {
-            if let Some(w) = theirs.get(..8) {
-                heard.note(p, u64::from_le(bytemuck::pod_read_unaligned::<u64>(w)));
+            if let Some(word) = leading_word(theirs) {
+                heard.note(p, word);
             }
         });
     }

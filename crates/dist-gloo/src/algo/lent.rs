@@ -46,13 +46,18 @@ pub(crate) fn words_of(data: &[u8]) -> Option<LentWords> {
     Some(LentWords::from_le(words))
 }
 
+/// The first word of a publication (from another process, little-endian), where it has one:
+/// the kind word of lending's publications and of all_to_all's tables.
+pub(crate) fn leading_word(theirs: &[u8]) -> Option<u64> {
+    theirs
+        .get(..8)
+        .map(|w| u64::from_le(bytemuck::pod_read_unaligned::<u64>(w)))
+}
+
 /// A publication that holds nothing but its kind word, and the lender's words after it where
 /// lent (all_gather's and all_reduce's): `None` for any other form.
 pub(crate) fn publication(theirs: &[u8]) -> Option<(Held, Option<LentWords>)> {
-    let kind = theirs
-        .get(..8)
-        .map(|w| u64::from_le(bytemuck::pod_read_unaligned::<u64>(w)))
-        .and_then(Held::from_word)?;
+    let kind = leading_word(theirs).and_then(Held::from_word)?;
     match kind {
         Held::Announced if theirs.len() == 8 => Some((kind, None)),
         Held::Lent => Some((kind, Some(words_of(&theirs[8..])?))),
