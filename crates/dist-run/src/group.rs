@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::agents::{Agents, Silence};
 use crate::env::Job;
-use crate::signals;
+use crate::{exits, signals};
 
 /// How often children (and the other nodes) are polled.
 const POLL: Duration = Duration::from_millis(10);
@@ -162,7 +162,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
             if r.status.is_some() {
                 continue;
             }
-            match r.child.try_wait() {
+            match exits::exited(&r.child) {
                 Ok(Some(st)) => {
                     r.status = Some(st);
                     if !st.success() && first_failure.is_none() {
@@ -243,6 +243,10 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
         }
         std::thread::sleep(POLL);
     };
+    if matches!(outcome, Outcome::Success) {
+        // Every rank exited (unreaped, see `exits`); `stop` reaped them on the other ends.
+        exits::reap(ranks.iter_mut().map(|r| &mut r.child));
+    }
     drain(&done_rx, &mut readers);
     Ok(outcome)
 }
@@ -521,12 +525,13 @@ fn next_segment(src: &mut impl BufRead, seg: &mut Vec<u8>, max: usize) -> std::i
 }
 
 /// Stops every rank still running: `sig` to its process group, then SIGKILL to the ones left
-/// after `grace`, and reaps them. Returns the ranks that were still running.
+/// after `grace`, and reaps every rank, the ones that had exited too (their group ids stay
+/// theirs until then, see `exits`). Returns the ranks that were still running.
 fn stop(ranks: &mut [Rank], sig: i32, grace: Duration) -> Vec<u32> {
     let mut stopped = Vec::new();
     for r in ranks.iter_mut() {
         if r.status.is_none() {
-            if let Ok(Some(st)) = r.child.try_wait() {
+            if let Ok(Some(st)) = exits::exited(&r.child) {
                 r.status = Some(st);
             } else {
                 stopped.push(r.rank);
@@ -539,7 +544,7 @@ fn stop(ranks: &mut [Rank], sig: i32, grace: Duration) -> Vec<u32> {
     loop {
         let mut running = false;
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            match r.child.try_wait() {
+            match exits::exited(&r.child) {
                 Ok(Some(st)) => r.status = Some(st),
                 _ => running = true,
             }
@@ -550,8 +555,8 @@ fn stop(ranks: &mut [Rank], sig: i32, grace: Duration) -> Vec<u32> {
         std::thread::sleep(POLL);
     }
     for r in ranks.iter_mut() {
-        // Reaped ranks' groups too: what a rank started (an `sh -c` child, data loaders)
-        // outlives it there, and keeps the group id from being reused.
+        // Exited ranks' groups too: what a rank started (an `sh -c` child, data loaders)
+        // outlives it there. The rank is not reaped yet, so the group id is still its own.
         signals::kill_group(r.child.id(), libc::SIGKILL);
         if r.status.is_none() {
             // And the rank itself: one that left its group (setsid, a nested launcher) and
@@ -560,6 +565,7 @@ fn stop(ranks: &mut [Rank], sig: i32, grace: Duration) -> Vec<u32> {
             r.status = r.child.wait().ok();
         }
     }
+    exits::reap(ranks.iter_mut().map(|r| &mut r.child));
     stopped
 }
 

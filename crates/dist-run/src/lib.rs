@@ -57,6 +57,11 @@ mod cli;
 mod env;
 #[allow(
     unsafe_code,
+    reason = "waitid with WNOWAIT, which std does not offer; each call has a SAFETY comment"
+)]
+mod exits;
+#[allow(
+    unsafe_code,
     reason = "pre_exec for PR_SET_PDEATHSIG and the CPU binding, with SAFETY comments"
 )]
 mod group;
