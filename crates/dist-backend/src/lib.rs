@@ -45,6 +45,7 @@ mod backend;
 mod buffer;
 mod clock;
 mod error;
+pub mod error_file;
 pub mod exit;
 pub mod init;
 pub mod net;

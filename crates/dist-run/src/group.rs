@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::agents::{Agents, Silence};
 use crate::env::Job;
+use crate::error_files::{self, ErrorFiles, RankError};
 use crate::{exits, signals};
 
 /// How often children (and the other nodes) are polled.
@@ -21,6 +22,8 @@ const POLL: Duration = Duration::from_millis(10);
 const REMOTE_POLL: Duration = Duration::from_millis(100);
 /// How long output still in the pipes may take to drain after the ranks ended.
 const DRAIN: Duration = Duration::from_secs(2);
+/// The most characters of a rank's error in one-line reports.
+const ONE_LINE_ERROR: usize = 200;
 
 /// What one attempt needs.
 pub(crate) struct Attempt<'a> {
@@ -31,6 +34,8 @@ pub(crate) struct Attempt<'a> {
     pub(crate) tail_lines: usize,
     pub(crate) log_dir: Option<&'a Path>,
     pub(crate) agents: Option<&'a Agents>,
+    /// Where the ranks write their errors.
+    pub(crate) error_files: &'a ErrorFiles,
 }
 
 /// How an attempt ended.
@@ -54,6 +59,8 @@ pub(crate) struct Failure {
     status: ExitStatus,
     tail: Vec<String>,
     stopped: Vec<u32>,
+    /// What the rank wrote in its error file, if anything.
+    error: Option<RankError>,
 }
 
 impl Failure {
@@ -75,14 +82,24 @@ impl Failure {
         }
     }
 
-    fn one_line(&self) -> String {
-        format!(
+    /// The failure in one line, for the other nodes and the launcher above.
+    pub(crate) fn one_line(&self) -> String {
+        let mut line = format!(
             "rank {} (node {}, local rank {}) failed: {}",
             self.rank,
             self.node_rank,
             self.local_rank,
             self.how()
-        )
+        );
+        if let Some(e) = &self.error {
+            let _ = write!(line, ": {}", e.headline(ONE_LINE_ERROR));
+        }
+        line
+    }
+
+    /// What the rank wrote in its error file.
+    pub(crate) fn error(&self) -> Option<&RankError> {
+        self.error.as_ref()
     }
 
     /// The multi-line summary printed when the job fails.
@@ -97,6 +114,34 @@ impl Failure {
             self.pid,
             self.how()
         );
+        if let Some(e) = &self.error {
+            let _ = writeln!(s, "distrun: rank {}'s error (its error file):", self.rank);
+            for l in e.message.lines() {
+                let _ = writeln!(s, "distrun:   {l}");
+            }
+            // The trace where it says more than the message, as many lines as the tail.
+            let message: Vec<&str> = e.message.lines().collect();
+            let trace = e.trace.as_deref().map(|t| {
+                // Where it repeats the message first (a panic's), the rest.
+                let lines: Vec<&str> = t.lines().collect();
+                match lines.strip_prefix(message.as_slice()) {
+                    Some(rest) => rest.to_vec(),
+                    None => lines,
+                }
+            });
+            if let Some(lines) = trace.filter(|l| !l.is_empty()) {
+                let shown = &lines[..lines.len().min(tail_lines)];
+                let _ = writeln!(
+                    s,
+                    "distrun: its trace ({} of {} line(s)):",
+                    shown.len(),
+                    lines.len()
+                );
+                for l in shown {
+                    let _ = writeln!(s, "distrun:   {l}");
+                }
+            }
+        }
         if self.tail.is_empty() {
             let _ = writeln!(s, "distrun: rank {} printed nothing", self.rank);
         } else {
@@ -125,6 +170,8 @@ struct Rank {
     child: Child,
     status: Option<ExitStatus>,
     tail: Arc<Mutex<VecDeque<String>>>,
+    /// Where the rank writes its error (`TORCHELASTIC_ERROR_FILE`).
+    error_file: std::path::PathBuf,
 }
 
 /// Runs one attempt of this node's ranks.
@@ -179,6 +226,8 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
         if let Some(i) = first_failure {
             let r = &ranks[i];
             let status = r.status.unwrap_or_else(|| ExitStatus::from_raw(1 << 8));
+            // Whole once the rank exited: it is written aside and renamed into place.
+            let error = error_files::read(&r.error_file);
             let report = a.agents.map(|ag| {
                 let f = Failure {
                     rank: r.rank,
@@ -188,6 +237,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                     status,
                     tail: Vec::new(),
                     stopped: Vec::new(),
+                    error: error.clone(),
                 };
                 let (code, line) = (f.exit_code(), f.one_line());
                 // First as one look: a store that does not answer (node 0 stopped) must not
@@ -215,6 +265,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                 status,
                 tail,
                 stopped,
+                error,
             });
         }
         if running == 0 {
@@ -275,11 +326,13 @@ fn spawn(
 ) -> Result<(Rank, usize), String> {
     let rank = a.job.rank(local_rank);
     let (prog, args) = a.command.split_first().ok_or("no command to run")?;
+    let error_file = a.error_files.prepare(a.restart, rank)?;
     let mut cmd = Command::new(prog);
     cmd.args(args)
         .envs(a.job.child_env(local_rank, a.restart, |k| {
             std::env::var_os(k).map(|_| String::new())
         }))
+        .env(error_files::VAR, &error_file)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -364,6 +417,7 @@ fn spawn(
             child,
             status: None,
             tail,
+            error_file,
         },
         readers,
     ))

@@ -27,7 +27,12 @@
 //!   `<log-dir>/attempt_<n>/rank_<r>/{stdout,stderr}.log`.
 //! * When a rank fails (non-zero exit or a signal), the others are stopped (SIGTERM to each
 //!   child's process group, SIGKILL after `--grace-period`) and a summary names the rank that
-//!   failed first, its exit code or signal, and the last lines it printed. `--max-restarts K`
+//!   failed first, its exit code or signal, the error it wrote to its `TORCHELASTIC_ERROR_FILE`
+//!   (torch's `@record` file, which `dist` writes for a panic, see
+//!   `dist_backend::error_file`), and the last lines it printed. Each rank gets its own file,
+//!   beside its logs with `--log-dir`, else in a directory of the run's own that goes with it;
+//!   a `distrun` started with `TORCHELASTIC_ERROR_FILE` set writes the root cause there, with
+//!   the exit code, as torchrun's agent does. `--max-restarts K`
 //!   restarts the whole job up to `K` times. The exit code is 0 when every rank succeeds, else
 //!   that of the first failure (`128 + signal` for a signal).
 //! * With `--nnodes M > 1`, the `distrun` of each node joins the others through the store on
@@ -55,6 +60,7 @@ mod agents;
 mod bind;
 mod cli;
 mod env;
+mod error_files;
 #[allow(
     unsafe_code,
     reason = "waitid with WNOWAIT, which std does not offer; each call has a SAFETY comment"
@@ -158,6 +164,7 @@ fn run_job(args: &Args) -> Result<i32, String> {
     if let Some(d) = &log_dir {
         eprintln!("distrun: logs in {}", d.display());
     }
+    let error_files = error_files::ErrorFiles::new(log_dir.as_deref(), &args.run_id);
 
     let mut attempt = 0;
     loop {
@@ -177,6 +184,7 @@ fn run_job(args: &Args) -> Result<i32, String> {
             tail_lines: args.tail_lines,
             log_dir: log_dir.as_deref(),
             agents: agents.as_ref(),
+            error_files: &error_files,
         };
         let outcome = group::run_attempt(&att)?;
         let mut failure = match outcome {
@@ -201,11 +209,11 @@ fn run_job(args: &Args) -> Result<i32, String> {
             Outcome::Success => None,
             Outcome::Failed(f) => {
                 eprint!("{}", f.summary(args.tail_lines));
-                Some(f.exit_code())
+                Some((f.exit_code(), f.one_line(), f.error().cloned()))
             }
             Outcome::RemoteFailed(code, what) => {
                 eprintln!("distrun: stopped this node's ranks: {what}");
-                Some(code)
+                Some((code, what, None))
             }
         };
         if let Some(a) = &agents {
@@ -234,7 +242,7 @@ fn run_job(args: &Args) -> Result<i32, String> {
                 && failure.is_none()
             {
                 eprintln!("distrun: the job failed on another node: {what}");
-                failure = Some(code);
+                failure = Some((code, what, None));
             }
         }
         match failure {
@@ -244,7 +252,11 @@ fn run_job(args: &Args) -> Result<i32, String> {
                 }
                 return Ok(0);
             }
-            Some(code) if attempt >= args.max_restarts => {
+            Some((code, what, error)) if attempt >= args.max_restarts => {
+                // A launcher above this one learns the root cause as torchrun's agent tells it.
+                if let Some(outer) = error_files::outer() {
+                    error_files::pass_on(&outer, error.as_ref(), code, &what);
+                }
                 if args.max_restarts > 0 {
                     eprintln!(
                         "distrun: giving up after {} restart(s) (--max-restarts {})",

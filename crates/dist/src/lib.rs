@@ -109,5 +109,6 @@ mod error;
 
 pub use error::{Error, Result};
 
+pub use dist_backend::error_file::{record, record_panics};
 pub use dist_backend::{Backend, BufMut, BufRef, Capabilities, OpOptions, Store, StoreError};
 pub use dist_wire::{DType, Element, ReduceOp, WireError, bf16, f16};

@@ -9,7 +9,12 @@ use crate::{Error, Result};
 
 /// Creates a process group over all ranks of the job **without** making it the default one
 /// (what [`crate::testing::run_world`] uses; most programs call [`init_process_group`](crate::init_process_group)).
+///
+/// Under a launcher that names an error file (`TORCHELASTIC_ERROR_FILE`: torchrun, `distrun`),
+/// it also makes a panic write that file ([`dist_backend::error_file::record_panics`]), so the
+/// launcher reports the panic as the job's root cause.
 pub fn new_process_group(opts: InitOptions) -> Result<ProcessGroup> {
+    dist_backend::error_file::record_panics();
     // A bad or uncompiled backend fails here, before any rendezvous.
     crate::backend_spec::BackendSpec::parse(&opts.backend)?
         .check_available(&opts.backend, crate::group::AVAILABLE_BACKENDS)?;

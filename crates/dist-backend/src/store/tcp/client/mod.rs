@@ -74,7 +74,8 @@ impl TcpStoreOptions {
 /// call needs to block at all). Further blocking calls queue, within their own timeout, and
 /// look again now and then whether their keys appeared meanwhile. A connection is opened when
 /// a call finds none idle and the pool is not full; one that failed is closed (never lent
-/// again, so no stale reply is read), and the next call opens another.
+/// again, so no stale reply is read), and the next call opens another. Past
+/// [`MAX_IDLE`](Self::MAX_IDLE) idle connections, one given back is closed.
 ///
 /// When made with `is_master` (see [`TcpStore::new`]) it also owns the [`TcpStoreServer`], which
 /// stops when the store is dropped.
@@ -97,6 +98,11 @@ impl TcpStore {
     /// requests that do not block, so at most `MAX_CONNECTIONS - 1` blocking waits are on the
     /// wire at once; more queue for a connection.
     pub const MAX_CONNECTIONS: usize = 8;
+
+    /// The most idle connections a store keeps once its calls give them back (one for the
+    /// main thread, one for a watchdog's or monitor's calls); the others are closed, and
+    /// opened again when calls at once need more.
+    pub const MAX_IDLE: usize = 2;
 
     /// Connects to the server at `host:port`, retrying with exponential backoff and jitter until
     /// `timeout`. Does not touch the `init/` counter. The first connection is made here, so

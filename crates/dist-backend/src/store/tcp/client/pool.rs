@@ -149,17 +149,28 @@ impl TcpStore {
         }
     }
 
-    /// Takes back a lent connection: `Some` to lend again, `None` when it was closed.
+    /// Takes back a lent connection: `Some` to lend again, `None` when it was closed. Past
+    /// [`MAX_IDLE`](Self::MAX_IDLE) idle ones it is closed too: a burst of concurrent waits
+    /// would otherwise leave every rank holding the most connections for the rest of the job,
+    /// and the server (one process for the whole job) their file descriptors.
     fn release(&self, conn: Option<Conn>, use_: Use) {
         let mut pool = self.lock();
         if use_ == Use::Blocking {
             pool.blocking -= 1;
         }
-        match conn {
-            Some(c) => pool.idle.push(c),
-            None => pool.open -= 1,
-        }
+        let surplus = match conn {
+            Some(c) if pool.idle.len() < Self::MAX_IDLE => {
+                pool.idle.push(c);
+                None
+            }
+            closing => {
+                pool.open -= 1;
+                closing
+            }
+        };
         drop(pool);
+        // Closed outside the lock (the server sees an end of stream, as from a finished rank).
+        drop(surplus);
         // Every waiter re-checks: a quick call may take a place a blocking one may not.
         self.freed.notify_all();
     }

@@ -1,0 +1,188 @@
+//! The ranks' error files (`TORCHELASTIC_ERROR_FILE`) through `distrun`: what a failing rank
+//! writes there is the root cause `distrun` reports, and what it passes to a launcher above it.
+//!
+//! Ranks are `sh -c` scripts, or this test binary re-run as a worker (the `error_worker` test,
+//! which does nothing unless `DISTRUN_TEST_ERROR` is set) that fails through `dist`'s recorders.
+
+use std::collections::BTreeSet;
+use std::process::{Command, Output, Stdio};
+
+const DISTRUN: &str = env!("CARGO_BIN_EXE_distrun");
+
+fn distrun(args: &[&str]) -> Command {
+    let mut c = Command::new(DISTRUN);
+    c.args(args).stdin(Stdio::null());
+    c
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn json(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// A rank: rank 1 fails as `DISTRUN_TEST_ERROR` says (`panic` or `error`), the others succeed.
+#[test]
+fn error_worker() -> Result<(), std::io::Error> {
+    let Ok(how) = std::env::var("DISTRUN_TEST_ERROR") else {
+        return Ok(());
+    };
+    if std::env::var("RANK").as_deref() != Ok("1") {
+        return Ok(());
+    }
+    dist_backend::error_file::record(|| match how.as_str() {
+        "panic" => panic!("rank 1 found a NaN in layer 7's gradients"),
+        _ => Err(std::io::Error::other("no checkpoint shard for rank 1")),
+    })
+}
+
+/// Runs 2 ranks of `error_worker` failing as `how`, with distrun's own error file at `outer`.
+fn failing_job(how: &str, outer: &std::path::Path) -> Output {
+    let exe = std::env::current_exe().unwrap().display().to_string();
+    distrun(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        &exe,
+        "error_worker",
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("DISTRUN_TEST_ERROR", how)
+    .env("TORCHELASTIC_ERROR_FILE", outer)
+    .output()
+    .unwrap()
+}
+
+/// The lines of distrun's report from the one naming `rank`'s error on.
+fn error_section(stderr: &str, rank: u32) -> Vec<&str> {
+    let head = format!("distrun: rank {rank}'s error (its error file):");
+    stderr.lines().skip_while(|l| *l != head).collect()
+}
+
+#[test]
+fn a_panicking_rank_is_reported_from_its_error_file_and_passed_on_with_its_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let outer = dir.path().join("outer.json");
+    let out = failing_job("panic", &outer);
+    let stderr = text(&out.stderr);
+    // The test harness exits 101 when a test fails.
+    assert_eq!(out.status.code(), Some(101), "{stderr}");
+    let section = error_section(&stderr, 1);
+    assert!(section.len() >= 3, "no error section: {stderr}");
+    assert!(
+        section[1].contains("panic in thread")
+            && section[1].contains("rank 1 found a NaN in layer 7's gradients"),
+        "{stderr}"
+    );
+    assert!(section[2].starts_with("distrun: its trace ("), "{stderr}");
+    // The trace starts at the frame that panicked, not in the hook or std's panic machinery.
+    assert!(section[3].contains("error_worker"), "{stderr}");
+
+    let passed = json(&outer);
+    let message = passed["message"]["message"].as_str().unwrap();
+    assert!(message.contains("rank 1 found a NaN"), "{passed}");
+    assert_eq!(passed["message"]["errorCode"], 101, "{passed}");
+    let secs: u64 = passed["message"]["extraInfo"]["timestamp"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(secs > 1_600_000_000, "{passed}");
+}
+
+#[test]
+fn an_error_returned_through_record_is_the_root_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let outer = dir.path().join("outer.json");
+    let out = failing_job("error", &outer);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(101), "{stderr}");
+    let section = error_section(&stderr, 1);
+    assert_eq!(
+        section.get(1).copied(),
+        Some("distrun:   no checkpoint shard for rank 1"),
+        "{stderr}"
+    );
+    assert_eq!(
+        json(&outer)["message"]["message"],
+        "no checkpoint shard for rank 1"
+    );
+}
+
+#[test]
+fn a_script_may_write_torchs_plain_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let outer = dir.path().join("outer.json");
+    let script = r#"if [ "$RANK" = 2 ]; then
+            printf '{"message": "disk full on rank %s"}' "$RANK" > "$TORCHELASTIC_ERROR_FILE"
+            exit 3
+        fi"#;
+    let out = distrun(&["--nproc-per-node", "3", "--", "sh", "-c", script])
+        .env("TORCHELASTIC_ERROR_FILE", &outer)
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert_eq!(
+        error_section(&stderr, 2).get(1).copied(),
+        Some("distrun:   disk full on rank 2"),
+        "{stderr}"
+    );
+    // Torch's plain shape is passed on as it is (it has no object to put the code in).
+    assert_eq!(json(&outer)["message"], "disk full on rank 2");
+}
+
+#[test]
+fn each_rank_gets_its_own_file_in_a_directory_that_goes_with_the_run() {
+    let out = distrun(&[
+        "--nproc-per-node",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        r#"echo "EF $TORCHELASTIC_ERROR_FILE""#,
+    ])
+    .env("TORCHELASTIC_ERROR_FILE", "/the/launchers/own")
+    .output()
+    .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let files: BTreeSet<String> = text(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once("EF ").map(|(_, p)| p.to_owned()))
+        .collect();
+    assert_eq!(files.len(), 3, "one file per rank: {files:?}");
+    for f in &files {
+        let path = std::path::Path::new(f);
+        assert!(path.ends_with("error.json"), "{f}");
+        let run_dir = path.ancestors().nth(3).unwrap();
+        assert!(!run_dir.exists(), "{} left behind", run_dir.display());
+    }
+}
+
+#[test]
+fn with_a_log_dir_the_error_files_stay_beside_the_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"[ "$RANK" = 1 ] && echo '{"message": "bad input"}' > "$TORCHELASTIC_ERROR_FILE" && exit 4; true"#;
+    let logs = dir.path().join("logs");
+    let out = distrun(&[
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        logs.to_str().unwrap(),
+        "--",
+        "sh",
+        "-c",
+        script,
+    ])
+    .env_remove("TORCHELASTIC_ERROR_FILE")
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+    let kept = logs.join("attempt_0/rank_1/error.json");
+    assert_eq!(json(&kept)["message"], "bad input");
+    assert!(logs.join("attempt_0/rank_1/stderr.log").exists());
+}
