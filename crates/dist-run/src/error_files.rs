@@ -82,6 +82,19 @@ pub(crate) struct RankError {
 }
 
 impl RankError {
+    /// The trace's lines, less the message where the trace starts with it (a panic's does).
+    pub(crate) fn trace_past_message(&self) -> Vec<&str> {
+        let Some(trace) = &self.trace else {
+            return Vec::new();
+        };
+        let message: Vec<&str> = self.message.lines().collect();
+        let lines: Vec<&str> = trace.lines().collect();
+        match lines.strip_prefix(message.as_slice()) {
+            Some(rest) => rest.to_vec(),
+            None => lines,
+        }
+    }
+
     /// The first line of the message, at most `max` characters: for one-line reports.
     pub(crate) fn headline(&self, max: usize) -> String {
         let line = self.message.lines().next().unwrap_or_default();
@@ -181,6 +194,14 @@ mod tests {
         assert_eq!(e.trace.as_deref(), Some("Traceback ..."));
         assert_eq!(e.headline(8), "ValueErr...");
         assert_eq!(e.headline(100), "ValueError: bad");
+        assert_eq!(e.trace_past_message(), ["Traceback ..."]);
+        let panic = r#"{"message": {"message": "panic at a.rs:3: x",
+            "extraInfo": {"py_callstack": "panic at a.rs:3: x\n   7: train::step"}}}"#;
+        std::fs::write(&path, panic).unwrap();
+        assert_eq!(
+            read(&path).unwrap().trace_past_message(),
+            ["   7: train::step"]
+        );
 
         let outer = dir.path().join("outer.json");
         pass_on(&outer, Some(&e), 139, "unused");

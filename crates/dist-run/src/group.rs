@@ -119,17 +119,9 @@ impl Failure {
             for l in e.message.lines() {
                 let _ = writeln!(s, "distrun:   {l}");
             }
-            // The trace where it says more than the message, as many lines as the tail.
-            let message: Vec<&str> = e.message.lines().collect();
-            let trace = e.trace.as_deref().map(|t| {
-                // Where it repeats the message first (a panic's), the rest.
-                let lines: Vec<&str> = t.lines().collect();
-                match lines.strip_prefix(message.as_slice()) {
-                    Some(rest) => rest.to_vec(),
-                    None => lines,
-                }
-            });
-            if let Some(lines) = trace.filter(|l| !l.is_empty()) {
+            // As many lines of the trace as of the tail.
+            let lines = e.trace_past_message();
+            if !lines.is_empty() {
                 let shown = &lines[..lines.len().min(tail_lines)];
                 let _ = writeln!(
                     s,
