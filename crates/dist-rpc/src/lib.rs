@@ -332,12 +332,17 @@ impl std::fmt::Debug for Rpc {
 /// environment (or takes them from `rank`/`world_size`), rendezvouses through the store,
 /// connects to every other worker and starts serving `options`' handlers. Every worker of the
 /// job must call it.
+///
+/// Under a launcher that names an error file (`TORCHELASTIC_ERROR_FILE`), a panic is then
+/// recorded there as the worker's root cause, as process groups do
+/// ([`dist_backend::error_file::record_panics`]).
 pub fn init_rpc(
     name: &str,
     rank: Option<usize>,
     world_size: Option<usize>,
     options: RpcOptions,
 ) -> Result<Rpc> {
+    dist_backend::error_file::record_panics();
     let label = |r: Option<usize>| match r {
         Some(r) => format!("{name} (rank {r})"),
         None => name.to_owned(),
