@@ -684,6 +684,17 @@ fn signal_run(p: &Progs, fl: &Flags, rng: &mut Rng, dir: &Path, sig: &str) -> Ru
         run.problems.push(format!(
             "every survivor reported, but the job had not exited {EXIT_LIMIT:?} later: killed"
         ));
+    } else if sig == "KILL" {
+        // distrun's summary must name the rank that was killed, not a survivor that exited
+        // in the same poll after hearing of it.
+        let log = std::fs::read_to_string(&job.log).unwrap_or_default();
+        let named = format!("distrun: rank {victim} failed first");
+        if !log.lines().any(|l| l.starts_with(&named)) {
+            let first = log.lines().find(|l| l.contains("failed first"));
+            run.problems.push(format!(
+                "distrun did not name killed rank {victim} as the first failure: {first:?}"
+            ));
+        }
     }
     job.kill_all();
     if !run.ok() {

@@ -7,7 +7,10 @@
 //!
 //! The file's shape is torch's:
 //! `{"message": {"message": "...", "extraInfo": {"py_callstack": "...", "timestamp": "..."}}}`,
-//! the timestamp in whole seconds since the epoch, as a string.
+//! the timestamp in whole seconds since the epoch, as a string. `extraInfo` also carries
+//! `timestamp_ns`, the same time in nanoseconds (a string too): a launcher that must tell
+//! which of several ranks' errors came first (`distrun` does) needs more than seconds, and
+//! more than the file's modification time, which the kernel keeps to a few milliseconds.
 //!
 //! [`record_panics`] writes the file for a panic (process groups call it when they are
 //! created under a launcher that set the variable); [`record`] also for an error a closure
@@ -54,13 +57,14 @@ pub fn write_error(message: &str, trace: &str) -> io::Result<Option<PathBuf>> {
 /// `path` first and is renamed over it, so a launcher reading it as the rank dies never sees
 /// half of it.
 pub fn write_to(path: &Path, message: &str, trace: &str, at: SystemTime) -> io::Result<()> {
-    let secs = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let since = at.duration_since(UNIX_EPOCH).unwrap_or_default();
     let data = serde_json::json!({
         "message": {
             "message": message,
             "extraInfo": {
                 "py_callstack": trace,
-                "timestamp": secs.to_string(),
+                "timestamp": since.as_secs().to_string(),
+                "timestamp_ns": since.as_nanos().to_string(),
             },
         },
     });
@@ -184,7 +188,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("error.json");
         std::fs::write(&path, "stale").unwrap();
-        let at = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let at = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
         write_to(&path, "rank 3 lost peer 1", "line one\n\"quoted\"", at).unwrap();
         let data: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -194,6 +198,10 @@ mod tests {
             "line one\n\"quoted\""
         );
         assert_eq!(data["message"]["extraInfo"]["timestamp"], "1700000000");
+        assert_eq!(
+            data["message"]["extraInfo"]["timestamp_ns"],
+            "1700000000123456789"
+        );
         // Nothing but the file: the temporary one was renamed over it.
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(names.len(), 1);

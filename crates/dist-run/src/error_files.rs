@@ -128,6 +128,22 @@ pub(crate) fn read(path: &Path) -> Option<RankError> {
     })
 }
 
+/// When the error file at `path` was written, if it exists: its `timestamp_ns` (which `dist`
+/// writes), else its modification time (files torch wrote; the kernel keeps it to a few
+/// milliseconds, so close errors may tie).
+pub(crate) fn written_at(path: &Path) -> Option<SystemTime> {
+    let modified = std::fs::metadata(path).ok()?.modified().ok();
+    let precise = std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| {
+            let ns = v.get("message")?.get("extraInfo")?.get("timestamp_ns")?;
+            ns.as_str()?.parse::<u64>().ok()
+        })
+        .map(|ns| UNIX_EPOCH + Duration::from_nanos(ns));
+    precise.or(modified)
+}
+
 /// What goes to the launcher above `distrun` (its own [`VAR`]) when the job fails: the failed
 /// rank's file with `errorCode` set to `code` (a rank killed by a signal could not say it), or,
 /// where the rank wrote none, `what` in torch's shape.
@@ -222,9 +238,20 @@ mod tests {
             std::fs::write(&path, junk).unwrap();
             assert!(read(&path).is_none(), "{junk:?}");
         }
+        // Written when its `timestamp_ns` says; a file without one, when it was modified.
+        let precise = r#"{"message": {"message": "m", "extraInfo": {"timestamp_ns": "1500000000000000001"}}}"#;
+        std::fs::write(&path, precise).unwrap();
+        assert_eq!(
+            written_at(&path),
+            Some(UNIX_EPOCH + Duration::from_nanos(1_500_000_000_000_000_001))
+        );
+        std::fs::write(&path, r#"{"message": "m"}"#).unwrap();
+        let modified = std::fs::metadata(&path).unwrap().modified().unwrap();
+        assert_eq!(written_at(&path), Some(modified));
         // A stale file from an earlier run is removed when the attempt prepares it.
         assert_eq!(files.prepare(2, 5).unwrap(), path);
         assert!(!path.exists());
+        assert_eq!(written_at(&path), None);
     }
 
     #[test]

@@ -9,11 +9,12 @@ use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::agents::{Agents, Silence};
 use crate::env::Job;
 use crate::error_files::{self, ErrorFiles, RankError};
+use crate::root_cause::{Candidate, root_cause};
 use crate::{exits, signals};
 
 /// How often children (and the other nodes) are polled.
@@ -61,15 +62,25 @@ pub(crate) struct Failure {
     stopped: Vec<u32>,
     /// What the rank wrote in its error file, if anything.
     error: Option<RankError>,
+    /// Where the rank's error came first but it had not exited yet: the rank seen to fail
+    /// first, whose exit `status` is.
+    still_ran: Option<u32>,
 }
 
 impl Failure {
-    /// `exit code 7` or `killed by SIGSEGV`.
+    /// `exit code 7` or `killed by SIGSEGV`, or where the rank had not exited yet, which
+    /// rank's exit that was.
     fn how(&self) -> String {
-        match (self.status.code(), self.status.signal()) {
+        let status = match (self.status.code(), self.status.signal()) {
             (Some(c), _) => format!("exit code {c}"),
             (None, Some(s)) => format!("killed by {}", signals::name(s)),
             _ => format!("{}", self.status),
+        };
+        match self.still_ran {
+            Some(r) => {
+                format!("its error came first (it still ran when rank {r} failed: {status})")
+            }
+            None => status,
         }
     }
 
@@ -187,7 +198,8 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
     }
     drop(done_tx);
 
-    let mut first_failure: Option<usize> = None;
+    // When the last poll that found no rank failed started (see `root_cause`).
+    let mut quiet: Option<SystemTime> = None;
     let mut last_remote_check = Instant::now();
     // Since when node 0's store has not answered a look for failures.
     let mut store_silence = Silence::default();
@@ -196,7 +208,9 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
             stop(&mut ranks, sig, a.grace);
             break Outcome::Interrupted(sig);
         }
+        let poll_started = SystemTime::now();
         let mut running = 0;
+        let mut failed_now = Vec::new();
         for (i, r) in ranks.iter_mut().enumerate() {
             if r.status.is_some() {
                 continue;
@@ -204,8 +218,8 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
             match exits::exited(&r.child) {
                 Ok(Some(st)) => {
                     r.status = Some(st);
-                    if !st.success() && first_failure.is_none() {
-                        first_failure = Some(i);
+                    if !st.success() {
+                        failed_now.push(i);
                     }
                 }
                 Ok(None) => running += 1,
@@ -215,10 +229,20 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                 }
             }
         }
-        if let Some(i) = first_failure {
+        if let Some(&seen_first) = failed_now.first() {
+            let i = root_cause_of(&ranks, &failed_now, quiet);
             let r = &ranks[i];
-            let status = r.status.unwrap_or_else(|| ExitStatus::from_raw(1 << 8));
-            // Whole once the rank exited: it is written aside and renamed into place.
+            // The root cause may still be tearing down (its peers heard of its error and
+            // exited first): distrun then exits with the code of the first rank seen to fail.
+            let (status, still_ran) = match r.status {
+                Some(st) if !st.success() => (st, None),
+                _ => {
+                    let first = &ranks[seen_first];
+                    let st = first.status.unwrap_or_else(|| ExitStatus::from_raw(1 << 8));
+                    (st, Some(first.rank))
+                }
+            };
+            // Whole once written: it is written aside and renamed into place.
             let error = error_files::read(&r.error_file);
             let report = a.agents.map(|ag| {
                 let f = Failure {
@@ -230,6 +254,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                     tail: Vec::new(),
                     stopped: Vec::new(),
                     error: error.clone(),
+                    still_ran,
                 };
                 let (code, line) = (f.exit_code(), f.one_line());
                 // First as one look: a store that does not answer (node 0 stopped) must not
@@ -258,8 +283,10 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                 tail,
                 stopped,
                 error,
+                still_ran,
             });
         }
+        quiet = Some(poll_started);
         if running == 0 {
             break Outcome::Success;
         }
@@ -292,6 +319,25 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
     }
     drain(&done_rx, &mut readers);
     Ok(outcome)
+}
+
+/// The index of the rank whose failure caused the others' (see [`root_cause`]), when the ranks
+/// at `failed_now` were just seen to fail.
+fn root_cause_of(ranks: &[Rank], failed_now: &[usize], quiet: Option<SystemTime>) -> usize {
+    let candidates: Vec<Candidate> = ranks
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let now = failed_now.contains(&i);
+            Candidate {
+                written: error_files::written_at(&r.error_file),
+                failed_now: now,
+                // Nobody has been signalled yet: a signal now is the rank's own crash.
+                crashed: now && r.status.is_some_and(|st| st.signal().is_some()),
+            }
+        })
+        .collect();
+    root_cause(&candidates, quiet)
 }
 
 /// Waits until `left` more output threads have finished (their pipes closed), for at most

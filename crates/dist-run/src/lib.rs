@@ -27,7 +27,8 @@
 //!   `<log-dir>/attempt_<n>/rank_<r>/{stdout,stderr}.log`.
 //! * When a rank fails (non-zero exit or a signal), the others are stopped (SIGTERM to each
 //!   child's process group, SIGKILL after `--grace-period`) and a summary names the rank that
-//!   failed first, its exit code or signal, the error it wrote to its `TORCHELASTIC_ERROR_FILE`
+//!   failed first (the one whose error came first, by the ranks' error files: often not the
+//!   first to exit, see `root_cause.rs`), its exit code or signal, the error it wrote to its `TORCHELASTIC_ERROR_FILE`
 //!   (torch's `@record` file, which `dist` writes for a panic, see
 //!   `dist_backend::error_file`), and the last lines it printed. Each rank gets its own file,
 //!   beside its logs with `--log-dir`, else in a directory of the run's own that goes with it;
@@ -71,6 +72,7 @@ mod exits;
     reason = "pre_exec for PR_SET_PDEATHSIG and the CPU binding, with SAFETY comments"
 )]
 mod group;
+mod root_cause;
 #[allow(
     unsafe_code,
     reason = "signal and kill, which libc alone offers; each call has a SAFETY comment"

@@ -186,3 +186,46 @@ fn with_a_log_dir_the_error_files_stay_beside_the_logs() {
     assert_eq!(json(&kept)["message"], "bad input");
     assert!(logs.join("attempt_0/rank_1/stderr.log").exists());
 }
+
+#[test]
+fn the_rank_whose_error_came_first_is_the_root_cause_though_others_exit_before_it() {
+    // As when rank 2 panics in a collective: its error is written first, then its peers hear
+    // of it and exit at once, while rank 2 itself is still tearing down its groups.
+    let script = r#"dir=${TORCHELASTIC_ERROR_FILE%/rank_*}
+        if [ "$RANK" = 2 ]; then
+            # Written aside and renamed, as dist writes it: whole, and dated, once it exists.
+            # Dated to the nanosecond (the file's own time is kept to a few milliseconds).
+            printf '{"message": {"message": "rank 2 chose to fail", "extraInfo":
+                {"timestamp_ns": "%s"}}}' "$(date +%s%N)" > "$TORCHELASTIC_ERROR_FILE.tmp"
+            mv "$TORCHELASTIC_ERROR_FILE.tmp" "$TORCHELASTIC_ERROR_FILE"
+            exec sleep 60
+        fi
+        while [ ! -e "$dir/rank_2/error.json" ]; do sleep 0.01; done
+        printf '{"message": {"message": "peer rank 2 was lost", "extraInfo":
+            {"timestamp_ns": "%s"}}}' "$(date +%s%N)" > "$TORCHELASTIC_ERROR_FILE"
+        exit 1"#;
+    for _ in 0..3 {
+        let out = distrun(&["--nproc-per-node", "4", "--", "sh", "-c", script])
+            .env_remove("TORCHELASTIC_ERROR_FILE")
+            .output()
+            .unwrap();
+        let stderr = text(&out.stderr);
+        // distrun exits with the code of the first rank seen to fail.
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let first = stderr
+            .lines()
+            .find(|l| l.contains("failed first"))
+            .unwrap_or_else(|| panic!("{stderr}"));
+        assert!(
+            first.starts_with("distrun: rank 2 failed first")
+                && first.contains("its error came first (it still ran when rank ")
+                && first.ends_with("failed: exit code 1)"),
+            "{stderr}"
+        );
+        assert_eq!(
+            error_section(&stderr, 2).get(1).copied(),
+            Some("distrun:   rank 2 chose to fail"),
+            "{stderr}"
+        );
+    }
+}
