@@ -27,15 +27,16 @@
 //!   `<log-dir>/attempt_<n>/rank_<r>/{stdout,stderr}.log`.
 //! * When a rank fails (non-zero exit or a signal), the others are stopped (SIGTERM to each
 //!   child's process group, SIGKILL after `--grace-period`) and a summary names the rank that
-//!   failed first (the one whose error came first, by the ranks' error files: often not the
-//!   first to exit, see `root_cause.rs`), its exit code or signal, the error it wrote to its `TORCHELASTIC_ERROR_FILE`
-//!   (torch's `@record` file, which `dist` writes for a panic, see
+//!   failed first (the one whose error came first by the ranks' error files, often not the
+//!   first to exit: see `root_cause.rs`), its exit code or signal, the error it wrote to its
+//!   `TORCHELASTIC_ERROR_FILE` (torch's `@record` file, which `dist` writes for a panic, see
 //!   `dist_backend::error_file`), and the last lines it printed. Each rank gets its own file,
 //!   beside its logs with `--log-dir`, else in a directory of the run's own that goes with it;
 //!   a `distrun` started with `TORCHELASTIC_ERROR_FILE` set writes the root cause there, with
-//!   the exit code, as torchrun's agent does. `--max-restarts K`
-//!   restarts the whole job up to `K` times. The exit code is 0 when every rank succeeds, else
-//!   that of the first failure (`128 + signal` for a signal).
+//!   the exit code, as torchrun's agent does. `--max-restarts K` restarts the whole job up to
+//!   `K` times. The exit code is 0 when every rank succeeds, else that of the rank that failed
+//!   first (`128 + signal` for a signal), or, where that rank still ran, of the first rank
+//!   seen to fail.
 //! * With `--nnodes M > 1`, the `distrun` of each node joins the others through the store on
 //!   node 0 before every attempt; a failure on one node stops the ranks of every node, and the
 //!   restart decision is the same everywhere.
