@@ -9,12 +9,18 @@
 //! | --- | --- | --- |
 //! | [`wire`] | `dist-wire` | dtypes, reduce ops and kernels, the frame header, store codec (sans-IO) |
 //! | [`backend`] | `dist-backend` | the [`Backend`] contract, rendezvous [`Store`]s, `env://` init |
-//! | [`gloo`] | `dist-gloo` | the pure-Rust CPU backend (in progress) |
+//! | [`gloo`] | `dist-gloo` | the pure-Rust CPU backend: TCP between hosts, shared memory within one |
+//! | `nccl` | `dist-nccl` | the GPU backend over NCCL, loaded at run time (feature `nccl`) |
 //! | [`collective`] | `dist-collective` | process groups, typed collectives, async [`Work`], sub-groups, [`DeviceMesh`] |
-//! | [`parallel`] | `dist-parallel` | DDP: bucketed gradient all-reduce overlapped with backward |
+//! | [`parallel`] | `dist-parallel` | DDP, FSDP and the sharded checkpoint, pipeline and tensor parallelism, SyncBatchNorm |
 //! | [`rpc`] | `dist-rpc` | remote calls by name, remote references (`RRef`), graceful shutdown |
 //!
-//! The GPU backend (`dist-nccl`) is planned and will join this list as a module.
+//! # When a rank fails
+//!
+//! Under a launcher (`distrun`, torchrun) a process group records the rank's first panic in
+//! the launcher's error file (`TORCHELASTIC_ERROR_FILE`), and the launcher reports it as the
+//! job's root cause; [`record`] (torch's `@record`) also records an error `main` returns:
+//! `fn main() -> Result<(), Box<dyn std::error::Error>> { dist::record(train) }`.
 //!
 //! The flat names read like `import torch.distributed as dist`:
 //!
