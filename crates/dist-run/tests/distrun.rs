@@ -363,16 +363,27 @@ fn two_nodes_rendezvous_and_share_a_failure() {
     assert_eq!(all.keys().copied().collect::<Vec<_>>(), [0, 1, 2, 3]);
     assert!(all.values().all(|l| l.contains("world=4")), "{all:?}");
 
-    // Rank 3 (node 1) fails: node 0's ranks are stopped too, and both exit with its code.
+    // Rank 3 (node 1) fails: node 0's ranks are stopped too, and both exit with its code;
+    // node 0 prints the error rank 3 wrote to its error file.
     let sh = |s: &str| vec!["sh".to_owned(), "-c".to_owned(), s.to_owned()];
-    let script = "if [ $RANK = 3 ]; then exit 4; fi; sleep 60";
+    let script = r#"if [ $RANK = 3 ]; then
+            printf '{"message": "no data shard for rank 3"}' > "$TORCHELASTIC_ERROR_FILE"
+            exit 4
+        fi
+        sleep 60"#;
     let start = Instant::now();
     let outs = two_nodes(&sh(script));
     assert!(start.elapsed() < Duration::from_secs(15));
     for out in &outs {
         assert_eq!(out.status.code(), Some(4), "{out:?}");
     }
-    assert!(text(&outs[0].stderr).contains("rank 3 (node 1, local rank 1) failed: exit code 4"));
+    assert!(
+        text(&outs[0].stderr).contains(
+            "rank 3 (node 1, local rank 1) failed: exit code 4: no data shard for rank 3"
+        ),
+        "{}",
+        text(&outs[0].stderr)
+    );
 }
 
 #[test]
