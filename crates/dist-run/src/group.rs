@@ -62,23 +62,23 @@ pub(crate) struct Failure {
     stopped: Vec<u32>,
     /// What the rank wrote in its error file, if anything.
     error: Option<RankError>,
-    /// Where the rank's error came first but it had not exited yet: the rank seen to fail
-    /// first, whose exit `status` is.
-    still_ran: Option<u32>,
+    /// Where the rank's error came first but another rank was the first seen to exit failing
+    /// (it had not exited yet): that rank, whose exit `status` is.
+    first_exit: Option<u32>,
 }
 
 impl Failure {
-    /// `exit code 7` or `killed by SIGSEGV`, or where the rank had not exited yet, which
-    /// rank's exit that was.
+    /// `exit code 7` or `killed by SIGSEGV`, and which rank's exit that was where another rank
+    /// was the first to exit.
     fn how(&self) -> String {
         let status = match (self.status.code(), self.status.signal()) {
             (Some(c), _) => format!("exit code {c}"),
             (None, Some(s)) => format!("killed by {}", signals::name(s)),
             _ => format!("{}", self.status),
         };
-        match self.still_ran {
+        match self.first_exit {
             Some(r) => {
-                format!("its error came first (it still ran when rank {r} failed: {status})")
+                format!("its error came first (rank {r} was the first to exit, {status})")
             }
             None => status,
         }
@@ -234,7 +234,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
             let r = &ranks[i];
             // The root cause may still be tearing down (its peers heard of its error and
             // exited first): distrun then exits with the code of the first rank seen to fail.
-            let (status, still_ran) = match r.status {
+            let (status, first_exit) = match r.status {
                 Some(st) if !st.success() => (st, None),
                 _ => {
                     let first = &ranks[seen_first];
@@ -254,7 +254,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                     tail: Vec::new(),
                     stopped: Vec::new(),
                     error: error.clone(),
-                    still_ran,
+                    first_exit,
                 };
                 let (code, line) = (f.exit_code(), f.one_line());
                 // First as one look: a store that does not answer (node 0 stopped) must not
@@ -283,7 +283,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                 tail,
                 stopped,
                 error,
-                still_ran,
+                first_exit,
             });
         }
         quiet = Some(poll_started);

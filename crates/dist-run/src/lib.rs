@@ -35,8 +35,8 @@
 //!   a `distrun` started with `TORCHELASTIC_ERROR_FILE` set writes the root cause there, with
 //!   the exit code, as torchrun's agent does. `--max-restarts K` restarts the whole job up to
 //!   `K` times. The exit code is 0 when every rank succeeds, else that of the rank that failed
-//!   first (`128 + signal` for a signal), or, where that rank still ran, of the first rank
-//!   seen to fail.
+//!   first (`128 + signal` for a signal), or, where another rank was the first to exit, of
+//!   that rank.
 //! * With `--nnodes M > 1`, the `distrun` of each node joins the others through the store on
 //!   node 0 before every attempt; a failure on one node stops the ranks of every node, and the
 //!   restart decision is the same everywhere.

@@ -228,8 +228,8 @@ fn the_rank_whose_error_came_first_is_the_root_cause_though_others_exit_before_i
             .unwrap_or_else(|| panic!("{stderr}"));
         assert!(
             first.starts_with("distrun: rank 2 failed first")
-                && first.contains("its error came first (it still ran when rank ")
-                && first.ends_with("failed: exit code 1)"),
+                && first.contains("its error came first (rank ")
+                && first.ends_with("was the first to exit, exit code 1)"),
             "{stderr}"
         );
         assert_eq!(
