@@ -29,17 +29,10 @@ impl ErrorFiles {
                 root: d.to_path_buf(),
                 owned: false,
             },
-            None => {
-                let stamp = SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .unwrap_or(Duration::ZERO)
-                    .as_nanos();
-                let name = format!("distrun-errors-{run_id}-{}-{stamp}", std::process::id());
-                Self {
-                    root: std::env::temp_dir().join(name),
-                    owned: true,
-                }
-            }
+            None => Self {
+                root: crate::fresh_temp_dir("distrun-errors", run_id),
+                owned: true,
+            },
         }
     }
 
@@ -77,6 +70,10 @@ pub(crate) struct RankError {
     pub(crate) message: String,
     /// Where it happened (torch's `py_callstack`: a traceback, a backtrace), if given.
     pub(crate) trace: Option<String>,
+    /// When it was written: its `timestamp_ns` (which `dist` writes), else the file's
+    /// modification time (files torch wrote; the kernel keeps it to a few milliseconds, so
+    /// close errors may tie).
+    pub(crate) written: Option<SystemTime>,
     /// The file as written, to pass on.
     data: serde_json::Value,
 }
@@ -109,6 +106,7 @@ impl RankError {
 /// could read either (not JSON, no `message`).
 pub(crate) fn read(path: &Path) -> Option<RankError> {
     let text = std::fs::read_to_string(path).ok()?;
+    let modified = std::fs::metadata(path).ok().and_then(|m| m.modified().ok());
     let data: serde_json::Value = serde_json::from_str(&text).ok()?;
     // torch accepts `message` as a string or as an object with its own `message`.
     let (message, trace) = match data.get("message")? {
@@ -121,27 +119,22 @@ pub(crate) fn read(path: &Path) -> Option<RankError> {
                 .map(str::to_owned),
         ),
     };
+    let precise = data
+        .get("message")
+        .and_then(|m| {
+            m.get("extraInfo")?
+                .get("timestamp_ns")?
+                .as_str()?
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|ns| UNIX_EPOCH + Duration::from_nanos(ns));
     Some(RankError {
         message,
         trace,
+        written: precise.or(modified),
         data,
     })
-}
-
-/// When the error file at `path` was written, if it exists: its `timestamp_ns` (which `dist`
-/// writes), else its modification time (files torch wrote; the kernel keeps it to a few
-/// milliseconds, so close errors may tie).
-pub(crate) fn written_at(path: &Path) -> Option<SystemTime> {
-    let modified = std::fs::metadata(path).ok()?.modified().ok();
-    let precise = std::fs::read(path)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .and_then(|v| {
-            let ns = v.get("message")?.get("extraInfo")?.get("timestamp_ns")?;
-            ns.as_str()?.parse::<u64>().ok()
-        })
-        .map(|ns| UNIX_EPOCH + Duration::from_nanos(ns));
-    precise.or(modified)
 }
 
 /// What goes to the launcher above `distrun` (its own [`VAR`]) when the job fails: the failed
@@ -242,16 +235,16 @@ mod tests {
         let precise = r#"{"message": {"message": "m", "extraInfo": {"timestamp_ns": "1500000000000000001"}}}"#;
         std::fs::write(&path, precise).unwrap();
         assert_eq!(
-            written_at(&path),
+            read(&path).and_then(|e| e.written),
             Some(UNIX_EPOCH + Duration::from_nanos(1_500_000_000_000_000_001))
         );
         std::fs::write(&path, r#"{"message": "m"}"#).unwrap();
         let modified = std::fs::metadata(&path).unwrap().modified().unwrap();
-        assert_eq!(written_at(&path), Some(modified));
+        assert_eq!(read(&path).and_then(|e| e.written), Some(modified));
         // A stale file from an earlier run is removed when the attempt prepares it.
         assert_eq!(files.prepare(2, 5).unwrap(), path);
         assert!(!path.exists());
-        assert_eq!(written_at(&path), None);
+        assert_eq!(read(&path).and_then(|e| e.written), None);
     }
 
     #[test]

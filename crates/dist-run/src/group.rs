@@ -230,7 +230,12 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
             }
         }
         if let Some(&seen_first) = failed_now.first() {
-            let i = root_cause_of(&ranks, &failed_now, quiet);
+            // Every rank's error file, each whole once it exists (written aside and renamed).
+            let mut errors: Vec<Option<RankError>> = ranks
+                .iter()
+                .map(|r| error_files::read(&r.error_file))
+                .collect();
+            let i = root_cause_of(&ranks, &errors, &failed_now, quiet);
             let r = &ranks[i];
             // The root cause may still be tearing down (its peers heard of its error and
             // exited first): distrun then exits with the code of the first rank seen to fail.
@@ -242,8 +247,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
                     (st, Some(first.rank))
                 }
             };
-            // Whole once written: it is written aside and renamed into place.
-            let error = error_files::read(&r.error_file);
+            let error = errors[i].take();
             let report = a.agents.map(|ag| {
                 let f = Failure {
                     rank: r.rank,
@@ -322,15 +326,21 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
 }
 
 /// The index of the rank whose failure caused the others' (see [`root_cause`]), when the ranks
-/// at `failed_now` were just seen to fail.
-fn root_cause_of(ranks: &[Rank], failed_now: &[usize], quiet: Option<SystemTime>) -> usize {
+/// at `failed_now` were just seen to fail and the ranks' error files read `errors`.
+fn root_cause_of(
+    ranks: &[Rank],
+    errors: &[Option<RankError>],
+    failed_now: &[usize],
+    quiet: Option<SystemTime>,
+) -> usize {
     let candidates: Vec<Candidate> = ranks
         .iter()
+        .zip(errors)
         .enumerate()
-        .map(|(i, r)| {
+        .map(|(i, (r, error))| {
             let now = failed_now.contains(&i);
             Candidate {
-                written: error_files::written_at(&r.error_file),
+                written: error.as_ref().and_then(|e| e.written),
                 failed_now: now,
                 // Nobody has been signalled yet: a signal now is the rank's own crash.
                 crashed: now && r.status.is_some_and(|st| st.signal().is_some()),

@@ -302,13 +302,15 @@ fn log_dir(args: &Args) -> Option<PathBuf> {
     if !args.tee {
         return None;
     }
+    Some(fresh_temp_dir("distrun", &args.run_id))
+}
+
+/// A path of this run's own under the system's temporary directory:
+/// `<kind>-<run id>-<pid>-<ms since the epoch>`.
+fn fresh_temp_dir(kind: &str, run_id: &str) -> PathBuf {
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or(Duration::ZERO)
         .as_millis();
-    Some(std::env::temp_dir().join(format!(
-        "distrun-{}-{}-{stamp}",
-        args.run_id,
-        std::process::id()
-    )))
+    std::env::temp_dir().join(format!("{kind}-{run_id}-{}-{stamp}", std::process::id()))
 }
