@@ -193,6 +193,29 @@ pub trait Backend: Send + Sync {
         })
     }
 
+    /// A handle that ends a [`Backend::wait_for_arrival`] in progress (or the next one, if none
+    /// is) from any thread: a caller that waits for messages on one thread and is handed new
+    /// work on another wakes the first with it. `None` where the backend cannot wait for
+    /// arrivals ([`Backend::wait_for_arrival`] is then unsupported), as is the default.
+    fn arrival_waker(&self) -> Option<std::task::Waker> {
+        None
+    }
+
+    /// Sleeps until something may have arrived from some peer (a message worth a
+    /// [`Backend::probe`], or a peer gone), the [`Backend::arrival_waker`] is woken, or `timeout`
+    /// passes; it may also return early for no reason, so callers probe again and decide.
+    /// What arrived before the call and was not yet read by a probe may not end it: probe
+    /// first, then wait (MPI's blocking `Probe` without the probe). Backends without an
+    /// arrival waker return [`crate::Error::Unsupported`].
+    fn wait_for_arrival(&self, timeout: Duration) -> Result<()> {
+        let _ = timeout;
+        Err(crate::Error::Unsupported {
+            rank: self.rank(),
+            backend: self.name(),
+            what: "waiting for arrivals".into(),
+        })
+    }
+
     /// Leaves the group: says goodbye to every peer (so that they can tell this exit from a
     /// crash) and starts closing the connections; later operations fail. Idempotent;
     /// dropping the backend does the same. A backend that failed (and so aborted its group)

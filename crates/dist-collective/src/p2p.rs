@@ -11,10 +11,18 @@
 //! tag are received in the order they were sent; a large send completes once the receiver has
 //! posted the matching receive, or while the receiver's engine is busy with other messages (it
 //! reads ahead whatever arrives).
+//!
+//! Once a receive has waited longer than a short spin, a backend that can
+//! ([`Backend::wait_for_arrival`], e.g. gloo) puts the engine to sleep in its poller, so the
+//! message wakes it the moment it lands; a new job handed to the engine meanwhile wakes it
+//! through the backend's arrival waker ([`P2pQueue`]). Other backends are polled with a
+//! growing backoff.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError, channel};
+use std::task::Waker;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -53,18 +61,84 @@ fn inbox(rank: usize) -> String {
     format!("p2p/inbox/{rank}")
 }
 
-/// Starts the engine's thread; dropping the returned sender stops it (pending receives fail
-/// with [`Error::Destroyed`]). Fails only when the thread cannot be started.
+/// Where the group's threads hand the engine its jobs. Dropping it stops the engine (pending
+/// receives fail with [`Error::Destroyed`]).
+pub(crate) struct P2pQueue {
+    /// `None` only while dropping.
+    tx: Option<Sender<P2pJob>>,
+    /// What ends the engine's sleep in the backend's poller, where it sleeps there.
+    wake: Option<SleepWake>,
+}
+
+/// The engine's side of the hand-over: it raises `sleeping` before it sleeps in the backend's
+/// poller, so that a job sent meanwhile wakes it and other jobs cost no system call.
+struct SleepWake {
+    sleeping: Arc<AtomicBool>,
+    waker: Waker,
+}
+
+impl SleepWake {
+    fn wake_if_sleeping(&self) {
+        // Pairs with the engine's fence between raising the flag and its last look at the
+        // channel: either it sees the job, or this sees the flag.
+        fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::Relaxed) {
+            self.waker.wake_by_ref();
+        }
+    }
+}
+
+impl P2pQueue {
+    /// Hands `job` to the engine; gives it back when the engine has stopped.
+    pub(crate) fn submit(&self, job: P2pJob) -> Result<(), P2pJob> {
+        let Some(tx) = &self.tx else {
+            return Err(job);
+        };
+        tx.send(job).map_err(|e| e.0)?;
+        if let Some(w) = &self.wake {
+            w.wake_if_sleeping();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for P2pQueue {
+    fn drop(&mut self) {
+        // The channel closes first, so the engine, once woken, finds it closed.
+        drop(self.tx.take());
+        if let Some(w) = &self.wake {
+            w.waker.wake_by_ref();
+        }
+    }
+}
+
+/// Starts the engine's thread. Fails only when the thread cannot be started.
 pub(crate) fn start(
     backend: Box<dyn Backend>,
     store: Arc<dyn Store>,
     name: String,
-) -> std::io::Result<(Sender<P2pJob>, JoinHandle<()>)> {
+) -> std::io::Result<(P2pQueue, JoinHandle<()>)> {
     let (tx, rx) = channel();
+    let sleeping = Arc::new(AtomicBool::new(false));
+    let wake = probes(&*backend)
+        .then(|| backend.arrival_waker())
+        .flatten()
+        .map(|waker| SleepWake {
+            sleeping: Arc::clone(&sleeping),
+            waker,
+        });
+    let sleeps = wake.is_some().then_some(sleeping);
     let handle = std::thread::Builder::new()
         .name(name)
-        .spawn(move || Engine::new(backend, store, rx).run())?;
-    Ok((tx, handle))
+        .spawn(move || Engine::new(backend, store, rx, sleeps).run())?;
+    Ok((P2pQueue { tx: Some(tx), wake }, handle))
+}
+
+/// Whether the engine asks `backend` if a message has arrived rather than ringing doorbells.
+/// `DIST_P2P_DOORBELL=1` forces the store doorbells (to rule the probe out when debugging, and
+/// so tests cover the path backends without a probe take).
+fn probes(backend: &dyn Backend) -> bool {
+    backend.capabilities().probe && std::env::var("DIST_P2P_DOORBELL").map_or(true, |v| v != "1")
 }
 
 struct Engine {
@@ -77,16 +151,21 @@ struct Engine {
     announced: HashMap<(usize, u32), u64>,
     /// Ask the backend whether a message has arrived instead of ringing doorbells.
     probing: bool,
+    /// Raised while the engine sleeps in the backend's poller ([`Backend::wait_for_arrival`]);
+    /// `None` where it does not sleep there (no probe, or no arrival waker).
+    sleeping: Option<Arc<AtomicBool>>,
     closed: bool,
 }
 
 impl Engine {
-    fn new(backend: Box<dyn Backend>, store: Arc<dyn Store>, rx: Receiver<P2pJob>) -> Self {
+    fn new(
+        backend: Box<dyn Backend>,
+        store: Arc<dyn Store>,
+        rx: Receiver<P2pJob>,
+        sleeping: Option<Arc<AtomicBool>>,
+    ) -> Self {
         let rank = backend.rank();
-        // `DIST_P2P_DOORBELL=1` forces the store doorbells (to rule the probe out when
-        // debugging, and so tests cover the path backends without a probe take).
-        let probing = backend.capabilities().probe
-            && std::env::var("DIST_P2P_DOORBELL").map_or(true, |v| v != "1");
+        let probing = probes(&*backend);
         Engine {
             backend,
             store,
@@ -95,8 +174,38 @@ impl Engine {
             pending: VecDeque::new(),
             announced: HashMap::new(),
             probing,
+            sleeping,
             closed: false,
         }
+    }
+
+    /// Sleeps in the backend's poller until a message may have arrived, a job is handed over
+    /// (its [`P2pQueue::submit`] wakes the poller) or the nearest receive's deadline passes.
+    /// Returns false, without sleeping, where the engine does not sleep there.
+    fn sleep_for_arrival(&mut self) -> bool {
+        let Some(sleeping) = self.sleeping.clone() else {
+            return false;
+        };
+        let now = Instant::now();
+        let Some(deadline) = self.pending.iter().map(|j| j.deadline).min() else {
+            return true;
+        };
+        sleeping.store(true, Ordering::Relaxed);
+        // Pairs with the submitter's fence (`SleepWake::wake_if_sleeping`).
+        fence(Ordering::SeqCst);
+        match self.rx.try_recv() {
+            Ok(j) => self.pending.push_back(j),
+            Err(TryRecvError::Disconnected) => self.closed = true,
+            Err(TryRecvError::Empty) => {
+                // An error here is the backend's own (its poller failed): the receives
+                // probe again and meet it, or their deadline.
+                let _ = self
+                    .backend
+                    .wait_for_arrival(deadline.saturating_duration_since(now));
+            }
+        }
+        sleeping.store(false, Ordering::Relaxed);
+        true
     }
 
     fn run(mut self) {
@@ -150,7 +259,7 @@ impl Engine {
                     Err(TryRecvError::Empty) => {}
                     Err(TryRecvError::Disconnected) => self.closed = true,
                 }
-            } else if !self.pending.is_empty() {
+            } else if !self.pending.is_empty() && !self.sleep_for_arrival() {
                 match self.rx.recv_timeout(backoff) {
                     Ok(j) => self.pending.push_back(j),
                     Err(RecvTimeoutError::Timeout) => {}

@@ -1,12 +1,13 @@
 //! Async work handles (ownership, ordering, dropped handles, concurrent groups) and
 //! point-to-point patterns that must not deadlock.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use dist_backend::Store;
 use dist_backend::store::HashStore;
 use dist_collective::testing::{run_world, run_world_with};
-use dist_collective::{Error, OpState, P2pOp, ReduceOp};
+use dist_collective::{Error, InitOptions, OpState, P2pOp, ReduceOp, new_process_group};
 
 /// How long a rank waits for another's signal through a test's own store before failing.
 const GATE: Duration = Duration::from_secs(60);
@@ -158,6 +159,71 @@ fn both_ranks_irecv_then_send() {
         assert_eq!(out[0], vec![11u32; n]);
         assert_eq!(out[1], vec![10u32; n]);
     }
+}
+
+/// The point-to-point engine sleeps in the backend's poller while a receive waits; a send
+/// issued meanwhile must wake it. A lost wake-up holds the send until the receive's deadline,
+/// and rank 1's receive of it times out.
+#[test]
+fn a_send_issued_while_a_receive_waits_goes_at_once() {
+    let out = run_world_with(2, Duration::from_secs(60), |pg| {
+        if pg.rank() == 0 {
+            let pending = pg.irecv(vec![0u32; 4], 1, 5)?;
+            // Not for ordering (any timing is correct): past the engine's spin, so that the
+            // send below finds it asleep.
+            std::thread::sleep(Duration::from_millis(20));
+            pg.send(&[7u32; 4], 1, 6)?;
+            pending.wait()
+        } else {
+            let mut got = [0u32; 4];
+            pg.recv(&mut got, 0, 6)?;
+            pg.send(&got.map(|x| x + 1), 0, 5)?;
+            Ok(got.to_vec())
+        }
+    })
+    .unwrap();
+    assert_eq!(out, [vec![8u32; 4], vec![7u32; 4]]);
+}
+
+/// Destroying a group fails its pending receive with `Destroyed` at once, though the engine
+/// sleeps in the poller for it: dropping the engine's queue wakes it. Rank 1 keeps its group
+/// until then, so that rank 0 does not see it leave instead. (Groups of their own: the test
+/// harness keeps a clone of each, which a `destroy` would leave alive.)
+#[test]
+fn destroying_a_group_fails_its_waiting_receive_at_once() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new(GATE));
+    let gate = HashStore::new(GATE);
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let (store, gate) = (store.clone(), &gate);
+            s.spawn(move || {
+                let opts = InitOptions::new()
+                    .store(store)
+                    .rank(rank)
+                    .world_size(2)
+                    .timeout(Duration::from_secs(120));
+                let pg = new_process_group(opts).expect("group");
+                if rank == 1 {
+                    gate.wait(&["rank0_done"], GATE).unwrap();
+                    return;
+                }
+                let pending = pg.irecv(vec![0u8; 4], 1, 3).unwrap();
+                // Not for ordering (any timing is correct): past the engine's spin, so that it
+                // sleeps in the poller.
+                std::thread::sleep(Duration::from_millis(20));
+                let began = Instant::now();
+                pg.destroy();
+                let err = pending.wait().unwrap_err();
+                let took = began.elapsed();
+                gate.set("rank0_done", b"").unwrap();
+                assert!(matches!(err, Error::Destroyed { .. }), "{err}");
+                assert!(
+                    took < Duration::from_secs(30),
+                    "the receive failed only at its deadline: {took:?}"
+                );
+            });
+        }
+    });
 }
 
 #[test]

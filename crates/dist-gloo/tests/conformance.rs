@@ -5,7 +5,8 @@
 //! Data: every operation × world size 1..=5 × counts {0, 1, 7, 1 MiB + 3} × every dtype (and
 //! every valid reduce op), checked against an independent reference. Faults: ranks that
 //! disagree, a stalled rank, a crashed rank, a rank that leaves, and a send nobody receives,
-//! each with the error every rank must report.
+//! each with the error every rank must report. Point-to-point: tags matched out of order, and
+//! sleeping for arrivals woken by a message or the arrival waker.
 
 mod common;
 
@@ -266,12 +267,55 @@ fn check_p2p(ranks: &[GlooBackend]) {
     });
 }
 
+/// Sleeping for arrivals (the process group's point-to-point engine, between its receives)
+/// ends on the arrival waker, woken before the wait or during it, and on a peer's message. A
+/// lost wake-up shows as a wait that runs to its timeout, far longer than the rest of the
+/// suite.
+fn check_arrival_wait(ranks: &[GlooBackend]) {
+    const LONG: Duration = Duration::from_secs(120);
+    let n = ranks.len();
+    if n < 2 {
+        return;
+    }
+    let ends = |b: &GlooBackend, what: &str| {
+        let began = Instant::now();
+        b.wait_for_arrival(LONG).unwrap();
+        assert!(
+            began.elapsed() < LONG / 2,
+            "rank {}: the wait for arrivals ran to its timeout, {what}",
+            b.rank()
+        );
+    };
+    on_all(ranks, |b| {
+        let (r, right, left) = (b.rank(), (b.rank() + 1) % n, (b.rank() + n - 1) % n);
+        let waker = b.arrival_waker().expect("every driver sleeps for arrivals");
+        waker.wake_by_ref();
+        ends(b, "woken before it began");
+        std::thread::scope(|s| {
+            s.spawn(|| waker.wake_by_ref());
+            ends(b, "woken from another thread");
+        });
+        let tag = OpOptions { tag: 11, ..opts() };
+        b.send(BufRef::Host(&[r as u8; 3]), DType::U8, right, &tag)
+            .unwrap();
+        // Returns early are allowed: the caller probes again.
+        while !b.probe(left, 11).unwrap() {
+            ends(b, "with a message on its way");
+        }
+        let mut got = [0u8; 3];
+        b.recv(BufMut::Host(&mut got), DType::U8, left, &tag)
+            .unwrap();
+        assert_eq!(got, [left as u8; 3]);
+    });
+}
+
 /// The whole data suite over `driver`'s transports.
 fn over(driver: &str, make: MakeTransports, n: usize) {
     let ranks = world(make, n, &gloo_opts());
     check_all_reduce(&ranks);
     check_movement(&ranks);
     check_p2p(&ranks);
+    check_arrival_wait(&ranks);
     // Threads of one process read each other wherever the system call is allowed: then the
     // big counts went single-copy (only the TCP mesh, over sockets or rings, offers by
     // reference, and over rings only when told to).

@@ -23,7 +23,7 @@ use dist_backend::Store;
 
 use crate::debug::{DebugLevel, FailureDump, FlightEntry, FlightRecorder, dump_json};
 use crate::exec::Exec;
-use crate::p2p::P2pJob;
+use crate::p2p::P2pQueue;
 use crate::progress::Progress;
 
 mod check;
@@ -84,7 +84,7 @@ pub(crate) struct GroupInner {
     /// Monitored barriers run so far.
     pub(crate) monitored: AtomicU64,
     exec: Arc<Exec>,
-    p2p: Mutex<Option<Sender<P2pJob>>>,
+    p2p: Mutex<Option<P2pQueue>>,
     watchdog: Mutex<Option<Sender<()>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Made by `init_process_group`/`new_process_group` (not a sub-group): leaving it is

@@ -99,8 +99,8 @@ impl ProcessGroup {
             started,
             run,
         };
-        let tx = self.inner.p2p.lock().unwrap_or_else(|e| e.into_inner());
-        match tx.as_ref().map(|tx| tx.send(job)) {
+        let queue = self.inner.p2p.lock().unwrap_or_else(|e| e.into_inner());
+        match queue.as_ref().map(|q| q.submit(job)) {
             Some(Ok(())) => Ok(work),
             _ => Err(Error::Destroyed {
                 rank: self.rank(),

@@ -520,6 +520,22 @@ impl Backend for GlooBackend {
         Ok(self.transport.probe(src, tag))
     }
 
+    fn arrival_waker(&self) -> Option<std::task::Waker> {
+        self.transport.arrival_waker()
+    }
+
+    fn wait_for_arrival(&self, timeout: Duration) -> Result<()> {
+        if self.transport.arrival_waker().is_none() {
+            return Err(Error::Unsupported {
+                rank: self.rank,
+                backend: self.name(),
+                what: "waiting for arrivals over this transport".into(),
+            });
+        }
+        self.transport.wait_for_arrival(timeout);
+        Ok(())
+    }
+
     fn close(&self) {
         // A root's last op may still owe its verification: a disagreement must not go
         // unreported because the group was destroyed right after it.

@@ -452,6 +452,17 @@ pub trait Transport: Send + Sync {
     /// Whether a point-to-point message from `peer` with `tag` has begun to arrive, or the peer
     /// is gone. Never blocks: reads ahead what has arrived from `peer` into the stash.
     fn probe(&self, peer: usize, tag: u32) -> bool;
+    /// See [`dist_backend::Backend::arrival_waker`]: `None` (the default) where
+    /// [`Transport::wait_for_arrival`] cannot sleep.
+    fn arrival_waker(&self) -> Option<std::task::Waker> {
+        None
+    }
+    /// See [`dist_backend::Backend::wait_for_arrival`]: sleeps until some peer's link may have
+    /// something new to read (or has ended), the arrival waker is woken, or `timeout` passes.
+    /// Only transports with an [`Transport::arrival_waker`] are asked.
+    fn wait_for_arrival(&self, timeout: Duration) {
+        let _ = timeout;
+    }
     /// Between steps, for a rank that expects nothing from anyone (a root that only sends,
     /// with no agreement frames owed: `algo::agree::repeats_silently`): reads what each peer
     /// has sent so far, without waiting, and fails as a step of operation `ctx` (announcing

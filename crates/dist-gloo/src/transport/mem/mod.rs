@@ -5,8 +5,10 @@
 
 mod pipe;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::task::{Wake, Waker};
+use std::time::{Duration, Instant};
 
 use dist_backend::Result;
 
@@ -25,6 +27,8 @@ pub struct MemTransport {
     world_size: usize,
     segment: usize,
     bells: Arc<Vec<Bell>>,
+    /// This rank's arrival waker ([`Transport::arrival_waker`]).
+    woken: Arc<Woken>,
     inner: Mutex<Inner>,
 }
 
@@ -65,6 +69,11 @@ impl MemTransport {
                     world_size,
                     segment: core.segment_bytes(),
                     bells: Arc::clone(&bells),
+                    woken: Arc::new(Woken {
+                        woken: AtomicBool::new(false),
+                        bells: Arc::clone(&bells),
+                        rank,
+                    }),
                     inner: Mutex::new(Inner {
                         core,
                         out: pipes[rank].clone(),
@@ -296,6 +305,38 @@ impl Transport for MemTransport {
         g.core.probe(peer, tag)
     }
 
+    fn arrival_waker(&self) -> Option<Waker> {
+        Some(Waker::from(Arc::clone(&self.woken)))
+    }
+
+    /// Reads every peer into the stash, then sleeps on this rank's bell: the count is taken
+    /// before the reads, so bytes written after them ring past it, and before the waker's
+    /// flag is looked at, so a wake either raised the flag before the look or rings past it.
+    fn wait_for_arrival(&self, timeout: Duration) {
+        let bell = &self.bells[self.rank];
+        let seen = bell.count();
+        if self.woken.woken.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        {
+            let mut g = self.lock();
+            let mut idle = Step::idle();
+            for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+                g.read(
+                    &self.bells,
+                    &mut idle,
+                    &[],
+                    &mut [],
+                    &mut |_, _, _| Ok(()),
+                    peer,
+                    usize::MAX,
+                    true,
+                );
+            }
+        }
+        bell.wait(seen, dist_backend::deadline_after(Instant::now(), timeout));
+    }
+
     fn look(&self, ctx: &StepCtx, count: u64, run_from: Option<u64>) -> Result<()> {
         let mut g = self.lock();
         let g = &mut *g;
@@ -320,6 +361,27 @@ impl Transport for MemTransport {
 
     fn close(&self) {
         self.lock().shut(&self.bells, true);
+    }
+}
+
+/// The in-memory network's arrival waker: raises its flag, which ends the next wait that
+/// has not begun, then rings its rank's bell, as a peer's write does, which ends the one in
+/// progress.
+#[derive(Debug)]
+struct Woken {
+    woken: AtomicBool,
+    bells: Arc<Vec<Bell>>,
+    rank: usize,
+}
+
+impl Wake for Woken {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::SeqCst);
+        self.bells[self.rank].ring();
     }
 }
 

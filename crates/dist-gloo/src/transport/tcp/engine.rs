@@ -811,6 +811,37 @@ impl Engine {
         self.core.probe(peer, tag)
     }
 
+    /// See [`crate::transport::Transport::wait_for_arrival`]. Every link is read into the
+    /// stash first, as a probe reads its peer: a ring with unread bytes ends every sleep at
+    /// once (its arm reports bytes, not news), and a socket read to its end is the one whose
+    /// next bytes the edge-triggered poller reports. It then sleeps, past [`MAX_SLEEP`] where
+    /// `timeout` is longer, until the poller reports a link or the waker
+    /// ([`super::arrival::WAKE_TOKEN`]) or a ring changed. A poller error ends the wait early;
+    /// the caller probes and waits again.
+    pub(super) fn wait_for_arrival(&mut self, timeout: Duration) {
+        let mut idle = Step::idle();
+        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        for peer in 0..self.conns.len() {
+            if let Some(Some(c)) = self.conns.get_mut(peer) {
+                c.readable = true;
+                self.read_some(&mut idle, &[], &mut [], noop, peer, usize::MAX, true);
+            }
+        }
+        let deadline = dist_backend::deadline_after(Instant::now(), timeout);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.wait(left).is_err() {
+                return;
+            }
+            // The reads above left every open link unreadable: one readable now is news.
+            let news = !self.events.is_empty()
+                || self.conns.iter().flatten().any(|c| c.readable && !c.ended);
+            if news {
+                return;
+            }
+        }
+    }
+
     /// Leaves the group: the core queues a goodbye to every peer still connected (or, for an
     /// aborted group, only the abort notices already queued); each peer owed bytes gets them
     /// and a shutdown of the write side, then [`linger`] reads its connection until the peer

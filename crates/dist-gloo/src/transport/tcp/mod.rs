@@ -6,8 +6,10 @@
 //! [`crate::proto::CopyIn`], `read_helper.rs` the second thread that reads half of each large
 //! broadcast, scatter or gather frame where the host has spare cores, and `by_reference.rs` the
 //! sender's rule for which messages take it; `linger.rs` reads each connection after closing
-//! until the peer closes its end.
+//! until the peer closes its end; `arrival.rs` wakes a thread sleeping in the poller for
+//! point-to-point arrivals.
 
+mod arrival;
 mod by_reference;
 mod cma;
 mod conn;
@@ -54,6 +56,9 @@ pub struct TcpTransport {
     /// Where every pair of the group talks through rings: rank 0's group area, through which
     /// barriers and small all_reduces run (`Engine::through_area`).
     group_area: Option<shm::group_area::GroupArea>,
+    /// Ends [`Transport::wait_for_arrival`]'s sleep in the engine's poller from another thread
+    /// (outside the engine's lock, which the sleeper holds).
+    arrival: Arc<arrival::ArrivalWaker>,
     engine: Mutex<Engine>,
 }
 
@@ -94,6 +99,13 @@ impl TcpTransport {
         }
         let (poll, mut conns) =
             mesh::build(store, prefix, rank, world_size, opts, deadline).map_err(ranked)?;
+        let arrival = arrival::ArrivalWaker::new(poll.registry()).map_err(|source| {
+            dist_backend::Error::Io {
+                rank,
+                context: format!("group {prefix}: creating the poller's waker"),
+                source,
+            }
+        })?;
         let shm::Negotiated {
             rings,
             one_host,
@@ -175,6 +187,7 @@ impl TcpTransport {
             one_host,
             memory_shared_in_group: rings_in_group || cma_in_group,
             group_area,
+            arrival,
             engine: Mutex::new(Engine {
                 poll,
                 events: mio::Events::with_capacity(64),
@@ -341,6 +354,17 @@ impl Transport for TcpTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .probe(peer, tag)
+    }
+
+    fn arrival_waker(&self) -> Option<std::task::Waker> {
+        Some(self.arrival.waker())
+    }
+
+    fn wait_for_arrival(&self, timeout: Duration) {
+        self.engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .wait_for_arrival(timeout);
     }
 
     /// True when the group has an area (every pair talks through rings, so every rank is on
