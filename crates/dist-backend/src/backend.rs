@@ -204,9 +204,9 @@ pub trait Backend: Send + Sync {
     /// Sleeps until something may have arrived from some peer (a message worth a
     /// [`Backend::probe`], or a peer gone), the [`Backend::arrival_waker`] is woken, or `timeout`
     /// passes; it may also return early for no reason, so callers probe again and decide.
-    /// What arrived before the call and was not yet read by a probe may not end it: probe
-    /// first, then wait (MPI's blocking `Probe` without the probe). Backends without an
-    /// arrival waker return [`crate::Error::Unsupported`].
+    /// Bytes that arrived before the call and that no probe has read end it at once (MPI's
+    /// blocking `Probe`, without saying which message). Backends without an arrival waker
+    /// return [`crate::Error::Unsupported`].
     fn wait_for_arrival(&self, timeout: Duration) -> Result<()> {
         let _ = timeout;
         Err(crate::Error::Unsupported {

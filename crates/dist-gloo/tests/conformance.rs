@@ -286,6 +286,7 @@ fn check_arrival_wait(ranks: &[GlooBackend]) {
             b.rank()
         );
     };
+    let sent = Barrier::new(n);
     on_all(ranks, |b| {
         let (r, right, left) = (b.rank(), (b.rank() + 1) % n, (b.rank() + n - 1) % n);
         let waker = b.arrival_waker().expect("every driver sleeps for arrivals");
@@ -306,6 +307,22 @@ fn check_arrival_wait(ranks: &[GlooBackend]) {
         b.recv(BufMut::Host(&mut got), DType::U8, left, &tag)
             .unwrap();
         assert_eq!(got, [left as u8; 3]);
+        // Sent before the wait began, while rank 1 ran no step that could read ahead, and read
+        // by no probe: over shared-memory rings such bytes come with no doorbell, so only the
+        // wait's own look can see them.
+        let tag = OpOptions { tag: 12, ..opts() };
+        sent.wait();
+        if r == 0 {
+            b.send(BufRef::Host(&[5u8; 5]), DType::U8, 1, &tag).unwrap();
+        }
+        sent.wait();
+        if r == 1 {
+            ends(b, "with a message sent before it began");
+            assert!(b.probe(0, 12).unwrap(), "the message the wait read");
+            let mut got = [0u8; 5];
+            b.recv(BufMut::Host(&mut got), DType::U8, 0, &tag).unwrap();
+            assert_eq!(got, [5u8; 5]);
+        }
     });
 }
 

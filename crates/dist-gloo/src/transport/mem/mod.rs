@@ -309,9 +309,10 @@ impl Transport for MemTransport {
         Some(Waker::from(Arc::clone(&self.woken)))
     }
 
-    /// Reads every peer into the stash, then sleeps on this rank's bell: the count is taken
-    /// before the reads, so bytes written after them ring past it, and before the waker's
-    /// flag is looked at, so a wake either raised the flag before the look or rings past it.
+    /// Reads every peer into the stash (bytes found end the wait at once: they are what it
+    /// waits for), then sleeps on this rank's bell: the count is taken before the reads, so
+    /// bytes written after them ring past it, and before the waker's flag is looked at, so a
+    /// wake either raised the flag before the look or rings past it.
     fn wait_for_arrival(&self, timeout: Duration) {
         let bell = &self.bells[self.rank];
         let seen = bell.count();
@@ -321,8 +322,9 @@ impl Transport for MemTransport {
         {
             let mut g = self.lock();
             let mut idle = Step::idle();
+            let mut read = false;
             for peer in (0..self.world_size).filter(|&p| p != self.rank) {
-                g.read(
+                read |= g.read(
                     &self.bells,
                     &mut idle,
                     &[],
@@ -332,6 +334,9 @@ impl Transport for MemTransport {
                     usize::MAX,
                     true,
                 );
+            }
+            if read {
+                return;
             }
         }
         bell.wait(seen, dist_backend::deadline_after(Instant::now(), timeout));

@@ -814,18 +814,24 @@ impl Engine {
     /// See [`crate::transport::Transport::wait_for_arrival`]. Every link is read into the
     /// stash first, as a probe reads its peer: a ring with unread bytes ends every sleep at
     /// once (its arm reports bytes, not news), and a socket read to its end is the one whose
-    /// next bytes the edge-triggered poller reports. It then sleeps, past [`MAX_SLEEP`] where
-    /// `timeout` is longer, until the poller reports a link or the waker
-    /// ([`super::arrival::WAKE_TOKEN`]) or a ring changed. A poller error ends the wait early;
-    /// the caller probes and waits again.
+    /// next bytes the edge-triggered poller reports. What those reads find is news itself,
+    /// and ends the wait at once: a ring's bytes written while its reader's flag was down
+    /// come with no doorbell, so a sleep after reading them would wait for the next message.
+    /// Otherwise it sleeps, past [`MAX_SLEEP`] where `timeout` is longer, until the poller
+    /// reports a link or the waker ([`super::arrival::WAKE_TOKEN`]), or a ring changed. A
+    /// poller error ends the wait early; the caller probes and waits again.
     pub(super) fn wait_for_arrival(&mut self, timeout: Duration) {
         let mut idle = Step::idle();
         let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
+        let mut read = false;
         for peer in 0..self.conns.len() {
             if let Some(Some(c)) = self.conns.get_mut(peer) {
                 c.readable = true;
-                self.read_some(&mut idle, &[], &mut [], noop, peer, usize::MAX, true);
+                read |= self.read_some(&mut idle, &[], &mut [], noop, peer, usize::MAX, true);
             }
+        }
+        if read {
+            return;
         }
         let deadline = dist_backend::deadline_after(Instant::now(), timeout);
         loop {
