@@ -289,6 +289,30 @@ fn check_arrival_wait(ranks: &[GlooBackend]) {
     let sent = Barrier::new(n);
     on_all(ranks, |b| {
         let (r, right, left) = (b.rank(), (b.rank() + 1) % n, (b.rank() + n - 1) % n);
+        // A message one probe read while looking for another, after its own probe found
+        // nothing: the wait must not sleep on it (the process group's engine probes its
+        // receives in turn, then waits). First a short wait takes in what the operations
+        // before read.
+        b.wait_for_arrival(Duration::from_millis(1)).unwrap();
+        let first = OpOptions { tag: 21, ..opts() };
+        if r == 1 {
+            assert!(!b.probe(0, 21).unwrap(), "nothing sent yet");
+        }
+        sent.wait();
+        if r == 0 {
+            b.send(BufRef::Host(&[21u8; 2]), DType::U8, 1, &first)
+                .unwrap();
+        }
+        sent.wait();
+        if r == 1 {
+            assert!(!b.probe(0, 22).unwrap(), "no message with tag 22");
+            ends(b, "with a message a probe for another read");
+            assert!(b.probe(0, 21).unwrap(), "the message read");
+            let mut got = [0u8; 2];
+            b.recv(BufMut::Host(&mut got), DType::U8, 0, &first)
+                .unwrap();
+            assert_eq!(got, [21u8; 2]);
+        }
         let waker = b.arrival_waker().expect("every driver sleeps for arrivals");
         waker.wake_by_ref();
         ends(b, "woken before it began");

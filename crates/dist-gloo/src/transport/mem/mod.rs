@@ -41,6 +41,8 @@ struct Inner {
     inp: Vec<Option<Arc<Pipe>>>,
     /// The input from the peer ended and the core was told.
     eof: Vec<bool>,
+    /// Bytes were read from some peer since [`Transport::wait_for_arrival`] last returned.
+    read_since_wait: bool,
 }
 
 impl MemTransport {
@@ -81,6 +83,7 @@ impl MemTransport {
                             .map(|src| pipes[src][rank].clone())
                             .collect(),
                         eof: vec![false; world_size],
+                        read_since_wait: false,
                     }),
                 }
             })
@@ -177,6 +180,7 @@ impl Inner {
                 }
             }
         }
+        self.read_since_wait |= moved;
         moved
     }
 
@@ -309,8 +313,9 @@ impl Transport for MemTransport {
         Some(Waker::from(Arc::clone(&self.woken)))
     }
 
-    /// Reads every peer into the stash (bytes found end the wait at once: they are what it
-    /// waits for), then sleeps on this rank's bell: the count is taken before the reads, so
+    /// Reads every peer into the stash, then sleeps on this rank's bell, unless bytes were read
+    /// since the last wait ended (by those reads or any before them: news the caller has not
+    /// looked at, as in the TCP transport). The bell's count is taken before the reads, so
     /// bytes written after them ring past it, and before the waker's flag is looked at, so a
     /// wake either raised the flag before the look or rings past it.
     fn wait_for_arrival(&self, timeout: Duration) {
@@ -322,9 +327,8 @@ impl Transport for MemTransport {
         {
             let mut g = self.lock();
             let mut idle = Step::idle();
-            let mut read = false;
             for peer in (0..self.world_size).filter(|&p| p != self.rank) {
-                read |= g.read(
+                g.read(
                     &self.bells,
                     &mut idle,
                     &[],
@@ -335,7 +339,7 @@ impl Transport for MemTransport {
                     true,
                 );
             }
-            if read {
+            if std::mem::take(&mut g.read_since_wait) {
                 return;
             }
         }

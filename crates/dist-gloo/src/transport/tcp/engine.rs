@@ -75,6 +75,8 @@ pub(super) struct Engine {
     pub(super) pace: Option<PathPace>,
     /// How long closing waits for each peer to close its end (the group's timeout).
     pub(super) linger: Duration,
+    /// Bytes were read from some link since [`Engine::wait_for_arrival`] last returned.
+    pub(super) read_since_wait: bool,
 }
 
 /// The tag of every operation through the group area, in the headers the ranks publish.
@@ -744,6 +746,7 @@ impl Engine {
                 }
             }
         }
+        self.read_since_wait |= moved;
         moved
     }
 
@@ -814,23 +817,23 @@ impl Engine {
     /// See [`crate::transport::Transport::wait_for_arrival`]. Every link is read into the
     /// stash first, as a probe reads its peer: a ring with unread bytes ends every sleep at
     /// once (its arm reports bytes, not news), and a socket read to its end is the one whose
-    /// next bytes the edge-triggered poller reports. What those reads find is news itself,
-    /// and ends the wait at once: a ring's bytes written while its reader's flag was down
-    /// come with no doorbell, so a sleep after reading them would wait for the next message.
-    /// Otherwise it sleeps, past [`MAX_SLEEP`] where `timeout` is longer, until the poller
+    /// next bytes the edge-triggered poller reports. Bytes read since the last wait ended, by
+    /// those reads or any before them ([`Engine::read_since_wait`]), are news and end the wait
+    /// at once: a ring's bytes written while its reader's flag was down come with no
+    /// doorbell, and a probe for one message may have read another, whose own probe came
+    /// first and found nothing. Otherwise it sleeps, past [`MAX_SLEEP`] where `timeout` is longer, until the poller
     /// reports a link or the waker ([`super::arrival::WAKE_TOKEN`]), or a ring changed. A
     /// poller error ends the wait early; the caller probes and waits again.
     pub(super) fn wait_for_arrival(&mut self, timeout: Duration) {
         let mut idle = Step::idle();
         let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
-        let mut read = false;
         for peer in 0..self.conns.len() {
             if let Some(Some(c)) = self.conns.get_mut(peer) {
                 c.readable = true;
-                read |= self.read_some(&mut idle, &[], &mut [], noop, peer, usize::MAX, true);
+                self.read_some(&mut idle, &[], &mut [], noop, peer, usize::MAX, true);
             }
         }
-        if read {
+        if std::mem::take(&mut self.read_since_wait) {
             return;
         }
         let deadline = dist_backend::deadline_after(Instant::now(), timeout);

@@ -196,6 +196,7 @@ impl TcpTransport {
                 spin: idle::SpinWindow::new(opts.spin, busy_spin),
                 cma,
                 linger: opts.timeout,
+                read_since_wait: false,
                 single_copy: SingleCopyRule {
                     over_rings: single_copy_over_rings,
                     min_bytes: opts.cross_memory_min_bytes,
