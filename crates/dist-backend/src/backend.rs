@@ -204,7 +204,10 @@ pub trait Backend: Send + Sync {
     /// Sleeps until something may have arrived from some peer (a message worth a
     /// [`Backend::probe`], or a peer gone), the [`Backend::arrival_waker`] is woken, or `timeout`
     /// passes; it may also return early for no reason, so callers probe again and decide.
-    /// Bytes that arrived before the call and that no probe has read end it at once (MPI's
+    /// Bytes read from any peer since the last wait ended (by probes, by operations, or by
+    /// this call's own look at every link) end it at once: a probe for one message may read
+    /// another whose own probe came first and found nothing, so a caller that probes each
+    /// receive it waits for between waits never sleeps on a message already here (MPI's
     /// blocking `Probe`, without saying which message). Backends without an arrival waker
     /// return [`crate::Error::Unsupported`].
     fn wait_for_arrival(&self, timeout: Duration) -> Result<()> {

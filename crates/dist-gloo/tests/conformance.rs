@@ -304,15 +304,26 @@ fn check_arrival_wait(ranks: &[GlooBackend]) {
                 .unwrap();
         }
         sent.wait();
+        let mut waited = Duration::ZERO;
         if r == 1 {
             assert!(!b.probe(0, 22).unwrap(), "no message with tag 22");
-            ends(b, "with a message a probe for another read");
+            let began = Instant::now();
+            b.wait_for_arrival(LONG).unwrap();
+            waited = began.elapsed();
             assert!(b.probe(0, 21).unwrap(), "the message read");
             let mut got = [0u8; 2];
             b.recv(BufMut::Host(&mut got), DType::U8, 0, &first)
                 .unwrap();
             assert_eq!(got, [21u8; 2]);
         }
+        // Rank 0's next sends would wake that wait, so they wait for it (and a failed wait is
+        // reported past the barrier, so as not to leave rank 0 at it).
+        sent.wait();
+        assert!(
+            waited < LONG / 2,
+            "rank {r}: the wait for arrivals ran to its timeout, with a message a probe for \
+             another read"
+        );
         let waker = b.arrival_waker().expect("every driver sleeps for arrivals");
         waker.wake_by_ref();
         ends(b, "woken before it began");
