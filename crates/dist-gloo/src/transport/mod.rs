@@ -459,9 +459,9 @@ pub trait Transport: Send + Sync {
     }
     /// See [`dist_backend::Backend::wait_for_arrival`]: returns at once where bytes were read
     /// from some peer's link since the last wait ended (this call reads every link first),
-    /// else sleeps until one may have something new to read (or
-    /// has ended), the arrival waker is woken, or `timeout` passes. Only transports with an
-    /// [`Transport::arrival_waker`] are asked.
+    /// else sleeps until one may have something new to read (or has ended), the arrival waker
+    /// is woken, or `timeout` passes. Only transports with an [`Transport::arrival_waker`]
+    /// are asked.
     fn wait_for_arrival(&self, timeout: Duration) {
         let _ = timeout;
     }

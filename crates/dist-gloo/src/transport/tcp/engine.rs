@@ -821,9 +821,10 @@ impl Engine {
     /// those reads or any before them ([`Engine::read_since_wait`]), are news and end the wait
     /// at once: a ring's bytes written while its reader's flag was down come with no
     /// doorbell, and a probe for one message may have read another, whose own probe came
-    /// first and found nothing. Otherwise it sleeps, past [`MAX_SLEEP`] where `timeout` is longer, until the poller
-    /// reports a link or the waker ([`super::arrival::WAKE_TOKEN`]), or a ring changed. A
-    /// poller error ends the wait early; the caller probes and waits again.
+    /// first and found nothing. Otherwise it sleeps, past [`MAX_SLEEP`] where `timeout` is
+    /// longer, until the poller reports a link or the waker ([`super::arrival::WAKE_TOKEN`]),
+    /// or a ring changed. A poller error ends the wait early; the caller probes and waits
+    /// again.
     pub(super) fn wait_for_arrival(&mut self, timeout: Duration) {
         let mut idle = Step::idle();
         let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
