@@ -184,6 +184,22 @@ impl Inner {
         moved
     }
 
+    /// Reads whatever `peer` has sent into the stash, between steps (a probe, a wait for
+    /// arrivals).
+    fn read_ahead(&mut self, bells: &[Bell], peer: usize) {
+        let mut idle = Step::idle();
+        self.read(
+            bells,
+            &mut idle,
+            &[],
+            &mut [],
+            &mut |_, _, _| Ok(()),
+            peer,
+            usize::MAX,
+            true,
+        );
+    }
+
     /// Hands each peer what it is owed and closes both directions; `goodbye` first queues the
     /// core's goodbyes (unless aborted). Peers not owed an orderly close see a crash.
     fn shut(&mut self, bells: &[Bell], goodbye: bool) {
@@ -295,17 +311,7 @@ impl Transport for MemTransport {
         if peer >= self.world_size || peer == self.rank {
             return false;
         }
-        let mut idle = Step::idle();
-        g.read(
-            &self.bells,
-            &mut idle,
-            &[],
-            &mut [],
-            &mut |_, _, _| Ok(()),
-            peer,
-            usize::MAX,
-            true,
-        );
+        g.read_ahead(&self.bells, peer);
         g.core.probe(peer, tag)
     }
 
@@ -326,18 +332,8 @@ impl Transport for MemTransport {
         }
         {
             let mut g = self.lock();
-            let mut idle = Step::idle();
             for peer in (0..self.world_size).filter(|&p| p != self.rank) {
-                g.read(
-                    &self.bells,
-                    &mut idle,
-                    &[],
-                    &mut [],
-                    &mut |_, _, _| Ok(()),
-                    peer,
-                    usize::MAX,
-                    true,
-                );
+                g.read_ahead(&self.bells, peer);
             }
             if std::mem::take(&mut g.read_since_wait) {
                 return;

@@ -804,14 +804,23 @@ impl Engine {
     /// See [`crate::transport::Transport::probe`]: reads what `peer` sent so far (between
     /// steps every frame is stashed), then asks the core.
     pub(super) fn probe(&mut self, peer: usize, tag: u32) -> bool {
-        let Some(Some(c)) = self.conns.get_mut(peer) else {
+        if !matches!(self.conns.get(peer), Some(Some(_))) {
             return false;
+        }
+        self.read_ahead(peer);
+        self.core.probe(peer, tag)
+    }
+
+    /// Reads whatever `peer` has sent into the stash, between steps (a probe, a wait for
+    /// arrivals); nothing where it has no link.
+    fn read_ahead(&mut self, peer: usize) {
+        let Some(Some(c)) = self.conns.get_mut(peer) else {
+            return;
         };
         c.readable = true;
         let mut idle = Step::idle();
         let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
         self.read_some(&mut idle, &[], &mut [], noop, peer, usize::MAX, true);
-        self.core.probe(peer, tag)
     }
 
     /// See [`crate::transport::Transport::wait_for_arrival`]. Every link is read into the
@@ -826,13 +835,8 @@ impl Engine {
     /// or a ring changed. A poller error ends the wait early; the caller probes and waits
     /// again.
     pub(super) fn wait_for_arrival(&mut self, timeout: Duration) {
-        let mut idle = Step::idle();
-        let noop: &mut OnFrame<'_> = &mut |_, _, _| Ok(());
         for peer in 0..self.conns.len() {
-            if let Some(Some(c)) = self.conns.get_mut(peer) {
-                c.readable = true;
-                self.read_some(&mut idle, &[], &mut [], noop, peer, usize::MAX, true);
-            }
+            self.read_ahead(peer);
         }
         if std::mem::take(&mut self.read_since_wait) {
             return;
