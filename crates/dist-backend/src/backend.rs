@@ -148,6 +148,25 @@ pub trait Backend: Send + Sync {
         opts: &OpOptions,
     ) -> Result<()>;
 
+    /// [`all_to_all`](Backend::all_to_all) where every rank sends every rank `count` elements
+    /// (torch's `all_to_all_single` without split sizes, `MPI_Alltoall`), and every rank of
+    /// the group calls this form for this operation. Then every rank knows every other rank's
+    /// counts, so a backend may run an algorithm that needs them (the uneven form's counts
+    /// are known only to the ranks they concern). A rank that calls the uneven form where
+    /// another calls this one may fail both with a mismatch. The default runs the uneven form
+    /// with even counts.
+    fn all_to_all_even(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        dtype: DType,
+        count: usize,
+        opts: &OpOptions,
+    ) -> Result<()> {
+        let counts = vec![count; self.world_size()];
+        self.all_to_all(input, output, dtype, &counts, &counts, opts)
+    }
+
     /// Gathers every rank's `input` (equal counts) into `root`'s `output`; `output` is `None` on
     /// every other rank.
     fn gather(

@@ -54,6 +54,13 @@ macro_rules! buffer_ops {
                 recv_counts: &[usize],
                 opts: &OpOptions
             ) by dev_ref(&input) || dev_mut(&output);
+            all_to_all_even(
+                input: BufRef<'_>,
+                output: BufMut<'_>,
+                dtype: DType,
+                count: usize,
+                opts: &OpOptions
+            ) by dev_ref(&input) || dev_mut(&output);
             // Every rank must pick the same backend, and only the root has the rooted buffer:
             // the buffer every rank passes decides.
             gather(
@@ -260,6 +267,8 @@ mod tests {
             &o,
         )
         .unwrap();
+        d.all_to_all_even(BufRef::Device(dev), BufMut::Device(dev), DType::U8, 0, &o)
+            .unwrap();
         // Rooted ops decide by the buffer every rank passes.
         d.gather(BufRef::Device(dev), None, DType::U8, 0, &o)
             .unwrap();
@@ -276,6 +285,7 @@ mod tests {
             "all_gather",
             "reduce_scatter",
             "all_to_all",
+            "all_to_all_even",
             "gather",
             "scatter",
             "send",

@@ -298,16 +298,10 @@ fn run_once(pg: &GlooBackend, op: &str, c: &mut Case, args: &Args, opts: &OpOpti
                 opts,
             )
         }
+        // The even form, as the peers' `all_to_all_single` without splits and `Alltoall`.
         "all_to_all" => {
             let per = c.a.len() / size / n;
-            pg.all_to_all(
-                BufRef::Host(&c.a),
-                BufMut::Host(&mut c.b),
-                d,
-                &vec![per; n],
-                &vec![per; n],
-                opts,
-            )
+            pg.all_to_all_even(BufRef::Host(&c.a), BufMut::Host(&mut c.b), d, per, opts)
         }
         // Every rank's block is the size given, as for all_gather.
         "gather" => pg.gather(

@@ -11,9 +11,9 @@
 mod common;
 
 use common::{
-    DRIVERS, MakeTransports, assert_close, check_all_to_all, check_reduce_scatter, decode, encode,
-    on_all, reference, shm_rings_transports, shm_transports, tcp_world, tcp_world_with, value,
-    world,
+    DRIVERS, MakeTransports, assert_close, check_all_to_all, check_all_to_all_even,
+    check_reduce_scatter, decode, encode, on_all, reference, shm_rings_transports, shm_transports,
+    tcp_world, tcp_world_with, value, world,
 };
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -229,6 +229,8 @@ fn check_movement(ranks: &[GlooBackend]) {
             // all_to_all with split sizes: rank s sends count + s + r elements to rank r
             let split = |s: usize, r: usize| count + s + r;
             check_all_to_all(ranks, d, split, &opts(), &format!("count {count}"));
+            // and even, through rank 0 from 3 ranks where small
+            check_all_to_all_even(ranks, d, count, &opts(), &format!("count {count}"));
         }
     }
     on_all(ranks, |b| b.barrier(&opts()).unwrap());

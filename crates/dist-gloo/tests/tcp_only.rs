@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::{check_all_to_all, check_reduce_scatter, encode, on_all, tcp_world, value};
+use common::{
+    check_all_to_all, check_all_to_all_even, check_reduce_scatter, encode, on_all, tcp_world, value,
+};
 use dist_backend::{Backend, BufMut, BufRef, OpOptions};
 use dist_gloo::transport::tcp::cross_memory_available;
 use dist_gloo::{GlooBackend, GlooOptions};
@@ -258,5 +260,68 @@ fn reduce_scatter_by_star_and_halving_over_sockets_on_4_and_8_ranks() {
                 }
             }
         }
+    }
+}
+
+/// The even all_to_all where no two ranks share memory: through rank 0 on 3 to 8 ranks while
+/// rank 0 receives at most 16 KiB in all, by messages past that and on 2 and 9 ranks. Every
+/// dtype on 8 ranks (the star's largest group) and 9 (the smallest past it), and counts on
+/// both sides of the star's bound on 4 ranks (f32 inputs of 4 KiB and 16 KiB: 12 and 48 KiB
+/// to rank 0), each between uneven calls, so that the forms' frames follow one another.
+/// Checked against the values each rank encoded for each receiver.
+#[test]
+fn even_all_to_all_through_rank_zero_and_by_messages_over_sockets() {
+    let mut o = GlooOptions::default();
+    o.mesh.transport = dist_gloo::transport::shm::TransportMode::Tcp;
+    o.mesh.cross_memory = false;
+    o.mesh.segment_bytes = 16 << 10;
+    for n in [8, 9] {
+        let ranks = tcp_world(n, &o);
+        for d in DType::ALL {
+            for count in [0, 1, 7] {
+                check_all_to_all_even(&ranks, d, count, &opts(), "small");
+                check_all_to_all(&ranks, d, |s, r| count + (s + r) % 3, &opts(), "uneven");
+            }
+        }
+    }
+    let ranks = tcp_world(4, &o);
+    for count in [256, 1024, 1025, 4096] {
+        check_all_to_all_even(&ranks, DType::F32, count, &opts(), "around the bound");
+        check_all_to_all(&ranks, DType::F32, |_, _| count, &opts(), "uneven form");
+    }
+}
+
+/// Ranks that call the even all_to_all where others call the uneven form with the same counts
+/// (through rank 0 against the direct exchange) fail, every one of them, with a mismatch
+/// naming both algorithms, not a timeout; the group then refuses further operations.
+#[test]
+fn even_and_uneven_all_to_all_mixed_fail_every_rank_with_a_mismatch() {
+    let mut o = GlooOptions::default();
+    o.mesh.transport = dist_gloo::transport::shm::TransportMode::Tcp;
+    let n = 4;
+    let ranks = tcp_world(n, &o);
+    let errs = on_all(&ranks, |b| {
+        let input = vec![1u8; n * 4];
+        let mut out = vec![0u8; n * 4];
+        let (i, o) = (BufRef::Host(&input), BufMut::Host(&mut out));
+        let r = if b.rank() == 2 {
+            b.all_to_all(i, o, DType::F32, &[1; 4], &[1; 4], &opts())
+        } else {
+            b.all_to_all_even(i, o, DType::F32, 1, &opts())
+        };
+        r.expect_err("mixed forms must fail")
+    });
+    for (r, e) in errs.iter().enumerate() {
+        let text = e.to_string();
+        assert!(
+            matches!(
+                e,
+                dist_backend::Error::Mismatch { .. }
+                    | dist_backend::Error::MismatchReported { .. }
+                    | dist_backend::Error::Aborted { .. }
+            ),
+            "rank {r}: {text}"
+        );
+        assert!(text.contains("star through rank 0"), "rank {r}: {text}");
     }
 }

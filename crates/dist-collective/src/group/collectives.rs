@@ -262,7 +262,10 @@ impl ProcessGroup {
     /// Sends block r of `input` to rank r and receives rank r's block for this rank into block r
     /// of `output` (torch's `all_to_all_single`). Without split sizes, both buffers are cut into
     /// `world_size` equal blocks; with them, `output_split_sizes[r]`/`input_split_sizes[r]` give
-    /// block r's length, and each must sum to its buffer's length.
+    /// block r's length, and each must sum to its buffer's length. Every rank passes split
+    /// sizes, or none does (as in torch, whose Gloo runs the two forms differently): the even
+    /// form may run an algorithm that needs every rank's counts, and a rank of the other form
+    /// then fails it and its peers with a mismatch.
     pub fn all_to_all_single<T: Element>(
         &self,
         output: &mut [T],
@@ -307,8 +310,17 @@ impl ProcessGroup {
                 recv[r],
             ));
         }
+        // Without split sizes on either side every rank's counts are alike (if a peer passed
+        // some, the backend may fail both with a mismatch), which the backend may use.
+        let even_count =
+            (output_split_sizes.is_none() && input_split_sizes.is_none()).then(|| send[r]);
         self.coll(info::<T>(op, send.clone(), None), None, |b, o| {
-            Ok(b.all_to_all(bytes(input), bytes_mut(output), T::DTYPE, &send, &recv, o)?)
+            Ok(match even_count {
+                Some(count) => {
+                    b.all_to_all_even(bytes(input), bytes_mut(output), T::DTYPE, count, o)
+                }
+                None => b.all_to_all(bytes(input), bytes_mut(output), T::DTYPE, &send, &recv, o),
+            }?)
         })
     }
 

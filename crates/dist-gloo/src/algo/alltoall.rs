@@ -8,7 +8,7 @@ use dist_backend::{Error, OpDesc, Result};
 use super::lent::{Held, LENT_WORDS, leading_word, read_then_close, words_of};
 use super::{Op, blocks_of, split_blocks, tags};
 use crate::output_copy::copy_into_output;
-use crate::transport::{LentWords, StepCtx};
+use crate::transport::{Incoming, LentWords, Outgoing, StepCtx};
 
 /// Every rank's blocks to every other through memory the whole group maps
 /// ([`crate::transport::Transport::shared_memory_exchange`]): each rank publishes a table of
@@ -379,7 +379,7 @@ pub(crate) fn by_messages(
     // Index k - 1 holds the send to r + k and the receive from r - k.
     let sends: Vec<_> = (1..n)
         .map(|k| (r + k) % n)
-        .map(|p| crate::transport::Outgoing {
+        .map(|p| Outgoing {
             peer: p,
             data: &input[sb[p].clone()],
             count: send_counts[p] as u64,
@@ -388,7 +388,7 @@ pub(crate) fn by_messages(
         .collect();
     let mut recvs: Vec<_> = (1..n)
         .map(|k| (r + n - k) % n)
-        .map(|p| crate::transport::Incoming {
+        .map(|p| Incoming {
             peer: p,
             // Only this rank's own part was taken.
             buf: parts[p].take().unwrap_or_default(),
@@ -405,4 +405,88 @@ pub(crate) fn by_messages(
         return Ok(());
     }
     o.step(&sends, &mut recvs)
+}
+
+/// An even all_to_all (every rank sends every rank `input.len() / n` bytes, and every rank
+/// called [`dist_backend::Backend::all_to_all_even`]) through rank 0: every other rank sends
+/// rank 0 its whole input, rank 0 sorts the blocks by destination and sends every rank its
+/// whole output. Each rank but rank 0 waits once, where the direct exchange has every rank
+/// wait for every other; over TCP each message also costs a system call and a wake-up, and
+/// the star sends 2(n − 1) messages where the direct exchange sends n(n − 1). Where ranks
+/// share cores every wait is a turn on a core, as for the other stars
+/// ([`super::STAR_MAX_RANKS`]). Taken from 3 ranks where rank 0 receives at most
+/// [`super::reducescatter::STAR_MAX_INBOUND_BYTES`] in all (it receives, and sends, whole
+/// inputs, as reduce_scatter's star does); the figures are in `docs/BENCHMARKS.md`.
+/// Only the even form may take it: in the uneven one a rank knows only its own counts, so rank
+/// 0 could not tell how long another rank's input is.
+///
+/// Its frames announce the elements per block, as the direct exchange's do, so that a rank
+/// that called the uneven form meets this one with its counts alike and the mismatch names
+/// the two algorithms.
+pub(crate) fn star(
+    o: &Op<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    scratch: &mut Vec<u64>,
+) -> Result<()> {
+    let (n, len) = (o.n(), input.len());
+    debug_assert!(len.is_multiple_of(n) && output.len() == len);
+    let block = len / n;
+    let count = (block / o.dtype().size()) as u64;
+    let send = |peer: usize, data, tag| Outgoing {
+        peer,
+        data,
+        count,
+        tag,
+    };
+    let recv = |peer: usize, buf, tag| Incoming {
+        peer,
+        buf,
+        count,
+        tag,
+        streamed: None,
+        seq_ahead: 0,
+    };
+    if o.rank() != 0 {
+        return o.step(
+            &[send(0, input, tags::STAR)],
+            &mut [recv(0, output, tags::STAR | 1)],
+        );
+    }
+    let (inbound, outbound) =
+        super::scratch_bytes(scratch, 2 * (n - 1) * len).split_at_mut((n - 1) * len);
+    {
+        let mut recvs = Vec::with_capacity(n - 1);
+        let mut rest = &mut inbound[..];
+        for p in 1..n {
+            let (theirs, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            recvs.push(recv(p, theirs, tags::STAR));
+            rest = tail;
+        }
+        o.step(&[], &mut recvs)?;
+    }
+    let input_of = |p: usize| {
+        if p == 0 {
+            input
+        } else {
+            &inbound[(p - 1) * len..p * len]
+        }
+    };
+    let part = |p: usize, q: usize| &input_of(p)[q * block..(q + 1) * block];
+    for p in 0..n {
+        output[p * block..(p + 1) * block].copy_from_slice(part(p, 0));
+    }
+    for (q, theirs) in outbound
+        .chunks_exact_mut(len.max(1))
+        .enumerate()
+        .take(n - 1)
+    {
+        for p in 0..n {
+            theirs[p * block..(p + 1) * block].copy_from_slice(part(p, q + 1));
+        }
+    }
+    let sends: Vec<_> = (1..n)
+        .map(|q| send(q, &outbound[(q - 1) * len..q * len], tags::STAR | 1))
+        .collect();
+    o.step(&sends, &mut [])
 }

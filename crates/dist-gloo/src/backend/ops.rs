@@ -307,80 +307,19 @@ impl Backend for GlooBackend {
         recv_counts: &[usize],
         opts: &OpOptions,
     ) -> Result<()> {
-        let name = CollectiveOp::AllToAll;
-        let (input, output) = (self.host_ref(name, input)?, self.host(name, output)?);
-        let sent = self.check_counts(name, "send_counts", send_counts)?;
-        let received = self.check_counts(name, "recv_counts", recv_counts)?;
-        self.check_len(name, "the input", input.len(), dtype, sent)?;
-        self.check_len(name, "the output", output.len(), dtype, received)?;
-        if send_counts[self.rank] != recv_counts[self.rank] {
-            return Err(self.invalid(
-                name,
-                format!(
-                    "this rank sends itself {} elements but expects to receive {} from itself",
-                    send_counts[self.rank], recv_counts[self.rank]
-                ),
-            ));
-        }
-        // Rank 0, where it paces lending, decides for the group (the others lend whenever
-        // their inputs allow, and follow its announcement by messages).
-        let pace = self.all_to_all_pace.as_ref();
-        let lend_from = match pace {
-            Some(p) if !p.lends(input.len()) => usize::MAX,
-            _ => self.lent_all_to_all_bytes,
-        };
-        // Every rank counts its calls for the area's pace, and rank 0 chooses for the group.
-        let area_call = self
-            .area_all_to_all_pace
-            .as_ref()
-            .map(|p| p.begin(input.len()));
-        let area = AreaChoice {
-            max_input: area_call.map_or(self.area_all_to_all_bytes, |c| c.max_input),
-            lend_from,
-            next_in_area: area_call.is_some_and(|c| c.next_in_area),
-            last_took: area_call.map_or(Duration::ZERO, |c| c.last_took),
-        };
-        let start = Instant::now();
-        let (mut lent, mut through_area) = (false, false);
-        let mut heard = alltoall::Heard::default();
-        self.run(name, dtype, 0, None, None, None, opts, |o, scratch| {
-            if let Some(done) = alltoall::through_shared_memory(
-                o,
-                input,
-                output,
-                send_counts,
-                recv_counts,
-                area,
-                &mut heard,
-                scratch,
-            ) {
-                through_area = done.is_ok();
-                lent = matches!(done, Ok(true));
-                return done.map(|_| ());
-            }
-            let pairwise_from = self.all_to_all_pairwise_bytes;
-            alltoall::by_messages(
-                o,
-                input,
-                output,
-                send_counts,
-                recv_counts,
-                pairwise_from,
-                self.output_leaves_cache_bytes,
-            )?;
-            // A rank that went by messages without reading the tables reads those it needs.
-            if area_call.is_some() {
-                alltoall::hear_after_messages(o, &mut heard);
-            }
-            Ok(())
-        })?;
-        if let Some(p) = pace {
-            p.record(input.len(), lent, start.elapsed());
-        }
-        if let (Some(p), Some(call)) = (&self.area_all_to_all_pace, area_call) {
-            p.end(call, through_area, heard, start.elapsed());
-        }
-        Ok(())
+        self.any_all_to_all(input, output, dtype, send_counts, recv_counts, false, opts)
+    }
+
+    fn all_to_all_even(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        dtype: DType,
+        count: usize,
+        opts: &OpOptions,
+    ) -> Result<()> {
+        let counts = vec![count; self.world_size];
+        self.any_all_to_all(input, output, dtype, &counts, &counts, true, opts)
     }
 
     fn gather(
@@ -578,5 +517,112 @@ impl Backend for GlooBackend {
         // write at once, rather than leave them to die with the process. Under the lock, so no
         // operation starts on connections being closed; a second close finds none left.
         self.transport.close();
+    }
+}
+
+impl GlooBackend {
+    /// [`Backend::all_to_all`], and with `even` [`Backend::all_to_all_even`]: every rank
+    /// called the even form, so every rank's counts are this rank's and every rank may go
+    /// through rank 0 ([`alltoall::star`]).
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the backend's all_to_all arguments and which form was called"
+    )]
+    fn any_all_to_all(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        dtype: DType,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        even: bool,
+        opts: &OpOptions,
+    ) -> Result<()> {
+        let name = CollectiveOp::AllToAll;
+        let (input, output) = (self.host_ref(name, input)?, self.host(name, output)?);
+        let sent = self.check_counts(name, "send_counts", send_counts)?;
+        let received = self.check_counts(name, "recv_counts", recv_counts)?;
+        self.check_len(name, "the input", input.len(), dtype, sent)?;
+        self.check_len(name, "the output", output.len(), dtype, received)?;
+        if send_counts[self.rank] != recv_counts[self.rank] {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "this rank sends itself {} elements but expects to receive {} from itself",
+                    send_counts[self.rank], recv_counts[self.rank]
+                ),
+            ));
+        }
+        // Rank 0, where it paces lending, decides for the group (the others lend whenever
+        // their inputs allow, and follow its announcement by messages).
+        let pace = self.all_to_all_pace.as_ref();
+        let lend_from = match pace {
+            Some(p) if !p.lends(input.len()) => usize::MAX,
+            _ => self.lent_all_to_all_bytes,
+        };
+        // Every rank counts its calls for the area's pace, and rank 0 chooses for the group.
+        let area_call = self
+            .area_all_to_all_pace
+            .as_ref()
+            .map(|p| p.begin(input.len()));
+        let area = AreaChoice {
+            max_input: area_call.map_or(self.area_all_to_all_bytes, |c| c.max_input),
+            lend_from,
+            next_in_area: area_call.is_some_and(|c| c.next_in_area),
+            last_took: area_call.map_or(Duration::ZERO, |c| c.last_took),
+        };
+        let start = Instant::now();
+        let (mut lent, mut through_area) = (false, false);
+        let mut heard = alltoall::Heard::default();
+        self.run(name, dtype, 0, None, None, None, opts, |o, scratch| {
+            if let Some(done) = alltoall::through_shared_memory(
+                o,
+                input,
+                output,
+                send_counts,
+                recv_counts,
+                area,
+                &mut heard,
+                scratch,
+            ) {
+                through_area = done.is_ok();
+                lent = matches!(done, Ok(true));
+                return done.map(|_| ());
+            }
+            // Every rank's input is as long as this one's in the even form, so all choose
+            // alike; rank 0 receives and sends every other rank's whole input.
+            if even
+                && input.len() <= self.small_bytes
+                && takes_star(
+                    self.world_size,
+                    input.len(),
+                    reducescatter::STAR_MAX_INBOUND_BYTES,
+                )
+            {
+                alltoall::star(o, input, output, scratch)?;
+            } else {
+                alltoall::by_messages(
+                    o,
+                    input,
+                    output,
+                    send_counts,
+                    recv_counts,
+                    self.all_to_all_pairwise_bytes,
+                    self.output_leaves_cache_bytes,
+                )?;
+            }
+            // A rank that went by messages without reading the tables reads those it needs.
+            if area_call.is_some() {
+                alltoall::hear_after_messages(o, &mut heard);
+            }
+            Ok(())
+        })?;
+        if let Some(p) = pace {
+            p.record(input.len(), lent, start.elapsed());
+        }
+        if let (Some(p), Some(call)) = (&self.area_all_to_all_pace, area_call) {
+            p.end(call, through_area, heard, start.elapsed());
+        }
+        Ok(())
     }
 }

@@ -248,6 +248,34 @@ pub fn check_all_to_all(
     }
 }
 
+/// [`Backend::all_to_all_even`] of `count` elements from every rank to every rank, every rank's
+/// output checked block by block against what its sender encoded for it.
+pub fn check_all_to_all_even(
+    ranks: &[GlooBackend],
+    d: DType,
+    count: usize,
+    opts: &OpOptions,
+    what: &str,
+) {
+    let n = ranks.len();
+    let block =
+        |s: usize, r: usize| encode(d, (0..count).map(|i| value(d, ReduceOp::Sum, s * n + r, i)));
+    let outs = on_all(ranks, |b| {
+        let input: Vec<u8> = (0..n).flat_map(|r| block(b.rank(), r)).collect();
+        let mut out = vec![0xA5u8; input.len()];
+        b.all_to_all_even(BufRef::Host(&input), BufMut::Host(&mut out), d, count, opts)
+            .unwrap_or_else(|e| panic!("all_to_all_even ws {n} {d} {what}: {e}"));
+        out
+    });
+    for (r, o) in outs.iter().enumerate() {
+        let want: Vec<u8> = (0..n).flat_map(|s| block(s, r)).collect();
+        assert!(
+            *o == want,
+            "all_to_all_even ws {n} {d} {what}: rank {r} differs"
+        );
+    }
+}
+
 /// reduce_scatter of `counts[r]` elements to each rank r, every rank's output checked against
 /// [`reference`].
 pub fn check_reduce_scatter(ranks: &[GlooBackend], d: DType, op: ReduceOp, counts: &[usize]) {
