@@ -19,7 +19,9 @@
 //!   gather; all_gather and reduce_scatter (equal and uneven): one direct exchange up to
 //!   `small_bytes` (a star through rank 0 on 3 to 8 ranks for the smallest), ring above (all_gather's in pieces where no two ranks share memory);
 //!   gather, scatter: direct, all transfers in flight at once; all_to_all: the same, or n − 1
-//!   pairwise exchanges from [`GlooOptions::all_to_all_pairwise_bytes`]; barrier:
+//!   pairwise exchanges from [`GlooOptions::all_to_all_pairwise_bytes`] (the even form,
+//!   `Backend::all_to_all_even`, a star through rank 0 on 3 to 8 ranks for the smallest);
+//!   barrier:
 //!   through the group's shared memory where every rank maps it, else a star through rank 0
 //!   (3 to 8 ranks), recursive doubling (2 ranks and larger power-of-two groups) or
 //!   dissemination rounds.

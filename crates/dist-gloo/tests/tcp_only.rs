@@ -264,10 +264,10 @@ fn reduce_scatter_by_star_and_halving_over_sockets_on_4_and_8_ranks() {
 }
 
 /// The even all_to_all where no two ranks share memory: through rank 0 on 3 to 8 ranks while
-/// rank 0 receives at most 16 KiB in all, by messages past that and on 2 and 9 ranks. Every
-/// dtype on 8 ranks (the star's largest group) and 9 (the smallest past it), and counts on
-/// both sides of the star's bound on 4 ranks (f32 inputs of 4 KiB and 16 KiB: 12 and 48 KiB
-/// to rank 0), each between uneven calls, so that the forms' frames follow one another.
+/// rank 0 receives at most 64 KiB in all, by messages past that and on 9 ranks. Every dtype on
+/// 8 ranks (the star's largest group) and 9 (the smallest past it), and counts on both sides
+/// of the star's bound on 4 ranks (f32 blocks of 1365 and 1366 elements: 65520 and 65568
+/// bytes to rank 0), each between uneven calls, so that the forms' frames follow one another.
 /// Checked against the values each rank encoded for each receiver.
 #[test]
 fn even_all_to_all_through_rank_zero_and_by_messages_over_sockets() {
@@ -285,7 +285,7 @@ fn even_all_to_all_through_rank_zero_and_by_messages_over_sockets() {
         }
     }
     let ranks = tcp_world(4, &o);
-    for count in [256, 1024, 1025, 4096] {
+    for count in [256, 1365, 1366, 4096] {
         check_all_to_all_even(&ranks, DType::F32, count, &opts(), "around the bound");
         check_all_to_all(&ranks, DType::F32, |_, _| count, &opts(), "uneven form");
     }

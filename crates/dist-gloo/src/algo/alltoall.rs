@@ -415,8 +415,14 @@ pub(crate) fn by_messages(
 /// the star sends 2(n − 1) messages where the direct exchange sends n(n − 1). Where ranks
 /// share cores every wait is a turn on a core, as for the other stars
 /// ([`super::STAR_MAX_RANKS`]). Taken from 3 ranks where rank 0 receives at most
-/// [`super::reducescatter::STAR_MAX_INBOUND_BYTES`] in all (it receives, and sends, whole
-/// inputs, as reduce_scatter's star does); the figures are in `docs/BENCHMARKS.md`.
+/// [`super::STAR_MAX_BYTES`] in all, as for all_gather's star. TCP only, 2-core host,
+/// gloo_bench alternated with the direct exchange (medians, us, input per rank): 3 ranks 4 B
+/// 25-27 against 52-59, 32 KiB 36-39 against 58-99, 64 KiB (128 KiB to rank 0) even, 128 KiB
+/// 113-118 against 89-90; 4 ranks 4 B 34-41 against 79-92, 16 KiB 41-49 against 75-90, 32
+/// KiB 50-61 against 79-83, 64 KiB 102-106 against 91-93; 8 ranks 64 B 89-98 against
+/// 268-274, 8 KiB 98-102 against 242-250, 16 KiB 115-125 against 237-268. Past the bound on
+/// 3 and 4 ranks rank 0's serial transfers outweigh the waits; between hosts, where each rank
+/// has its own link, they would sooner.
 /// Only the even form may take it: in the uneven one a rank knows only its own counts, so rank
 /// 0 could not tell how long another rank's input is.
 ///

@@ -593,11 +593,7 @@ impl GlooBackend {
             // alike; rank 0 receives and sends every other rank's whole input.
             if even
                 && input.len() <= self.small_bytes
-                && takes_star(
-                    self.world_size,
-                    input.len(),
-                    reducescatter::STAR_MAX_INBOUND_BYTES,
-                )
+                && takes_star(self.world_size, input.len(), STAR_MAX_BYTES)
             {
                 alltoall::star(o, input, output, scratch)?;
             } else {
