@@ -19,6 +19,9 @@ use crate::{exits, signals};
 
 /// How often children (and the other nodes) are polled.
 const POLL: Duration = Duration::from_millis(10);
+/// How long, after the first failure is seen, the ranks still running may take to end before
+/// the root cause is named (see [`settle`]).
+const SETTLE: Duration = Duration::from_secs(1);
 /// How often the store is asked whether another node failed.
 const REMOTE_POLL: Duration = Duration::from_millis(100);
 /// How long output still in the pipes may take to drain after the ranks ended.
@@ -230,6 +233,7 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
             }
         }
         if let Some(&seen_first) = failed_now.first() {
+            settle(&mut ranks, &mut failed_now);
             // Every rank's error file, each whole once it exists (written aside and renamed).
             let mut errors: Vec<Option<RankError>> = ranks
                 .iter()
@@ -323,6 +327,39 @@ pub(crate) fn run_attempt(a: &Attempt<'_>) -> Result<Outcome, String> {
     }
     drain(&done_rx, &mut readers);
     Ok(outcome)
+}
+
+/// After the first failure is seen, polls the ranks still running for up to [`SETTLE`] (until
+/// every rank has ended, or one is seen killed by a signal), adding those that fail to
+/// `failed_now`, before the root cause is named and the rest are stopped.
+///
+/// Why: a rank killed by a signal may be seen to end after the peers that failed because of
+/// it. In one run of 120 of `cargo xtask soak`'s kill scenario, distrun saw rank 1 exit (it
+/// had read rank 0's connection close and written its error) while rank 0, SIGKILLed before,
+/// could not yet be waited for; it named rank 1 and stopped rank 0 itself. Ranks that end on
+/// their own after a failure do so within milliseconds, so the wait costs little; a rank that
+/// does not (a stalled one) is stopped [`SETTLE`] later.
+fn settle(ranks: &mut [Rank], failed_now: &mut Vec<usize>) {
+    let crashed =
+        |ranks: &[Rank], i: usize| ranks[i].status.is_some_and(|st| st.signal().is_some());
+    let until = Instant::now() + SETTLE;
+    while !failed_now.iter().any(|&i| crashed(ranks, i))
+        && ranks.iter().any(|r| r.status.is_none())
+        && Instant::now() < until
+    {
+        std::thread::sleep(POLL);
+        for (i, r) in ranks.iter_mut().enumerate() {
+            if r.status.is_some() {
+                continue;
+            }
+            if let Ok(Some(st)) = exits::exited(&r.child) {
+                r.status = Some(st);
+                if !st.success() {
+                    failed_now.push(i);
+                }
+            }
+        }
+    }
 }
 
 /// The index of the rank whose failure caused the others' (see [`root_cause`]), when the ranks

@@ -12,8 +12,10 @@
 //! time in nanoseconds, so the earliest file is the root cause, as torch's launcher takes it
 //! (torch's own files, dated in whole seconds, by their modification time). A rank killed by a signal
 //! (a crash, the OOM killer) writes nothing, and its peers' files follow its death within
-//! milliseconds, less than a poll; so a file counts as earlier than a crash only where it was
-//! written before the last poll that found every rank running.
+//! milliseconds; so a file counts as earlier than a crash only where it was written before the
+//! last poll that found every rank running. Such a rank may even be seen to end after its
+//! peers, so distrun waits a little for the ranks still running before it names one
+//! (`group::settle`).
 
 use std::time::SystemTime;
 
@@ -46,7 +48,12 @@ pub(crate) fn root_cause(ranks: &[Candidate], quiet: Option<SystemTime>) -> usiz
     {
         return i;
     }
-    if let Some(i) = ranks.iter().position(|c| c.failed_now && c.crashed) {
+    // A crash that wrote nothing (SIGKILL, the OOM killer); one that wrote a file (a panic
+    // hook's, then an abort) is dated by it like any other.
+    if let Some(i) = ranks
+        .iter()
+        .position(|c| c.failed_now && c.crashed && c.written.is_none())
+    {
         return i;
     }
     earliest_file(None)
@@ -105,6 +112,18 @@ mod tests {
         // But not over an error written while every rank still ran.
         let ranks = [exited(at(990)), RUNNING, killed, exited(at(1002))];
         assert_eq!(root_cause(&ranks, at(1000)), 0);
+    }
+
+    #[test]
+    fn a_crash_that_wrote_its_error_is_dated_by_it() {
+        // panic = "abort": every rank's panic hook writes its file, then each aborts.
+        let aborted = |t| Candidate {
+            written: at(t),
+            failed_now: true,
+            crashed: true,
+        };
+        let ranks = [aborted(1003), aborted(1001), aborted(1002)];
+        assert_eq!(root_cause(&ranks, at(1000)), 1);
     }
 
     #[test]
