@@ -421,8 +421,9 @@ pub(crate) fn by_messages(
 /// 113-118 against 89-90; 4 ranks 4 B 34-41 against 79-92, 16 KiB 41-49 against 75-90, 32
 /// KiB 50-61 against 79-83, 64 KiB 102-106 against 91-93; 8 ranks 64 B 89-98 against
 /// 268-274, 8 KiB 98-102 against 242-250, 16 KiB 115-125 against 237-268. Past the bound on
-/// 3 and 4 ranks rank 0's serial transfers outweigh the waits; between hosts, where each rank
-/// has its own link, they would sooner.
+/// 3 and 4 ranks rank 0's transfers, one after another, outweigh the waits they save; between
+/// hosts, where each rank has a link of its own, they would outweigh them sooner.
+///
 /// Only the even form may take it: in the uneven one a rank knows only its own counts, so rank
 /// 0 could not tell how long another rank's input is.
 ///
