@@ -223,6 +223,35 @@ fn ranks_that_ignore_sigterm_are_killed_after_the_grace_period() {
     assert!(stderr.contains("killed by SIGSEGV"), "{stderr}");
 }
 
+/// A rank killed by a signal that distrun sees end after a peer that failed because of it is
+/// still named the root cause: distrun waits for the ranks still running before naming one
+/// (a SIGKILLed rank can close its connections before it can be waited for). Rank 1 exits 1
+/// as a peer that lost its connection would; rank 0 kills itself 50 ms after rank 1 has gone,
+/// five polls after distrun can have seen rank 1 exit.
+#[test]
+fn a_crash_seen_after_its_peers_exit_is_still_the_root_cause() {
+    let dir = std::env::temp_dir().join(format!("distrun-test-{}-settle", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = distrun(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 1 ]; then touch \"$TEST_DIR/gone\"; exit 1; fi; i=0; \
+         while [ ! -e \"$TEST_DIR/gone\" ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done; \
+         sleep 0.05; kill -KILL $$",
+    ])
+    .env("TEST_DIR", &dir)
+    .output()
+    .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("rank 0 failed first"), "{stderr}");
+    assert!(stderr.contains("killed by SIGKILL"), "{stderr}");
+    assert_eq!(out.status.code(), Some(128 + 9), "{stderr}");
+}
+
 #[test]
 fn max_restarts_restarts_the_job() {
     // Rank 1 fails on the first attempt only.
