@@ -438,40 +438,19 @@ pub(crate) fn star(
 ) -> Result<()> {
     let (n, len) = (o.n(), input.len());
     debug_assert!(len.is_multiple_of(n) && output.len() == len);
+    debug_assert!(
+        o.agree.borrow().is_none(),
+        "all_to_all runs no argument agreement"
+    );
     let block = len / n;
-    let count = (block / o.dtype().size()) as u64;
-    let send = |peer: usize, data, tag| Outgoing {
-        peer,
-        data,
-        count,
-        tag,
-    };
-    let recv = |peer: usize, buf, tag| Incoming {
-        peer,
-        buf,
-        count,
-        tag,
-        streamed: None,
-        seq_ahead: 0,
-    };
+    // The same operation, its frames announcing the elements per block.
+    let o = &Op::new(o.t, o.ctx, (block / o.dtype().size()) as u64);
     if o.rank() != 0 {
-        return o.step(
-            &[send(0, input, tags::STAR)],
-            &mut [recv(0, output, tags::STAR | 1)],
-        );
+        return super::star_leaf(o, input, output);
     }
     let (inbound, outbound) =
         super::scratch_bytes(scratch, 2 * (n - 1) * len).split_at_mut((n - 1) * len);
-    {
-        let mut recvs = Vec::with_capacity(n - 1);
-        let mut rest = &mut inbound[..];
-        for p in 1..n {
-            let (theirs, tail) = std::mem::take(&mut rest).split_at_mut(len);
-            recvs.push(recv(p, theirs, tags::STAR));
-            rest = tail;
-        }
-        o.step(&[], &mut recvs)?;
-    }
+    super::star_receive(o, inbound, len)?;
     let input_of = |p: usize| {
         if p == 0 {
             input
@@ -492,8 +471,5 @@ pub(crate) fn star(
             theirs[p * block..(p + 1) * block].copy_from_slice(part(p, q + 1));
         }
     }
-    let sends: Vec<_> = (1..n)
-        .map(|q| send(q, &outbound[(q - 1) * len..q * len], tags::STAR | 1))
-        .collect();
-    o.step(&sends, &mut [])
+    super::star_release(o, |q| &outbound[(q - 1) * len..q * len])
 }
